@@ -1,0 +1,126 @@
+"""What every draft head shares: its spec, its target's info, and frozen references to the target.
+
+The frozen target parts (embedding, LM head, final norm) are kept out of the module tree on
+purpose: DeepSpeed then wraps, shards and checkpoints the trainable head only, and the saved
+head holds no copy of the target's weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from ..errors import SpecHeadsError
+from ..target import FrozenTarget, TargetInfo
+from .spec import HeadSpec
+
+
+class FrozenParts:
+    """Plain references (not submodules) to the target's embedding, LM head and final norm."""
+
+    def __init__(self, target: FrozenTarget):
+        self.embed_tokens = target.embed_tokens
+        self.lm_head = target.lm_head
+        self.final_norm = target.final_norm
+
+
+class DraftHead(nn.Module):
+    family: ClassVar[str] = ""
+
+    def __init__(self, spec: HeadSpec, info: TargetInfo):
+        super().__init__()
+        self.spec = spec
+        self.info = info
+        self.__dict__["_frozen"] = None  # bypass nn.Module registration on purpose
+        self.default_tree: Optional[list] = None
+
+    # -- target wiring -------------------------------------------------------------------
+    def attach(self, target: FrozenTarget) -> "DraftHead":
+        check_compatible(self.info, target.info)
+        self.__dict__["_frozen"] = FrozenParts(target)
+        return self
+
+    @property
+    def frozen(self) -> FrozenParts:
+        if self._frozen is None:
+            raise RuntimeError("head is not attached to a target; call head.attach(target)")
+        return self._frozen
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.frozen.embed_tokens(input_ids).to(self.dtype)
+
+    def target_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own next-token logits from its post-norm final state."""
+        lm_head = self.frozen.lm_head
+        return lm_head(final_hidden.to(lm_head.weight.dtype)).float()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    # -- what the head reads ---------------------------------------------------------------
+    def target_layer_ids(self) -> list[int]:
+        """Target states read at inference (our layer-id convention)."""
+        return list(self.spec.layer_ids)
+
+    @property
+    def reads_final(self) -> bool:
+        """Whether inference needs the post-norm final state."""
+        return False
+
+    def training_states(self) -> tuple[list[int], bool]:
+        """(layer ids, needs final) for the training loss; the final state gives target logits."""
+        return list(self.spec.layer_ids), True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    # -- training --------------------------------------------------------------------------
+    def loss(self, batch: dict[str, torch.Tensor], states: dict[Any, torch.Tensor]):
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor], states: dict[Any, torch.Tensor]):
+        raise NotImplementedError
+
+
+def check_compatible(head: TargetInfo, target: TargetInfo) -> None:
+    """Refuse a head trained for a differently shaped target, with one readable line."""
+    fields = ("hidden_size", "vocab_size", "num_layers")
+    diffs = [f"{f} {getattr(head, f)} != {getattr(target, f)}" for f in fields
+             if getattr(head, f) != getattr(target, f)]
+    if diffs:
+        raise SpecHeadsError(
+            f"head was trained for target {head.name!r} but the target is {target.name!r}: "
+            + ", ".join(diffs)
+        )
+
+
+def shifted(x: torch.Tensor, k: int, fill: Any = 0) -> torch.Tensor:
+    """x shifted left by k along dim 1 (position t holds x[t + k]); the tail is filled."""
+    if k == 0:
+        return x
+    tail = x.new_full((x.shape[0], k) + tuple(x.shape[2:]), fill)
+    return torch.cat([x[:, k:], tail], dim=1)
+
+
+def chain_metrics(hits: torch.Tensor, counted: torch.Tensor) -> dict[str, torch.Tensor]:
+    """hits, counted: bool [D, N] per depth. accept_lengths counts leading hits per position.
+
+    A position is counted if its depth-0 prediction is counted; at deeper depths, positions whose
+    target is past the sequence end stop the chain without counting as misses.
+    """
+    depth0 = counted[0]
+    leading = torch.cumprod((hits & counted).long(), dim=0)  # 1 while every earlier depth hit
+    accept = leading.sum(0)[depth0]
+    return {
+        "correct": (hits & counted).long().sum(1),
+        "total": counted.long().sum(1),
+        "accept_lengths": accept,
+    }

@@ -1,0 +1,86 @@
+"""EAGLE-3: fused low/mid/high target states, a 2H-input draft layer, its own reduced-vocab LM head,
+trained with the training-time test (the draft unrolled over its own outputs)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from ..target import TargetInfo
+from .eagle import AutoregressiveHead
+from .base import shifted
+from .spec import HeadSpec
+
+
+class Eagle3Head(AutoregressiveHead):
+    family = "eagle3"
+    attention_input_factor = 2  # cat(norm(embedding), norm(hidden))
+
+    def __init__(self, spec: HeadSpec, info: TargetInfo):
+        super().__init__(spec, info)
+        h, eps = info.hidden_size, info.rms_norm_eps
+        self.fc = nn.Linear(len(spec.layer_ids) * h, h, bias=spec.fc_bias)
+        self.input_norm = LlamaRMSNorm(h, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.norm = LlamaRMSNorm(h, eps=eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        n = spec.draft_vocab_size
+        self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(info.vocab_size, dtype=torch.bool) if n == info.vocab_size
+                             else torch.zeros(info.vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.numel() != self.spec.draft_vocab_size or t2d.numel() != self.info.vocab_size:
+            raise ValueError("draft vocab maps do not match the head's sizes")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def init_from_target(self) -> None:
+        """Start the draft LM head and final norm from the target's rows for the draft vocab.
+
+        The draft head reads norm(h) as the target's LM head reads its final norm, so the target's
+        own rows are a far better start than random ones (fewer CPU steps to a useful head).
+        """
+        with torch.no_grad():
+            ids = self.draft_to_target(torch.arange(self.spec.draft_vocab_size, device=self.d2t.device))
+            w = self.frozen.lm_head.weight
+            self.lm_head.weight.copy_(w[ids.to(w.device)].to(self.lm_head.weight.dtype))
+            norm_w = getattr(self.frozen.final_norm, "weight", None)
+            if norm_w is not None and norm_w.shape == self.norm.weight.shape:
+                self.norm.weight.copy_(norm_w.to(self.norm.weight.dtype))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def input_features(self, states):
+        return self.fc(torch.cat([states[k].to(self.dtype) for k in self.spec.layer_ids], dim=-1))
+
+    def fuse(self, emb, features):
+        return features
+
+    def first_layer_input(self, emb, h):
+        return torch.cat([self.input_norm(emb), self.hidden_norm(h)], dim=-1)
+
+    def draft_logits(self, h):
+        return self.lm_head(self.norm(h)).float()
+
+    def loss(self, batch, states):
+        target_logits = self.target_logits(states["final"])  # [B,T,V]; position t predicts t+1
+        in_vocab_logits = target_logits[..., self.t2d]
+        in_vocab_top = self.t2d[target_logits.argmax(-1)]
+        outs = self.unrolled(batch["input_ids"], self.input_features(states), self.spec.ttt_steps)
+        total = target_logits.new_zeros(())
+        metrics = {}
+        for j, h in enumerate(outs):
+            # step j at position t predicts token t+2+j, whose target distribution sits at t+1+j
+            p = torch.softmax(shifted(in_vocab_logits, 1 + j), dim=-1)
+            mask = self._counted(batch, j) & shifted(in_vocab_top, 1 + j, False)
+            n = mask.sum().clamp(min=1)
+            logq = torch.log_softmax(self.draft_logits(h), dim=-1)
+            loss_j = -((p * logq).sum(-1) * mask).sum() / n
+            total = total + self.spec.ttt_decay ** j * loss_j
+            acc = ((logq.argmax(-1) == p.argmax(-1)) & mask).sum() / n
+            metrics[f"loss_{j}"] = loss_j.item()
+            metrics[f"acc_{j}"] = acc.item()
+        return total, metrics

@@ -1,0 +1,120 @@
+"""Head directories: config.json (versioned schema) + model.safetensors. Never pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..errors import SpecHeadsError
+from ..target import LAYER_CONVENTION, FrozenTarget, TargetInfo
+from .base import DraftHead
+from .spec import HeadSpec
+
+SCHEMA_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_NAME = "specheads"
+
+
+def head_config_dict(head: DraftHead, training: Optional[dict] = None) -> dict[str, Any]:
+    from .. import __version__
+
+    return {
+        "format": FORMAT_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "specheads_version": __version__,
+        "family": head.family,
+        "head": head.spec.to_dict(),
+        "target": head.info.to_dict(),
+        "layer_ids": head.target_layer_ids(),
+        "layer_convention": LAYER_CONVENTION,
+        "reads": {"layer_ids": head.target_layer_ids(), "final_post_norm": head.reads_final},
+        "vocab": {"target_vocab_size": head.info.vocab_size, "draft_vocab_size": head.spec.draft_vocab_size,
+                  "mapping": "d2t offsets (target_id = draft_id + d2t[draft_id])"
+                  if head.family == "eagle3" else "identity"},
+        "default_tree": head.default_tree,
+        "training": training or {},
+    }
+
+
+def save_head(head: DraftHead, directory: str | os.PathLike, training: Optional[dict] = None) -> Path:
+    """Write the head directory atomically (a temp directory renamed into place)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+    try:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "family": head.family})
+        (tmp / CONFIG_NAME).write_text(json.dumps(head_config_dict(head, training), indent=2) + "\n")
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def read_head_config(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise SpecHeadsError(f"{directory} is not a head directory (no {CONFIG_NAME})")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SpecHeadsError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT_NAME:
+        raise SpecHeadsError(f"{path} is not a specheads head config (format != {FORMAT_NAME!r})")
+    if config.get("schema_version", 0) > SCHEMA_VERSION:
+        raise SpecHeadsError(
+            f"{path} has schema version {config['schema_version']}; this specheads reads up to "
+            f"{SCHEMA_VERSION}: upgrade specheads")
+    for key in ("family", "head", "target"):
+        if key not in config:
+            raise SpecHeadsError(f"{path} lacks the {key!r} field")
+    return config
+
+
+def load_head(directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
+    """Load a head directory onto `target`; refuses a mismatched target or a corrupt file."""
+    from . import HEADS
+
+    config = read_head_config(directory)
+    family = config["family"]
+    if family not in HEADS:
+        raise SpecHeadsError(f"{directory}: unknown head family {family!r}")
+    info = TargetInfo(**{k: v for k, v in config["target"].items()
+                         if k in TargetInfo.__dataclass_fields__})
+    spec = HeadSpec.from_dict(config["head"])
+    head = HEADS[family](spec, info)
+    head.attach(target)
+    weights = Path(directory) / WEIGHTS_NAME
+    if not weights.is_file():
+        raise SpecHeadsError(f"{directory} has no {WEIGHTS_NAME}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise SpecHeadsError(f"{weights} is not a readable safetensors file: {err}") from None
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SpecHeadsError(
+            f"{weights} does not match a {family} head: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}")
+    head.default_tree = config.get("default_tree")
+    return head.to(device=target.device, dtype=head_dtype(target)).eval()
+
+
+def head_dtype(target: FrozenTarget) -> torch.dtype:
+    return target.dtype

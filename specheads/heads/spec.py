@@ -1,0 +1,90 @@
+"""HeadSpec: a head's hyper-parameters with every default resolved against its target."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+from ..errors import SpecHeadsError
+from ..target import TargetInfo
+
+FAMILIES = ("medusa", "eagle", "eagle3")
+
+
+@dataclass
+class HeadSpec:
+    family: str
+    layer_ids: list[int] = field(default_factory=list)
+    # medusa
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = False
+    medusa_decay: float = 0.8
+    # eagle / eagle3
+    num_decoder_layers: int = 1
+    intermediate_size: int = 0
+    fc_bias: bool = False
+    feature_loss_weight: float = 1.0
+    token_loss_weight: float = 0.1
+    noise: str = "uniform"
+    noise_std: float = 0.2
+    draft_vocab_size: int = 0
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    # depth of the chain used to measure per-position accuracy during evaluation
+    eval_depth: int = 5
+
+    @classmethod
+    def from_config(cls, cfg: Any, info: TargetInfo) -> "HeadSpec":
+        """Resolve a HeadConfig (dataclass, DictConfig or dict) against the target."""
+        raw = dict(cfg) if not hasattr(cfg, "__dataclass_fields__") else asdict(cfg)
+        family = raw.get("family")
+        if family not in FAMILIES:
+            raise SpecHeadsError(f"unknown head family {family!r}; choose from {', '.join(FAMILIES)}")
+        known = {f.name for f in fields(cls)}
+        spec = cls(**{k: v for k, v in raw.items() if k in known and v is not None})
+        spec.layer_ids = list(raw.get("layer_ids") or default_layer_ids(family, info.num_layers))
+        if not spec.intermediate_size:
+            spec.intermediate_size = info.intermediate_size
+        if family == "eagle3":
+            spec.draft_vocab_size = min(spec.draft_vocab_size or info.vocab_size, info.vocab_size)
+        else:
+            spec.draft_vocab_size = info.vocab_size
+        if family == "medusa":
+            spec.eval_depth = spec.num_heads
+        elif family == "eagle3":
+            spec.eval_depth = max(spec.eval_depth, spec.ttt_steps)
+        spec.validate(info)
+        return spec
+
+    def validate(self, info: TargetInfo) -> None:
+        bad = [k for k in self.layer_ids if not 0 <= k <= info.num_layers]
+        if bad:
+            raise SpecHeadsError(f"layer ids {bad} out of range 0..{info.num_layers} for {info.name}")
+        if self.family == "eagle3" and len(self.layer_ids) < 1:
+            raise SpecHeadsError("eagle3 needs at least one fused layer id")
+        for name in ("num_heads", "num_layers", "num_decoder_layers", "ttt_steps"):
+            if getattr(self, name) < 1:
+                raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
+        if self.noise not in ("uniform", "gaussian", "none"):
+            raise SpecHeadsError(f"head.noise must be uniform, gaussian or none, got {self.noise!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HeadSpec":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def default_layer_ids(family: str, num_layers: int) -> list[int]:
+    """Our convention (residual stream entering layer k). Medusa/EAGLE-1 read the final state."""
+    if family == "eagle3":
+        # EAGLE-3 / vLLM default aux layers: low, mid, high.
+        return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+    return []
+
+
+def optional_int(value: Optional[int]) -> Optional[int]:
+    return None if value is None else int(value)

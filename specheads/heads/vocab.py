@@ -1,0 +1,65 @@
+"""Reduced draft vocabulary for EAGLE-3: the most frequent assistant tokens of the training data.
+
+d2t holds offsets (target_id = draft_id + d2t[draft_id]); t2d marks target ids in the draft vocab.
+Results are cached under a key of (data fingerprint, tokenizer, chat template, sizes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Iterable, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..target import cache_root
+
+
+def count_assistant_tokens(rows: Iterable[dict], vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        mask = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top draft_vocab_size ids by count (ties and unseen ids broken by lower id), sorted by id."""
+    vocab_size = counts.numel()
+    # stable sort on -count keeps lower ids first among equals, so unseen tokens fill deterministically
+    order = torch.sort(-counts, stable=True).indices[:draft_vocab_size]
+    used = torch.sort(order).values
+    d2t = used - torch.arange(draft_vocab_size, dtype=torch.long)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+def vocab_cache_key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def build_draft_vocab(rows, vocab_size: int, draft_vocab_size: int,
+                      key_parts: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(d2t, t2d, coverage): coverage is the share of assistant tokens inside the draft vocab."""
+    path = None
+    if key_parts is not None:
+        key = vocab_cache_key({**key_parts, "vocab_size": vocab_size, "draft_vocab_size": draft_vocab_size})
+        path = cache_root() / "vocab" / f"{key}.safetensors"
+        if path.is_file():
+            t = load_file(str(path))
+            return t["d2t"], t["t2d"], float(t["coverage"].item())
+    counts = count_assistant_tokens(rows, vocab_size)
+    d2t, t2d = vocab_from_counts(counts, draft_vocab_size)
+    coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        save_file({"d2t": d2t, "t2d": t2d, "coverage": torch.tensor([coverage])}, tmp)
+        os.replace(tmp, path)
+    return d2t, t2d, coverage

@@ -1,0 +1,161 @@
+"""Acceptance rules: which drafted path of a verified tree to keep, and the target's next token.
+
+Inputs are one tree (node tokens + layout, node 0 = root) and the target's outputs at every
+node: row i is the target's next-token distribution given the prefix, the root and node i's
+ancestors (the tree attention mask makes it so). All functions are pure apart from the random
+generator they are handed.
+
+- greedy_accept: the longest path that matches the target's argmax, plus the argmax after it.
+  Output is exactly the target's greedy decoding.
+- speculative_accept: recursive rejection sampling over siblings (SpecInfer / EAGLE). Lossless:
+  the emitted tokens are distributed exactly as sampling from the target one token at a time.
+- typical_accept: Medusa's typical acceptance. LOSSY by design; opt-in only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .tree import TreeLayout
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    path: tuple[int, ...]  # accepted node ids from the root (always path[0] == 0)
+    bonus: int  # the target's own next token after the last accepted node
+
+    @property
+    def num_accepted(self) -> int:
+        """Drafted tokens accepted (the root is not a draft)."""
+        return len(self.path) - 1
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """Next-token probabilities after temperature, top-k and top-p, as transformers' warpers do.
+
+    The same function shapes both the target's and (when drafts are sampled) the draft's
+    distribution, so the rejection rule compares like with like.
+    """
+    if temperature <= 0:
+        raise ValueError("sampling_probs needs temperature > 0 (temperature 0 is greedy)")
+    scores = logits.float() / temperature
+    if top_k and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        # transformers' TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p, keep >= 1.
+        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1 - top_p)
+        drop_sorted[..., -1:] = False
+        drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def greedy_accept(tokens: Sequence[int], layout: TreeLayout, target_logits: torch.Tensor) -> Acceptance:
+    """Walk down from the root while some child equals the target's argmax at its parent."""
+    best = target_logits.argmax(dim=-1).tolist()
+    node, path = 0, [0]
+    while True:
+        want = best[node]
+        nxt = next((c for c in layout.children[node] if tokens[c] == want), None)
+        if nxt is None:
+            return Acceptance(tuple(path), int(want))
+        node = nxt
+        path.append(node)
+
+
+def speculative_accept(
+    tokens: Sequence[int],
+    layout: TreeLayout,
+    target_probs: torch.Tensor,
+    draft_probs: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> Acceptance:
+    """Multi-round rejection sampling down the tree; the output follows target_probs exactly.
+
+    target_probs: [N, V], row i = target distribution after node i (already through
+    `sampling_probs`). draft_probs: [N, V] or None; row i = the distribution node i's token was
+    drawn from, given its parent and its earlier siblings (for drafts sampled without replacement
+    that is the parent's draft distribution with the earlier siblings removed and renormalised).
+    None means every draft is deterministic (top-k), i.e. a one-hot proposal.
+
+    At a node with target distribution p, each child x (proposal q) in turn is accepted with
+    probability min(1, p(x) / q(x)); on rejection p becomes norm(max(p - q, 0)). If every child
+    is rejected, the bonus token is drawn from what is left of p. Each round is a standard
+    speculative-sampling step whose fallback is the next round, so by induction the token that
+    leaves the node is distributed as the original p, whatever the proposals were.
+    """
+    node, path = 0, [0]
+    while True:
+        p = target_probs[node].float()
+        moved = False
+        for child in layout.children[node]:
+            x = tokens[child]
+            if draft_probs is None:
+                ratio = float(p[x])  # q is one-hot at x
+            else:
+                q = draft_probs[child].float()
+                qx = float(q[x])
+                ratio = 1.0 if qx <= 0 else min(1.0, float(p[x]) / qx)
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u < ratio:
+                node, moved = child, True
+                path.append(child)
+                break
+            if draft_probs is None:
+                residual = p.clone()
+                residual[x] = 0
+            else:
+                residual = torch.clamp(p - q, min=0)
+            mass = float(residual.sum())
+            if mass > 0:  # mass 0 only if p == q, where the child is accepted with probability 1
+                p = residual / mass
+        if not moved:
+            bonus = torch.multinomial(p, 1, generator=generator)
+            return Acceptance(tuple(path), int(bonus))
+
+
+def typical_accept(
+    tokens: Sequence[int],
+    layout: TreeLayout,
+    target_logits: torch.Tensor,
+    temperature: float,
+    epsilon: float = 0.09,
+    alpha: float = 0.3,
+    generator: Optional[torch.Generator] = None,
+) -> Acceptance:
+    """Medusa's typical acceptance (LOSSY): accept x after node i when p_i(x) > min(eps, alpha*exp(-H(p_i))).
+
+    The longest accepted root-to-leaf prefix wins (ties: larger summed log p); the bonus token is
+    sampled from the target at the last accepted node. Output does NOT follow the target's
+    distribution; use it only when asked for.
+    """
+    probs = torch.softmax(target_logits.float() / max(temperature, 1e-5), dim=-1)
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(dim=-1)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), alpha * torch.exp(-entropy))
+    best_path, best_key = [0], (0, 0.0)
+    for row in layout.retrieve.tolist():
+        nodes = [n for n in row if n >= 0]
+        kept, logp = [0], 0.0
+        for parent, child in zip(nodes, nodes[1:]):
+            px = float(probs[parent, tokens[child]])
+            if px <= float(threshold[parent]):
+                break
+            kept.append(child)
+            logp += math.log(px)
+        key = (len(kept), logp)
+        if key > best_key:
+            best_path, best_key = kept, key
+    last = best_path[-1]
+    if temperature <= 0:
+        return Acceptance(tuple(best_path), int(target_logits[last].argmax()))
+    bonus = torch.multinomial(sampling_probs(target_logits[last], temperature), 1, generator=generator)
+    return Acceptance(tuple(best_path), int(bonus))
