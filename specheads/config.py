@@ -91,8 +91,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # sort rows by length inside windows of batches (less padding, order still random)
+    group_by_length: bool = True
     eval_every: int = 200
-    eval_batches: int = 8
+    # per rank; null = the whole eval split
+    eval_batches: Optional[int] = 8
     save_every: int = 200
     log_every: int = 10
     keep_checkpoints: int = 2

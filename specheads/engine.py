@@ -48,19 +48,6 @@ class Dist:
         return self.rank == 0
 
 
-def strip_launcher_args(argv: list[str]) -> list[str]:
-    """The `deepspeed` launcher appends --local_rank=N; Hydra would reject it. Move it to the env."""
-    kept = []
-    args = iter(argv)
-    for arg in args:
-        if arg.startswith("--local_rank"):
-            value = arg.split("=", 1)[1] if "=" in arg else next(args, "0")
-            os.environ.setdefault("LOCAL_RANK", value)
-        else:
-            kept.append(arg)
-    return kept
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -326,6 +313,7 @@ class Trainer:
         bar = tqdm(total=self.max_steps, initial=start, desc="train", disable=not self.d.is_main,
                    dynamic_ncols=True, file=sys.stderr)
         window: list[dict[str, float]] = []
+        postfix: dict[str, str] = {}
         window_start = time.perf_counter()
         self.engine.train()
         while self.step < self.max_steps:
@@ -343,13 +331,15 @@ class Trainer:
                     metrics["train/grad_norm"] = float(grad_norm)
                 metrics["train/epoch"] = self.step * int(t.grad_accum) / self.batches.batches_per_epoch
                 log.log(self.step, metrics)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", lr=f"{metrics['train/lr']:.2e}")
+                postfix.update(loss=f"{metrics['train/loss']:.3f}", lr=f"{metrics['train/lr']:.2e}")
+                bar.set_postfix(postfix)
                 window, window_start = [], time.perf_counter()
             if (t.eval_every > 0 and self.step % t.eval_every == 0) or last:
                 self.last_eval = self.evaluate()
                 if self.last_eval:
                     log.log(self.step, self.last_eval)
-                    bar.set_postfix(loss=bar.postfix, sim_tau=f"{self.last_eval['eval/sim_tau']:.2f}")
+                    postfix["sim_tau"] = f"{self.last_eval['eval/sim_tau']:.2f}"
+                    bar.set_postfix(postfix)
             if (t.save_every > 0 and self.step % t.save_every == 0) or last:
                 self.save()
         bar.close()
@@ -387,8 +377,8 @@ def export_head(head: nn.Module, engine, directory: Path, training: dict[str, An
     return directory
 
 
-def train(cfg: DictConfig) -> Path:
-    """Run (or resume) the training job described by cfg; returns output_dir/head."""
+def train(cfg: DictConfig) -> Optional[Path]:
+    """Run (or resume) the training job described by cfg. Returns output_dir/head on rank 0."""
     from .heads import build_head
     from .target import load_target
 
@@ -403,8 +393,9 @@ def train(cfg: DictConfig) -> Path:
         head = build_head(cfg.head, target, train_rows=source.rows("train"))
     trainer = Trainer(cfg, head, source, d, output_dir)
     resumed = trainer.resume()
-    torch.manual_seed(int(cfg.seed) + d.rank) if resumed == 0 else None  # per-rank noise streams
-    if resumed and d.is_main:
+    if resumed == 0:
+        torch.manual_seed(int(cfg.seed) + d.rank)  # a noise stream per rank (a resumed run restores its own)
+    elif d.is_main:
         print(f"resuming from step {resumed} ({trainer.checkpoints.latest()})", file=sys.stderr)
     log = MetricsLog(output_dir, cfg.wandb, OmegaConf.to_container(cfg, resolve=True),
                      enabled=d.is_main, resume_step=resumed)
@@ -423,4 +414,4 @@ def train(cfg: DictConfig) -> Path:
                 (k for k in last_eval if k.startswith("eval/acc_")), key=lambda k: int(k.rsplit("_", 1)[1])))
             print(f"step {trainer.step}: eval loss {last_eval['eval/loss']:.4f}, top-1 per depth [{accs}], "
                   f"sim tau {last_eval['eval/sim_tau']:.3f}")
-    return path
+    return path if d.is_main else None
