@@ -94,6 +94,7 @@ def speculative_accept(
     leaves the node is distributed as the original p, whatever the proposals were.
     """
     node, path = 0, [0]
+    uniforms = torch.rand(layout.size, generator=generator, device=target_probs.device).tolist()
     while True:
         p = target_probs[node].float()
         moved = False
@@ -105,8 +106,7 @@ def speculative_accept(
                 q = draft_probs[child].float()
                 qx = float(q[x])
                 ratio = 1.0 if qx <= 0 else min(1.0, float(p[x]) / qx)
-            u = float(torch.rand((), generator=generator, device=p.device))
-            if u < ratio:
+            if uniforms[child] < ratio:
                 node, moved = child, True
                 path.append(child)
                 break
