@@ -90,6 +90,7 @@ def write_jsonl_atomic(path: Path, records: list[dict]) -> None:
     with os.fdopen(fd, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
@@ -133,5 +134,6 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Optional[Path]:
     os.close(fd)
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, png_path)
     return png_path
