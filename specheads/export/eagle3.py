@@ -1,0 +1,213 @@
+"""`eagle3`: the research EAGLE-3 directory (SpecForge / yuhuili layout) that SGLang, vLLM and
+TensorRT-LLM's PyTorch backend load: config.json with architectures ["LlamaForCausalLMEagle3"]
+and one model.safetensors with fc / midlayer.* / norm / lm_head / d2t / t2d.
+
+Aux-layer numbering is where engines disagree. vLLM reads eagle_aux_hidden_state_layer_ids as
+"capture the residual stream entering layer k" (our convention); SGLang adds 1 to explicit ids
+(set_eagle3_layers_to_capture: `[val + 1 for val in layer_ids]`, sglang llama.py), i.e. reads them
+as "output of layer k". Both default to [2, L//2, L-3] entering-layer ids when the field is absent,
+so a head on those layers is written without the field and loads the same in both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..errors import SpecHeadsError
+from .common import (
+    PROVENANCE_KEY, Exported, ExportOptions, HeadSource, ReadBack, cast, draft_fields_from_config,
+    layer_index, llama_layer_fields, provenance, read_tensors, resolve_export_dtype,
+)
+
+NAME = "eagle3"
+FAMILIES = ("eagle3",)
+WEIGHTS = "model.safetensors"
+
+
+# -- layer ids -------------------------------------------------------------------------------------
+
+def engine_default_ids(num_layers: int) -> list[int]:
+    """vLLM (eagle3_utils get_eagle3_aux_layers_from_config fallback) and SGLang
+    (set_eagle3_layers_to_capture with no ids) both capture [2, L//2, L-3] entering-layer ids."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_capturable(layer_ids: list[int], num_layers: int) -> None:
+    """The engines' Llama targets capture inside their layer loop, before layer k runs."""
+    if len(layer_ids) != 3:
+        raise SpecHeadsError(
+            f"vLLM and SGLang fuse exactly 3 target layers (fc reads 3 x hidden); this head fuses "
+            f"{len(layer_ids)} ({layer_ids}): train it with head.layer_ids=[low,mid,high]")
+    bad = [k for k in layer_ids if not 1 <= k <= num_layers - 1]
+    if bad:
+        raise SpecHeadsError(
+            f"layer ids {bad} cannot be captured by vLLM/SGLang (they capture the stream entering "
+            f"layers 1..{num_layers - 1} of a {num_layers}-layer target)")
+
+
+def sglang_ids(layer_ids: list[int]) -> list[int]:
+    return [k - 1 for k in layer_ids]
+
+
+# -- weight names ------------------------------------------------------------------------------------
+
+def to_engine_names(tensors: dict[str, torch.Tensor], layer0: str) -> dict[str, torch.Tensor]:
+    """Our EAGLE-3 state dict -> engine names; layer 0 under `layer0` ('midlayer' or 'layers.0')."""
+    out = {}
+    for name, t in tensors.items():
+        if name == "input_norm.weight":
+            out[f"{layer0}.input_layernorm.weight"] = t
+        elif name == "hidden_norm.weight":
+            out[f"{layer0}.hidden_norm.weight"] = t
+        elif (idx := layer_index(name, "layers.")) is not None:
+            i, rest = idx
+            out[f"{layer0}.{rest}" if i == 0 else f"layers.{i}.{rest}"] = t
+        elif (idx := layer_index(name, "extra_input_norms.")) is not None:
+            out[f"layers.{idx[0] + 1}.input_layernorm.weight"] = t
+        else:  # fc.*, norm.weight, lm_head.weight, d2t, t2d
+            out[name] = t
+    return out
+
+
+def from_engine_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Engine names (midlayer.* or layers.0.*) -> our EAGLE-3 state dict; drops embed_tokens."""
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        if name == "layers.0.input_layernorm.weight":
+            out["input_norm.weight"] = t
+        elif name == "layers.0.hidden_norm.weight":
+            out["hidden_norm.weight"] = t
+        elif (idx := layer_index(name, "layers.")) is not None and idx[0] > 0 \
+                and idx[1] == "input_layernorm.weight":
+            out[f"extra_input_norms.{idx[0] - 1}.weight"] = t
+        elif name == "embed_tokens.weight" or name.endswith("hidden_norm.weight"):
+            continue  # the target's embedding; vLLM builds unused hidden_norms for layers >= 1
+        else:
+            out[name] = t
+    return out
+
+
+def vocab_maps(tensors: dict[str, torch.Tensor], vocab: int, draft_vocab: int) -> dict[str, torch.Tensor]:
+    """d2t / t2d as our head stores them; rebuilt when a format leaves them out (full vocab)."""
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        if draft_vocab != vocab:
+            raise SpecHeadsError("a reduced draft vocabulary needs d2t in the checkpoint")
+        d2t = torch.zeros(draft_vocab, dtype=torch.long)
+    d2t = d2t.long()
+    t2d = tensors.get("t2d")
+    if t2d is None:
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[torch.arange(draft_vocab) + d2t] = True
+    return {"d2t": d2t, "t2d": t2d.bool()}
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+def eagle3_fields(src: HeadSource, dtype: torch.dtype) -> dict[str, Any]:
+    spec, info = src.spec, src.info
+    return {**llama_layer_fields(info, spec.intermediate_size, spec.num_decoder_layers, dtype),
+            "draft_vocab_size": spec.draft_vocab_size}
+
+
+def build(src: HeadSource, opts: ExportOptions) -> Exported:
+    spec, info = src.spec, src.info
+    ids = src.layer_ids
+    check_capturable(ids, info.num_layers)
+    default = ids == engine_default_ids(info.num_layers)
+    engine = opts.engine
+    if engine not in ("auto", "vllm", "sglang"):
+        raise SpecHeadsError(f"format eagle3 is read by vllm and sglang; engine={engine} is neither")
+    if not default and engine == "auto":
+        raise SpecHeadsError(
+            f"this head reads target layers {ids} (entering-layer ids), not the engines' default "
+            f"{engine_default_ids(info.num_layers)}; vLLM and SGLang number explicit ids differently "
+            "(SGLang adds 1): choose engine=vllm or engine=sglang, or use format=speculators for vLLM")
+    if spec.fc_bias:
+        # vLLM's fc is bias-free; SGLang takes the fc bias from config "bias", which its Llama
+        # attention also reads, so no engine loads an EAGLE-3 fc bias without side effects.
+        raise SpecHeadsError("this EAGLE-3 head has an fc bias, which vLLM and SGLang cannot load; "
+                             "train it with head.fc_bias=false")
+    dtype = resolve_export_dtype(opts.dtype, src.tensors)
+    eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
+    config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_fields(src, dtype),
+              "norm_before_residual": False}
+    notes = []
+    if default:
+        engines, numbering = ["vllm", "sglang"], None
+        notes.append(f"layer ids {ids} are both engines' default: eagle_aux_hidden_state_layer_ids left out")
+    elif engine == "vllm":
+        engines, numbering = ["vllm"], "vllm"
+        config["eagle_aux_hidden_state_layer_ids"] = list(ids)
+        eagle_config["eagle_aux_hidden_state_layer_ids"] = list(ids)
+        notes.append(f"aux layer ids {ids} written in vLLM's numbering (entering layer k); "
+                     "SGLang would capture one layer later")
+    else:
+        engines, numbering = ["sglang"], "sglang"
+        eagle_config["eagle_aux_hidden_state_layer_ids"] = sglang_ids(ids)
+        notes.append(f"aux layer ids written in SGLang's numbering ({sglang_ids(ids)}: output of layer k, "
+                     "SGLang adds 1); vLLM would capture one layer earlier")
+        if ids[0] != 2:
+            notes.append("SGLang versions that add 1 only when the first id is 1 (sglang PR #25454) "
+                         f"would read these ids one layer early; first id here is {ids[0] - 1}")
+    config["eagle_config"] = eagle_config
+    tensors = dict(src.tensors)
+    if opts.embeddings:
+        tensors["embed_tokens.weight"] = opts.target.embed_tokens()
+    out = cast(to_engine_names(tensors, "midlayer"), dtype)
+    config[PROVENANCE_KEY] = provenance(src, NAME, engines, ids, numbering)
+    return Exported(config, {WEIGHTS: out}, engines, notes)
+
+
+# -- read back -------------------------------------------------------------------------------------
+
+def detect(config: dict[str, Any], directory: Path) -> bool:
+    archs = config.get("architectures") or []
+    return "speculators_model_type" not in config and any(
+        a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs)
+
+
+def our_layer_ids(config: dict[str, Any], num_layers: int, numbering: Optional[str]) -> list[int]:
+    """Entering-layer ids from an EAGLE-3 research config.
+
+    Our own exports record the numbering they used. For other checkpoints: no ids means the
+    engines' default; ids at the top level are vLLM's (capture-before) numbering; ids only inside
+    eagle_config are SGLang/SpecForge's (output-of-layer) numbering. `numbering` overrides that.
+    """
+    block = config.get(PROVENANCE_KEY) or {}
+    if block.get("layer_ids") and numbering is None:
+        return list(block["layer_ids"])
+    eagle = config.get("eagle_config") or {}
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    ids = top or eagle.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return engine_default_ids(num_layers)
+    numbering = numbering or ("vllm" if top else "sglang")
+    if numbering not in ("vllm", "sglang"):
+        raise SpecHeadsError(f"layer-id numbering must be vllm or sglang, got {numbering!r}")
+    return [int(k) + (1 if numbering == "sglang" else 0) for k in ids]
+
+
+def spec_fields(config: dict[str, Any], tensors: dict[str, torch.Tensor], layer_ids: list[int]) -> dict[str, Any]:
+    return {
+        "family": "eagle3",
+        "layer_ids": layer_ids,
+        "num_decoder_layers": int(config.get("num_hidden_layers", 1)),
+        "intermediate_size": int(config["intermediate_size"]),
+        "fc_bias": "fc.bias" in tensors,
+        "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
+    }
+
+
+def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: Optional[str] = None) -> ReadBack:
+    engine_tensors = read_tensors(directory / WEIGHTS)
+    tensors = from_engine_names(engine_tensors)
+    ids = our_layer_ids(config, num_layers, numbering)
+    spec = spec_fields(config, tensors, ids)
+    tensors.update(vocab_maps(tensors, int(config["vocab_size"]), spec["draft_vocab_size"]))
+    return ReadBack("eagle3", spec, draft_fields_from_config(config), tensors, config.get(PROVENANCE_KEY) or {})

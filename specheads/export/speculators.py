@@ -1,0 +1,102 @@
+"""`speculators`: vLLM's native speculators format for EAGLE-3 (what `speculators` save_pretrained
+writes and `vllm serve <dir>` auto-detects: it loads the verifier named inside).
+
+config.json (vllm@052316ae transformers_utils/configs/speculators/base.py, algos.py update_eagle3):
+speculators_model_type, speculators_config {algorithm, proposal_methods[0].speculative_tokens,
+default_proposal_method, verifier {name_or_path, architectures}}, transformer_layer_config (the
+draft layer's Llama config), draft_vocab_size, norm_before_residual (absent reads as TRUE in vLLM,
+so it is always written), target_hidden_size, eagle_aux_hidden_state_layer_ids in vLLM's
+numbering (= ours: the residual stream entering layer k).
+Weights as speculators' Eagle3DraftModel names them: embed_tokens, fc, layers.0.{..., input_layernorm,
+hidden_norm}, layers.{i}, norm, lm_head; d2t/t2d only with a reduced draft vocab (DraftVocabMixin).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import SpecHeadsError
+from .common import (
+    DTYPE_NAMES, PROVENANCE_KEY, Exported, ExportOptions, HeadSource, ReadBack, cast, draft_fields_from_config,
+    llama_layer_fields, provenance, read_tensors, resolve_export_dtype,
+)
+from .eagle3 import check_capturable, engine_default_ids, from_engine_names, spec_fields, to_engine_names, vocab_maps
+
+NAME = "speculators"
+FAMILIES = ("eagle3",)
+WEIGHTS = "model.safetensors"
+# The speculators release whose config schema this layout follows (src/speculators/config.py).
+SPECULATORS_VERSION = "0.9.0"
+
+
+def build(src: HeadSource, opts: ExportOptions) -> Exported:
+    spec, info = src.spec, src.info
+    ids = src.layer_ids
+    check_capturable(ids, info.num_layers)
+    if opts.engine not in ("auto", "vllm", "speculators"):
+        raise SpecHeadsError(f"format speculators is read by vllm and speculators; engine={opts.engine} is neither")
+    if spec.fc_bias:
+        raise SpecHeadsError("the speculators format has no fc bias (Eagle3DraftModel.fc and vLLM's fc are "
+                             "bias-free); this head was trained with head.fc_bias=true")
+    dtype = resolve_export_dtype(opts.dtype, src.tensors)
+    tokens = opts.num_speculative_tokens or default_speculative_tokens(src)
+    reduced = spec.draft_vocab_size != info.vocab_size
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": opts.base_model or info.name,
+                         "architectures": opts.verifier_architectures or []},
+        },
+        "transformer_layer_config": llama_layer_fields(info, spec.intermediate_size,
+                                                       spec.num_decoder_layers, dtype),
+        "draft_vocab_size": spec.draft_vocab_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(ids),
+        "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
+    }
+    tensors = {k: v for k, v in src.tensors.items() if reduced or k not in ("d2t", "t2d")}
+    embeddings = True if opts.embeddings is None else opts.embeddings
+    if embeddings:  # speculators saves the (frozen) embedding with the draft
+        tensors["embed_tokens.weight"] = opts.target.embed_tokens()
+    engines = ["vllm", "speculators"]
+    config[PROVENANCE_KEY] = provenance(src, NAME, engines, ids, "vllm")
+    notes = [f"verifier: {config['speculators_config']['verifier']['name_or_path']}; "
+             f"{tokens} speculative tokens by default"]
+    return Exported(config, {WEIGHTS: cast(to_engine_names(tensors, "layers.0"), dtype)}, engines, notes)
+
+
+def default_speculative_tokens(src: HeadSource) -> int:
+    """The chain length vLLM drafts by default: the default tree's depth, else 3."""
+    tree = src.default_tree
+    return max((len(path) for path in tree), default=3) if tree else 3
+
+
+def detect(config: dict[str, Any], directory: Path) -> bool:
+    return config.get("speculators_model_type") == "eagle3"
+
+
+def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: Optional[str] = None) -> ReadBack:
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise SpecHeadsError(f"{directory}/config.json: transformer_layer_config must be a dict")
+    if config.get("norm_before_residual", True):
+        raise SpecHeadsError(f"{directory}: norm_before_residual is true (or absent, which vLLM reads as "
+                             "true); specheads heads normalise after the residual")
+    tensors = from_engine_names(read_tensors(directory / WEIGHTS))
+    block = config.get(PROVENANCE_KEY) or {}
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or block.get("layer_ids")
+    if not ids:
+        ids = engine_default_ids(num_layers)
+    merged = {**layer, "draft_vocab_size": config.get("draft_vocab_size") or layer.get("vocab_size")}
+    spec = spec_fields(merged, tensors, [int(k) for k in ids])
+    tensors.update(vocab_maps(tensors, int(layer["vocab_size"]), spec["draft_vocab_size"]))
+    return ReadBack("eagle3", spec, draft_fields_from_config(layer), tensors, block)

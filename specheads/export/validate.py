@@ -1,0 +1,472 @@
+"""Per-engine contracts: what each serving engine's loader needs from an exported directory.
+
+Each contract was read off the engine's own loader (file and commit in `source`). Engines differ
+in how they fail: SGLang and vLLM's Medusa loader silently skip unknown checkpoint keys and leave
+the missing parameters at their random initialisation, vLLM's EAGLE loaders raise on unknown keys.
+Both are caught here, before a directory is written: the expected key set must match exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from safetensors import safe_open
+
+from ..errors import SpecHeadsError
+from ..heads.io import CONFIG_NAME
+from .common import read_json, tensor_meta
+
+FLOAT = ("F32", "BF16", "F16")
+Meta = dict[str, tuple[tuple[int, ...], str]]
+Rules = dict[str, tuple[tuple[int, ...], tuple[str, ...]]]
+
+SRC_VLLM_EAGLE3 = "vllm-project/vllm@00bd1493 vllm/model_executor/models/llama_eagle3.py"
+SRC_VLLM_EAGLE = ("vllm-project/vllm@00da9231 (and e1c4a552) vllm/model_executor/models/llama_eagle.py; "
+                  "vllm@23c5aa92 vllm/transformers_utils/configs/eagle.py")
+SRC_VLLM_SPECULATORS = ("vllm-project/vllm@052316ae vllm/transformers_utils/configs/speculators/base.py; "
+                        "vllm@cfb173ab .../speculators/algos.py; " + SRC_VLLM_EAGLE3)
+SRC_SPECULATORS = ("vllm-project/speculators@03a7c149 src/speculators/config.py; @11ecdd33 "
+                   "src/speculators/models/eagle3/config.py; @033c87f2 src/speculators/models/eagle3/core.py")
+SRC_SGLANG_EAGLE3 = "sgl-project/sglang@03d5a777 python/sglang/srt/models/llama_eagle3.py"
+SRC_SGLANG_EAGLE = "sgl-project/sglang@034b3be8 python/sglang/srt/models/llama_eagle.py"
+SRC_VLLM_MEDUSA = ("vllm-project/vllm@01dbb081 vllm/model_executor/models/medusa.py; "
+                   "vllm@0531c222 vllm/transformers_utils/configs/medusa.py")
+SRC_TRTLLM_MEDUSA = "NVIDIA/TensorRT-LLM@27712aa7 tensorrt_llm/models/medusa/weight.py (load_medusa_hf)"
+SRC_TGI_MEDUSA = ("huggingface/text-generation-inference@91560ed9 server/text_generation_server/layers/"
+                  "medusa.py (MedusaHeadV1); server/text_generation_server/models/__init__.py")
+
+
+@dataclass(frozen=True)
+class Contract:
+    engine: str
+    fmt: str
+    source: str
+    check: Callable[[Path, dict, dict], list[str]]  # (directory, config, {file: Meta}) -> problems
+
+
+class Problems(list):
+    def need(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.append(message)
+
+
+# -- generic pieces ----------------------------------------------------------------------------------
+
+def check_tensors(meta: Meta, required: Rules, optional: Optional[Rules] = None) -> list[str]:
+    """Exact key set: every required key with its shape and dtype, nothing unknown."""
+    optional = optional or {}
+    out = []
+    for name, (shape, dtypes) in {**required, **optional}.items():
+        if name not in meta:
+            if name in required:
+                out.append(f"missing tensor {name}")
+            continue
+        got_shape, got_dtype = meta[name]
+        if got_shape != shape:
+            out.append(f"{name} has shape {list(got_shape)}, expected {list(shape)}")
+        if got_dtype not in dtypes:
+            out.append(f"{name} has dtype {got_dtype}, expected {'/'.join(dtypes)}")
+    unknown = sorted(set(meta) - set(required) - set(optional))
+    if unknown:
+        out.append(f"unexpected tensors the loader would not load: {unknown[:6]}")
+    return out
+
+
+def need_keys(cfg: dict, keys: list[str], problems: Problems, where: str = "config.json") -> None:
+    for key in keys:
+        problems.need(cfg.get(key) is not None, f"{where} lacks {key!r}")
+
+
+def need_int(cfg: dict, key: str, problems: Problems) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        problems.append(f"config.json {key!r} must be a positive integer, got {value!r}")
+        return 1
+    return value
+
+
+def llama_sizes(cfg: dict, problems: Problems) -> dict[str, int]:
+    h = need_int(cfg, "hidden_size", problems)
+    nh = need_int(cfg, "num_attention_heads", problems)
+    return {
+        "H": h, "nh": nh,
+        "nkv": cfg.get("num_key_value_heads") or nh,
+        "hd": cfg.get("head_dim") or h // nh,
+        "I": need_int(cfg, "intermediate_size", problems),
+        "L": need_int(cfg, "num_hidden_layers", problems),
+        "V": need_int(cfg, "vocab_size", problems),
+    }
+
+
+def attention_mlp_rules(prefix: str, s: dict[str, int], input_size: int) -> Rules:
+    h, q, kv, i = s["H"], s["nh"] * s["hd"], s["nkv"] * s["hd"], s["I"]
+    return {
+        f"{prefix}self_attn.q_proj.weight": ((q, input_size), FLOAT),
+        f"{prefix}self_attn.k_proj.weight": ((kv, input_size), FLOAT),
+        f"{prefix}self_attn.v_proj.weight": ((kv, input_size), FLOAT),
+        f"{prefix}self_attn.o_proj.weight": ((h, q), FLOAT),
+        f"{prefix}mlp.gate_proj.weight": ((i, h), FLOAT),
+        f"{prefix}mlp.up_proj.weight": ((i, h), FLOAT),
+        f"{prefix}mlp.down_proj.weight": ((h, i), FLOAT),
+        f"{prefix}post_attention_layernorm.weight": ((h,), FLOAT),
+    }
+
+
+def read_small(directory: Path, filename: str, name: str) -> torch.Tensor:
+    with safe_open(str(directory / filename), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def check_vocab_map(directory: Path, filename: str, meta: Meta, vocab: int, draft_vocab: int) -> list[str]:
+    """d2t must be offsets (target = draft + d2t[draft]): in range, distinct, and agree with t2d."""
+    if "d2t" not in meta or meta["d2t"][0] != (draft_vocab,):
+        return []
+    d2t = read_small(directory, filename, "d2t").long()
+    targets = torch.arange(draft_vocab) + d2t
+    out = []
+    if bool((targets < 0).any() or (targets >= vocab).any()) or targets.unique().numel() != draft_vocab:
+        out.append("d2t does not hold offsets (draft id + d2t[draft id] must be distinct target ids "
+                   f"in 0..{vocab - 1}); absolute ids instead of offsets?")
+    elif "t2d" in meta and meta["t2d"][0] == (vocab,):
+        t2d = read_small(directory, filename, "t2d").bool()
+        if int(t2d.sum()) != draft_vocab or not bool(t2d[targets].all()):
+            out.append("d2t and t2d disagree: draft id + d2t[draft id] must be exactly the ids t2d marks "
+                       "(d2t written as absolute ids instead of offsets?)")
+    return out
+
+
+def aux_ids(cfg: dict) -> Optional[list]:
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    return cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+
+
+# -- EAGLE-3: research directory (vLLM, SGLang) and speculators ----------------------------------------
+
+def eagle3_rules(cfg: dict, s: dict[str, int], layer0: str, extra_layers: str, fc_bias: bool) -> tuple[Rules, Rules]:
+    h, v = s["H"], s["V"]
+    ht = cfg.get("target_hidden_size") or h
+    vd = cfg.get("draft_vocab_size") or v
+    required: Rules = {"fc.weight": ((h, 3 * ht), FLOAT), "norm.weight": ((h,), FLOAT),
+                       "lm_head.weight": ((vd, h), FLOAT)}
+    if fc_bias:
+        required["fc.bias"] = ((h,), FLOAT)
+    p0 = f"{layer0}."
+    required.update(attention_mlp_rules(p0, s, 2 * h))
+    required[f"{p0}input_layernorm.weight"] = ((h,), FLOAT)
+    required[f"{p0}hidden_norm.weight"] = ((h,), FLOAT)
+    for i in range(1, s["L"]):
+        p = f"{extra_layers}.{i}."
+        required.update(attention_mlp_rules(p, s, h))
+        required[f"{p}input_layernorm.weight"] = ((h,), FLOAT)
+    optional: Rules = {"embed_tokens.weight": ((v, h), FLOAT), "t2d": ((v,), ("BOOL",))}
+    (required if vd != v else optional)["d2t"] = ((vd,), ("I64",))
+    return required, optional
+
+
+def eagle3_common(cfg: dict, problems: Problems) -> dict[str, int]:
+    s = llama_sizes(cfg, problems)
+    vd = cfg.get("draft_vocab_size")
+    problems.need(isinstance(vd, int) and 0 < vd <= s["V"],
+                  f"draft_vocab_size must be an integer in 1..vocab_size, got {vd!r}")
+    ids = aux_ids(cfg)
+    problems.need(ids is None or len(ids) == 3,
+                  f"eagle_aux_hidden_state_layer_ids must list 3 layers (fc reads 3 x hidden), got {ids}")
+    problems.need(not cfg.get("tie_word_embeddings"), "tie_word_embeddings must be false (the draft has "
+                  "its own lm_head; SGLang would tie it to the embedding)")
+    return s
+
+
+def vllm_eagle3(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    archs = cfg.get("architectures") or []
+    # configs/eagle.py keeps names that start or end with "Eagle3"; the registry knows these.
+    p.need(any(a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs),
+           f"architectures {archs} name no vLLM EAGLE-3 class (LlamaForCausalLMEagle3)")
+    p.need(cfg.get("model_type") == "llama", "model_type must be 'llama' (EAGLEConfig wraps an AutoConfig)")
+    s = eagle3_common(cfg, p)
+    p.need(cfg.get("norm_before_residual") is False,
+           "norm_before_residual must be written as false (EAGLE heads normalise after the residual)")
+    p.need(not cfg.get("bias") and not cfg.get("attention_bias"),
+           "bias / attention_bias must be false (vLLM then builds biased attention projections)")
+    eagle = cfg.get("eagle_config") or {}
+    p.need(eagle.get("use_aux_hidden_state", True) is not False, "eagle_config.use_aux_hidden_state is false")
+    meta = files.get("model.safetensors")
+    if meta is None:
+        return [*p, "missing model.safetensors"]
+    layer0 = "midlayer" if any(k.startswith("midlayer.") for k in meta) else "layers.0"
+    # vLLM's fc is ReplicatedLinear(bias=False): an fc.bias key would not load.
+    required, optional = eagle3_rules(cfg, s, layer0, "layers", fc_bias=False)
+    p.extend(check_tensors(meta, required, optional))
+    p.extend(check_vocab_map(directory, "model.safetensors", meta, s["V"], cfg.get("draft_vocab_size") or s["V"]))
+    return p
+
+
+def sglang_eagle3(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    archs = cfg.get("architectures") or []
+    p.need("LlamaForCausalLMEagle3" in archs, f"architectures {archs} lack LlamaForCausalLMEagle3 (EntryClass)")
+    s = eagle3_common(cfg, p)
+    eagle = cfg.get("eagle_config") or {}
+    # spec_utils sizes the target's aux buffer as hidden x len(ids) only when this flag is set
+    p.need(eagle.get("use_aux_hidden_state") is True, "eagle_config.use_aux_hidden_state must be true")
+    # BasicDecoderLayer (additional_layers) drops the incoming residual: not the layer we trained
+    p.need(s["L"] == 1, f"SGLang's EAGLE-3 draft runs extra layers differently; num_hidden_layers must be 1, "
+                        f"got {s['L']}")
+    meta = files.get("model.safetensors")
+    if meta is None:
+        return [*p, "missing model.safetensors"]
+    required, optional = eagle3_rules(cfg, s, "midlayer", "additional_layers", fc_bias=bool(cfg.get("bias")))
+    p.extend(check_tensors(meta, required, optional))
+    p.extend(check_vocab_map(directory, "model.safetensors", meta, s["V"], cfg.get("draft_vocab_size") or s["V"]))
+    return p
+
+
+def speculators_config_problems(cfg: dict, p: Problems) -> dict:
+    """The part vLLM validates (validate_speculators_config) plus update_eagle3's fields."""
+    p.need(cfg.get("speculators_model_type") == "eagle3",
+           f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
+    spec = cfg.get("speculators_config")
+    spec = spec if isinstance(spec, dict) else {}
+    methods = spec.get("proposal_methods") or [{}]
+    tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    p.need(isinstance(tokens, int) and tokens > 0,
+           "speculators_config.proposal_methods[0].speculative_tokens must be a positive integer")
+    verifier = spec.get("verifier") if isinstance(spec.get("verifier"), dict) else {}
+    p.need(bool(verifier.get("name_or_path")), "speculators_config.verifier.name_or_path is missing")
+    layer = cfg.get("transformer_layer_config")
+    p.need(isinstance(layer, dict), "transformer_layer_config must be a dict")
+    # algos.update_eagle3: an absent norm_before_residual reads as True
+    p.need(cfg.get("norm_before_residual") is False, "norm_before_residual must be written as false "
+                                                      "(vLLM reads an absent field as true)")
+    return layer if isinstance(layer, dict) else {}
+
+
+def vllm_speculators(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    layer = speculators_config_problems(cfg, p)
+    if not layer:
+        return p
+    merged = {**layer, "draft_vocab_size": cfg.get("draft_vocab_size"),
+              "target_hidden_size": cfg.get("target_hidden_size"),
+              "eagle_aux_hidden_state_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids")}
+    s = eagle3_common(merged, p)
+    p.need(not layer.get("attention_bias") and not layer.get("bias"), "transformer_layer_config has biases")
+    meta = files.get("model.safetensors")
+    if meta is None:
+        return [*p, "missing model.safetensors"]
+    required, optional = eagle3_rules(merged, s, "layers.0", "layers", fc_bias=False)
+    p.extend(check_tensors(meta, required, optional))
+    p.extend(check_vocab_map(directory, "model.safetensors", meta, s["V"], merged["draft_vocab_size"] or s["V"]))
+    return p
+
+
+def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    layer = speculators_config_problems(cfg, p)
+    spec = cfg.get("speculators_config") or {}
+    p.need(cfg.get("architectures") == ["Eagle3Speculator"], "architectures must be ['Eagle3Speculator']")
+    p.need(spec.get("algorithm") == "eagle3", "speculators_config.algorithm must be 'eagle3'")
+    types = [m.get("proposal_type") for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
+    p.need(spec.get("default_proposal_method") in types,
+           "speculators_config.default_proposal_method must name one of the proposal_methods")
+    verifier = spec.get("verifier") or {}
+    p.need(isinstance(verifier.get("architectures"), list), "speculators_config.verifier.architectures "
+                                                            "must be a list")
+    p.need(bool(cfg.get("speculators_version")), "speculators_version is missing")
+    p.need(not cfg.get("norm_before_fc"), "norm_before_fc must be false (no input_norm in this head)")
+    if not layer:
+        return p
+    merged = {**layer, "draft_vocab_size": cfg.get("draft_vocab_size"),
+              "target_hidden_size": cfg.get("target_hidden_size")}
+    s = eagle3_common(merged, p)
+    meta = files.get("model.safetensors")
+    if meta is None:
+        return [*p, "missing model.safetensors"]
+    required, optional = eagle3_rules(merged, s, "layers.0", "layers", fc_bias=False)
+    vd, v = merged["draft_vocab_size"] or s["V"], s["V"]
+    if vd != v:  # DraftVocabMixin keeps both maps exactly when the draft vocab is reduced
+        required["t2d"] = optional.pop("t2d")
+    else:
+        optional.pop("d2t", None)
+        optional.pop("t2d", None)
+    p.extend(check_tensors(meta, required, optional))
+    p.extend(check_vocab_map(directory, "model.safetensors", meta, v, vd))
+    return p
+
+
+# -- EAGLE-1 -----------------------------------------------------------------------------------------
+
+def eagle1_rules(s: dict[str, int], fc_bias: bool) -> tuple[Rules, Rules]:
+    h = s["H"]
+    required: Rules = {"fc.weight": ((h, 2 * h), FLOAT)}
+    if fc_bias:
+        required["fc.bias"] = ((h,), FLOAT)
+    for i in range(s["L"]):
+        required.update(attention_mlp_rules(f"layers.{i}.", s, h))
+        if i > 0:  # layer 0 has no input_layernorm (its input is the fused feature)
+            required[f"layers.{i}.input_layernorm.weight"] = ((h,), FLOAT)
+    return required, {"embed_tokens.weight": ((s["V"], h), FLOAT)}
+
+
+def vllm_eagle(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    archs = cfg.get("architectures") or []
+    # configs/eagle.py prefixes "Eagle" to each name: LlamaForCausalLM -> EagleLlamaForCausalLM
+    p.need(any(a in ("LlamaForCausalLM", "EagleLlamaForCausalLM") for a in archs),
+           f"architectures {archs} map to no vLLM EAGLE class (need LlamaForCausalLM or EagleLlamaForCausalLM)")
+    p.need(cfg.get("model_type") == "llama", "model_type must be 'llama'")
+    s = llama_sizes(cfg, p)
+    meta = files.get("model.safetensors")
+    if meta is None:
+        return [*p, "missing model.safetensors"]
+    required, optional = eagle1_rules(s, fc_bias=False)
+    optional["fc.bias"] = ((s["H"],), FLOAT)  # dropped by vllm@00da9231 (see below), not loaded
+    p.extend(check_tensors(meta, required, optional))
+    if "fc.bias" in meta and meta["fc.bias"][0] == (s["H"],):
+        # vLLM's fc has bias=False: a non-zero bias would be lost (00da9231) or refused (e1c4a552)
+        p.need(not bool(read_small(directory, "model.safetensors", "fc.bias").any()),
+               "fc has a non-zero bias, which vLLM's EAGLE-1 draft (fc without bias) drops; "
+               "train with head.fc_bias=false to serve in vLLM")
+    return p
+
+
+def sglang_eagle(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    archs = cfg.get("architectures") or []
+    p.need("LlamaForCausalLMEagle" in archs, f"architectures {archs} lack LlamaForCausalLMEagle (EntryClass)")
+    s = llama_sizes(cfg, p)
+    meta = files.get("model.safetensors")
+    if meta is None:
+        return [*p, "missing model.safetensors"]
+    # SGLang's fc is nn.Linear(2H, H) with its default bias: the bias must be in the checkpoint
+    required, optional = eagle1_rules(s, fc_bias=True)
+    p.extend(check_tensors(meta, required, optional))
+    return p
+
+
+# -- Medusa ------------------------------------------------------------------------------------------
+
+def vllm_medusa(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    p.need(cfg.get("model_type") == "medusa", "model_type must be 'medusa'")
+    p.need("MedusaModel" in (cfg.get("architectures") or []), "architectures must include MedusaModel")
+    h = need_int(cfg, "hidden_size", p)
+    v = need_int(cfg, "vocab_size", p)
+    # MedusaConfig.from_pretrained maps any key with "num"+"heads" / "num"+"layers"
+    heads = next((cfg[k] for k in cfg if "num" in k and "heads" in k), None)
+    layers = next((cfg[k] for k in cfg if "num" in k and "layers" in k), None)
+    p.need(isinstance(heads, int) and heads > 0, "config.json lacks num_heads (or medusa_num_heads)")
+    p.need(isinstance(layers, int) and layers > 0, "config.json lacks num_hidden_layers (or medusa_num_layers)")
+    truncated = cfg.get("truncated_vocab_size")
+    p.need(truncated in (None, v), "truncated_vocab_size needs a token_map; write none")
+    meta = files.get("model.safetensors")
+    if meta is None or not isinstance(heads, int) or not isinstance(layers, int):
+        return [*p, "missing model.safetensors"] if meta is None else p
+    bias = bool(cfg.get("medusa_fc_bias"))
+    required: Rules = {}
+    for k in range(heads):
+        for l in range(layers):
+            required[f"blocks.{k}.layers.{l}.weight"] = ((h, h), FLOAT)
+            if bias:
+                required[f"blocks.{k}.layers.{l}.bias"] = ((h,), FLOAT)
+        if not cfg.get("original_lm_head"):
+            required[f"lm_heads.{k}.weight"] = ((v, h), FLOAT)
+    if cfg.get("original_lm_head"):
+        required["lm_head.weight"] = ((v, h), FLOAT)
+    problems = check_tensors(meta, required)
+    if not bias and any(k.endswith(".bias") for k in meta):
+        problems.append("ResBlock biases present but medusa_fc_bias is not true: vLLM would drop them")
+    return [*p, *problems]
+
+
+def fasterdecoding_rules(heads: int, layers: int, h: int, v: int) -> Rules:
+    rules: Rules = {}
+    for k in range(heads):
+        for l in range(layers):
+            rules[f"{k}.{l}.linear.weight"] = ((h, h), FLOAT)
+            rules[f"{k}.{l}.linear.bias"] = ((h,), FLOAT)
+        rules[f"{k}.{layers}.weight"] = ((v, h), FLOAT)
+    return rules
+
+
+def medusa_common(cfg: dict, files: dict, p: Problems):
+    heads = cfg.get("medusa_num_heads")
+    layers = cfg.get("medusa_num_layers")
+    p.need(isinstance(heads, int) and heads > 0, "config.json lacks medusa_num_heads")
+    p.need(isinstance(layers, int) and layers > 0, "config.json lacks medusa_num_layers")
+    h, v = cfg.get("hidden_size"), cfg.get("vocab_size")
+    p.need(isinstance(h, int) and isinstance(v, int), "config.json lacks hidden_size / vocab_size")
+    meta = files.get("medusa_lm_head.safetensors")
+    p.need(meta is not None, "missing medusa_lm_head.safetensors")
+    if p:
+        return None
+    return check_tensors(meta, fasterdecoding_rules(heads, layers, h, v))
+
+
+def trtllm_medusa(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    problems = medusa_common(cfg, files, p)
+    return [*p, *(problems or [])]
+
+
+def tgi_medusa(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    # models/__init__.py: a config with medusa_num_heads loads the target from base_model_name_or_path
+    p.need(bool(cfg.get("base_model_name_or_path")), "config.json lacks base_model_name_or_path")
+    problems = medusa_common(cfg, files, p)
+    return [*p, *(problems or [])]
+
+
+CONTRACTS: dict[str, list[Contract]] = {
+    "eagle3": [Contract("vllm", "eagle3", SRC_VLLM_EAGLE3, vllm_eagle3),
+               Contract("sglang", "eagle3", SRC_SGLANG_EAGLE3, sglang_eagle3)],
+    "speculators": [Contract("vllm", "speculators", SRC_VLLM_SPECULATORS, vllm_speculators),
+                    Contract("speculators", "speculators", SRC_SPECULATORS, speculators_library)],
+    "eagle": [Contract("vllm", "eagle", SRC_VLLM_EAGLE, vllm_eagle),
+              Contract("sglang", "eagle", SRC_SGLANG_EAGLE, sglang_eagle)],
+    "vllm-medusa": [Contract("vllm", "vllm-medusa", SRC_VLLM_MEDUSA, vllm_medusa)],
+    "medusa": [Contract("trtllm", "medusa", SRC_TRTLLM_MEDUSA, trtllm_medusa),
+               Contract("tgi", "medusa", SRC_TGI_MEDUSA, tgi_medusa)],
+}
+
+
+def engines_of(fmt: str) -> list[str]:
+    return [c.engine for c in CONTRACTS[fmt]]
+
+
+def check_directory(directory: str | Path, fmt: str, engines: Optional[list[str]] = None) -> dict[str, list[str]]:
+    """{engine: problems} for the written directory (an empty list: that engine can load it)."""
+    directory = Path(directory)
+    if fmt not in CONTRACTS:
+        raise SpecHeadsError(f"unknown export format {fmt!r}; choose from {', '.join(CONTRACTS)}")
+    config_path = directory / CONFIG_NAME
+    if not config_path.is_file():
+        return {c.engine: [f"missing {CONFIG_NAME}"] for c in CONTRACTS[fmt]}
+    cfg = read_json(config_path)
+    files = {p.name: tensor_meta(p) for p in sorted(directory.glob("*.safetensors"))}
+    return {c.engine: list(c.check(directory, cfg, files)) for c in CONTRACTS[fmt]
+            if engines is None or c.engine in engines}
+
+
+def require(directory: str | Path, fmt: str, engines: list[str]) -> dict[str, list[str]]:
+    """Raise unless every engine in `engines` accepts the directory; returns all engines' findings."""
+    found = check_directory(directory, fmt)
+    unknown = sorted(set(engines) - set(found))
+    if unknown:
+        raise SpecHeadsError(f"format {fmt} is not read by {unknown}; it is for {', '.join(found)}")
+    failing = {e: found[e] for e in engines if found[e]}
+    if failing:
+        parts = "; ".join(f"{e}: {', '.join(problems[:3])}" for e, problems in failing.items())
+        raise SpecHeadsError(f"refusing to write an incomplete {fmt} export ({parts})")
+    return found
+
+
+def contract_sources(fmt: str) -> dict[str, str]:
+    return {c.engine: c.source for c in CONTRACTS[fmt]}
+
+
+def describe(findings: dict[str, list[str]]) -> dict[str, Any]:
+    return {engine: ("ok" if not problems else problems) for engine, problems in findings.items()}
