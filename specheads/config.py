@@ -140,3 +140,6 @@ def register_configs() -> None:
     cs.store(group="head", name="head_schema", node=HeadConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedConfig)
+    from .export.config import ExportJobConfig  # primary schema of conf/export.yaml
+
+    cs.store(name="export_schema", node=ExportJobConfig)

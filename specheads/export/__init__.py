@@ -8,19 +8,24 @@
 
 Formats: eagle3 (vLLM, SGLang), speculators (vLLM), eagle (vLLM, SGLang), vllm-medusa (vLLM),
 medusa (TensorRT-LLM, TGI). CLI: `python -m specheads.export head=DIR format=F out=DIR`.
+Names are imported on first use, so `specheads.export.config` stays cheap to import.
 """
 
-from .common import HeadSource
-from .exporter import (
-    FORMATS, ExportResult, detect_format, export_head, formats_for, is_exported_dir, load_exported,
-    read_exported,
-)
-from .hub import push_to_hub, resolve_head_path
-from .model_card import model_card
-from .validate import CONTRACTS, check_directory
+from importlib import import_module
 
-__all__ = [
-    "CONTRACTS", "FORMATS", "ExportResult", "HeadSource", "check_directory", "detect_format", "export_head",
-    "formats_for", "is_exported_dir", "load_exported", "model_card", "push_to_hub", "read_exported",
-    "resolve_head_path",
-]
+_EXPORTS = {
+    "HeadSource": "common",
+    "FORMATS": "exporter", "ExportResult": "exporter", "detect_format": "exporter",
+    "export_head": "exporter", "formats_for": "exporter", "is_exported_dir": "exporter",
+    "load_exported": "exporter", "read_exported": "exporter",
+    "push_to_hub": "hub", "resolve_head_path": "hub",
+    "model_card": "model_card",
+    "CONTRACTS": "validate", "check_directory": "validate",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)

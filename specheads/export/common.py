@@ -270,12 +270,17 @@ def write_directory(out: Path, exported: Exported, extra_files: dict[str, str],
                              "refusing to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the export is meant to be shared
     try:
         for filename, tensors in exported.files.items():
             save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(exported.config, indent=2) + "\n")
         for filename, text in extra_files.items():
             (tmp / filename).write_text(text)
+        for path in tmp.iterdir():
+            path.chmod(0o666 & ~umask)
         check(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -8,7 +8,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from ..config import ModelConfig, register_configs
+from ..config import ModelConfig
 
 
 @dataclass
@@ -48,5 +48,8 @@ class ExportJobConfig:
 
 
 def register_export_configs() -> None:
-    register_configs()  # the model group's schema
+    """specheads.config.register_configs stores export_schema too (conf/ tests compose every primary)."""
+    from ..config import register_configs
+
+    register_configs()
     ConfigStore.instance().store(name="export_schema", node=ExportJobConfig)

@@ -181,8 +181,9 @@ def shares_target_lm_head(tensors: dict[str, torch.Tensor], num_heads: int, targ
 
 
 def is_exported_dir(directory: str | os.PathLike) -> bool:
-    path = Path(directory) / CONFIG_NAME
-    if not path.is_file():
+    """A directory in one of the engine formats (not our own head format); never raises."""
+    try:
+        config = read_json(Path(directory) / CONFIG_NAME)
+    except SpecHeadsError:
         return False
-    config = read_json(path)
     return config.get("format") != "specheads" and detect_format(config, Path(directory)) is not None

@@ -60,7 +60,8 @@ def serve_commands(src: HeadSource, fmt: str, engines: list[str], draft: str, ta
                     f"text-generation-launcher --model-id {draft} --speculate {k}"))
     if "trtllm" in engines:
         spec = src.spec
-        choices = json.dumps(src.default_tree or [[i] for i in range(3)])
+        # without a default tree: one chain through every head's top-1 token
+        choices = json.dumps(src.default_tree or [[0] * d for d in range(1, spec.num_heads + 1)])
         out.append(("TensorRT-LLM (TRT engine backend)",
                     f"python examples/medusa/convert_checkpoint.py --model_dir {target} "
                     f"--medusa_model_dir {draft} --output_dir ./medusa_ckpt --dtype float16 "

@@ -88,9 +88,17 @@ def read_head_config(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_head(directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
-    """Load a head directory onto `target`; refuses a mismatched target or a corrupt file."""
+    """Load a head directory onto `target`; refuses a mismatched target or a corrupt file.
+
+    `directory` may also be a Hub id (fetched, or found in the local HF cache) or a directory
+    exported for a serving engine (vLLM, SGLang, speculators, Medusa layouts): see specheads.export.
+    """
+    from ..export import is_exported_dir, load_exported, resolve_head_path
     from . import HEADS
 
+    directory = resolve_head_path(directory)
+    if is_exported_dir(directory):
+        return load_exported(directory, target)
     config = read_head_config(directory)
     family = config["family"]
     if family not in HEADS:
