@@ -7,8 +7,9 @@ default_proposal_method, verifier {name_or_path, architectures}}, transformer_la
 draft layer's Llama config), draft_vocab_size, norm_before_residual (absent reads as TRUE in vLLM,
 so it is always written), target_hidden_size, eagle_aux_hidden_state_layer_ids in vLLM's
 numbering (= ours: the residual stream entering layer k).
-Weights as speculators' Eagle3DraftModel names them: embed_tokens, fc, layers.0.{..., input_layernorm,
-hidden_norm}, layers.{i}, norm, lm_head; d2t/t2d only with a reduced draft vocab (DraftVocabMixin).
+Weights as speculators' Eagle3DraftModel names them: fc, layers.0.{..., input_layernorm,
+hidden_norm}, layers.{i}, norm, lm_head (embed_tokens only with embeddings=true); d2t/t2d only with
+a reduced draft vocab (DraftVocabMixin).
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
     }
     tensors = {k: v for k, v in src.tensors.items() if reduced or k not in ("d2t", "t2d")}
-    embeddings = True if opts.embeddings is None else opts.embeddings
-    if embeddings:  # speculators saves the (frozen) embedding with the draft
+    # Optional on both sides: vLLM shares the target's embedding when the draft has none, and
+    # speculators' Eagle3DraftModel lists it in _keys_to_ignore_on_load_missing and loads it from
+    # the verifier (load_verifier_weights). embeddings=true writes a self-contained copy.
+    if opts.embeddings:
         tensors["embed_tokens.weight"] = opts.target.embed_tokens()
     engines = ["vllm", "speculators"]
     config[PROVENANCE_KEY] = provenance(src, NAME, engines, ids, "vllm")
