@@ -7,6 +7,7 @@ import json
 import math
 import os
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,7 +54,7 @@ def _start_wandb(output_dir: Path, wandb_cfg: Any, run_config: dict):
 
     # Keep one run id per output_dir, so a resumed training continues the same wandb run.
     id_file = output_dir / "wandb-run-id"
-    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
     try:
         return wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, entity=wandb_cfg.entity,

@@ -1,0 +1,117 @@
+"""The engine on the tiny target in this process (a world of one, gloo): batches, schedule,
+DeepSpeed config, and every head's loss falling through deepspeed.initialize."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from specheads.batches import TrainBatches, eval_batches
+from specheads.config import TrainJobConfig
+from specheads.engine import Trainer, deepspeed_config, open_state_source, setup_distributed
+from specheads.errors import SpecHeadsError
+from specheads.schedule import WarmupCosine
+from test_train import write_conversations
+
+
+def test_warmup_cosine_shape():
+    f = WarmupCosine(warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    warm = [f(s) for s in range(11)]
+    assert all(a < b for a, b in zip(warm, warm[1:])) and warm[-1] == pytest.approx(1.0)
+    decay = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    assert f(60) == pytest.approx(0.55)  # half way down the cosine
+
+
+def test_train_batches_shard_like_a_distributed_sampler():
+    lengths = [(7 * i) % 50 + 1 for i in range(40)]
+    ranks = [TrainBatches(lengths, batch_size=3, rank=r, world_size=2, seed=1) for r in range(2)]
+    assert ranks[0].batches_per_epoch == 40 // 6
+    for i in range(ranks[0].batches_per_epoch):
+        a, b = ranks[0][i], ranks[1][i]
+        assert len(a) == len(b) == 3 and not set(a) & set(b)
+    epoch0 = [row for i in range(6) for r in ranks for row in r[i]]
+    assert len(set(epoch0)) == 36  # an epoch reads each row at most once
+    again = TrainBatches(lengths, batch_size=3, rank=1, world_size=2, seed=1)
+    assert [again[i] for i in (9, 3, 0)] == [ranks[1][i] for i in (9, 3, 0)]  # random access = resume
+    assert [ranks[0][i] for i in range(6)] != [ranks[0][i] for i in range(6, 12)]  # epochs reshuffle
+
+
+def test_group_by_length_pads_less():
+    lengths = [int(x) for x in torch.randint(1, 500, (256,), generator=torch.Generator().manual_seed(0))]
+
+    def padded(group):
+        b = TrainBatches(lengths, batch_size=8, seed=0, group_by_length=group)
+        return sum(max(lengths[i] for i in b[k]) * 8 for k in range(b.batches_per_epoch))
+
+    assert padded(True) < 0.8 * padded(False)
+
+
+def test_too_little_data_is_a_clear_error():
+    with pytest.raises(SpecHeadsError, match="cannot fill one batch"):
+        TrainBatches([5, 6, 7], batch_size=2, world_size=2)
+
+
+def test_eval_batches_give_every_rank_the_same_count():
+    lengths = list(range(1, 24))
+    per_rank = [eval_batches(lengths, 4, rank=r, world_size=3) for r in range(3)]
+    assert len({len(b) for b in per_rank}) == 1
+    rows = [i for b in per_rank for batch in b for i in batch]
+    assert len(rows) == len(set(rows)) == 21
+    assert len(eval_batches(lengths, 4, max_batches=2)) == 2
+
+
+def test_deepspeed_config_follows_the_job():
+    cfg = OmegaConf.structured(TrainJobConfig)
+    cfg.train.batch_size, cfg.train.grad_accum, cfg.deepspeed.zero_stage = 3, 2, 3
+    cfg.deepspeed.extra = {"checkpoint": {"tag_validation": "Fail"}}
+    ds = deepspeed_config(cfg, world_size=4, device=torch.device("cpu"), head_dtype=torch.float32)
+    assert ds["train_batch_size"] == 24 and ds["gradient_accumulation_steps"] == 2
+    assert ds["zero_optimization"]["stage"] == 3 and not ds["bf16"]["enabled"]
+    assert ds["checkpoint"] == {"tag_validation": "Fail"}
+    assert deepspeed_config(cfg, 1, torch.device("cpu"), torch.bfloat16)["bf16"]["enabled"]
+    cfg.deepspeed.zero_stage, cfg.deepspeed.offload_param = 2, True
+    with pytest.raises(SpecHeadsError, match="zero_stage=3"):
+        deepspeed_config(cfg, 1, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def world():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny target's matrices are too small to gain from threads
+    yield setup_distributed("cpu")
+    torch.set_num_threads(threads)
+
+
+def job(family, data, out, **train):
+    cfg = OmegaConf.structured(TrainJobConfig)
+    cfg.model.name, cfg.model.path = "tiny-random", "tiny:llama"
+    cfg.head.family = family
+    cfg.data.path, cfg.data.max_length, cfg.data.eval_fraction = str(data), 96, 0.25
+    cfg.output_dir, cfg.wandb.mode = str(out), "disabled"
+    cfg.train.merge_with(dict(lr=3e-3, warmup_steps=2, batch_size=4, **train))
+    return cfg
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
+def test_loss_falls_through_the_engine(family, world, tiny_target, tmp_path):
+    from specheads.heads import build_head
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    cfg = job(family, data, tmp_path / "run", max_steps=20)
+    torch.manual_seed(0)
+    source = open_state_source(cfg, tiny_target, world)
+    head = build_head(cfg.head, tiny_target, train_rows=source.rows("train"))
+    target_before = {k: v.clone() for k, v in tiny_target.model.state_dict().items()}
+    trainer = Trainer(cfg, head, source, world, tmp_path / "run")
+    # only the head is wrapped: its parameters are exactly the engine's
+    assert {id(p) for p in trainer.engine.module.parameters()} == {id(p) for p in head.parameters()}
+    before = trainer.evaluate()
+    losses = [trainer.train_step()["loss"] for _ in range(20)]
+    after = trainer.evaluate()
+    assert after["eval/loss"] < 0.95 * before["eval/loss"], (before, after)
+    assert sum(losses[-5:]) < sum(losses[:5])
+    depth = head.spec.eval_depth if family != "eagle" else len([k for k in after if k.startswith("eval/acc_")])
+    assert [k for k in after if k.startswith("eval/acc_")] == [f"eval/acc_{i}" for i in range(depth)]
+    assert 1.0 <= after["eval/sim_tau"] <= 1.0 + depth
+    assert all(torch.equal(v, target_before[k]) for k, v in tiny_target.model.state_dict().items())

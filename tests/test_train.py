@@ -1,0 +1,80 @@
+"""train.py end to end on the tiny target: one process per head family, and two ranks (gloo)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def write_conversations(path: Path, n: int = 24, seed: int = 0) -> Path:
+    """Small OpenAI-format chats (short, byte-tokenized by the tiny target)."""
+    rng = random.Random(seed)
+    words = "the cat dog sun moon tree river stone blue red runs sleeps over under near far".split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            question = " ".join(rng.choice(words) for _ in range(rng.randint(3, 6)))
+            answer = " ".join(rng.choice(words) for _ in range(rng.randint(8, 16)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+def clean_env() -> dict:
+    """The test process may hold a process group of its own: children must not inherit its address."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    return env
+
+
+def tiny_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["model=tiny-random", f"data.path={data}", "data.max_length=96", "data.eval_fraction=0.25",
+            f"output_dir={out}", "wandb.mode=disabled", *extra]
+
+
+def run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def assert_head_written(proc: subprocess.CompletedProcess, out: Path) -> None:
+    head = out / "head"
+    assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
+    assert proc.stdout.strip().splitlines()[-1] == str(head)
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
+def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
+    data = write_conversations(tmp_path / "chats.jsonl")
+    out = tmp_path / "run"
+    proc = run([sys.executable, "train.py", f"head={family}", "train.max_steps=3", *tiny_args(data, out)[:-1]]
+               + (["wandb.mode=offline"] if family == "eagle3" else ["wandb.mode=disabled"]))
+    assert_head_written(proc, out)
+    assert json.loads((out / "head" / "config.json").read_text())["family"] == family
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 3 and any("eval/sim_tau" in r for r in records)
+    assert (out / "curves.png").stat().st_size > 0
+    assert (out / "checkpoints" / "step-3" / "complete.json").is_file()
+    assert (out / ".hydra" / "config.yaml").is_file()  # Hydra's own files stay inside output_dir
+    if family == "eagle3":
+        assert any((out / "wandb").glob("offline-run-*"))
+
+
+def test_two_ranks_zero2_on_cpu(tmp_path):
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "train.py", "head=eagle", "deepspeed=zero2", "train.max_steps=3", "train.batch_size=2",
+                *tiny_args(data, out)])
+    assert_head_written(proc, out)
+    files = {p.name for p in (out / "checkpoints" / "step-3").iterdir()}
+    # ZeRO-2 partitions the optimizer state: one shard per rank
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files
+    assert json.loads((out / "checkpoints" / "step-3" / "complete.json").read_text())["world_size"] == 2
