@@ -48,9 +48,10 @@ def plain_values(argv: list[str]) -> list[str]:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     from specheads.infer_config import validate
+
+    settings = validate(cfg)  # before torch is imported: bad input fails at once
     from specheads.inference import load_session, run_demo
 
-    settings = validate(cfg)
     session = load_session(settings, CONF_DIR)
     if settings.tree.kind == "auto":
         from specheads.calibrate import calibrate_tree

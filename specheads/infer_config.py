@@ -7,6 +7,7 @@ train.py; infer.py passes `head=PATH` on as `head_path` and validation happens i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -111,4 +112,10 @@ def validate(cfg: DictConfig) -> InferJobConfig:
         raise SpecHeadsError("without a head, give the target: model=NAME")
     if not b.questions and not settings.prompt:
         raise SpecHeadsError('give a prompt (prompt="...") or a benchmark (bench.questions=... bench.output=...)')
+    if b.questions and not Path(b.questions).is_file():
+        raise SpecHeadsError(f"questions file {b.questions} does not exist")
+    head = settings.head_path
+    if head and head.startswith((".", "/", "~")) and not Path(head).expanduser().exists():
+        # checked here, before torch is imported, so that a typo fails at once
+        raise SpecHeadsError(f"head {head} does not exist")
     return settings

@@ -3,7 +3,6 @@ tree, encode prompts, and print a streamed answer with the drafted-and-accepted 
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,6 @@ from .infer_config import InferJobConfig, TreeConfig
 from .target import FrozenTarget, load_target, resolve_device
 from .tree import StaticTree, chain_paths, static_tree
 
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # Medusa's default when the head stores no tree: 16 nodes over 3 depths (conf/tree/medusa.yaml).
 MEDUSA_PATHS = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0],
                 [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 2], [2, 0, 0]]
@@ -32,24 +30,6 @@ class Session:
     head: Any  # DraftHead or None (baseline-only benchmark)
     head_dir: Optional[Path]
     head_config: dict
-
-
-def resolve_head_dir(spec: str) -> Path:
-    """A local head directory, or a Hub id fetched into the local Hub cache."""
-    local = Path(spec).expanduser()
-    if local.is_dir():
-        return local
-    if local.exists():
-        raise SpecHeadsError(f"head={spec} is a file; give the head directory (config.json + model.safetensors)")
-    if spec.startswith((".", "/", "~")) or not HUB_ID.match(spec):
-        raise SpecHeadsError(f"head directory {spec} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=spec, allow_patterns=["config.json", "model.safetensors"]))
-    except Exception as err:  # offline, unknown repo, auth: all one line for the user
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SpecHeadsError(f"head {spec!r} is not a local directory and cannot be fetched from the Hub: {first}") from None
 
 
 def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:
@@ -73,11 +53,20 @@ def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:
 
 
 def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
+    from .export import is_exported_dir, resolve_head_path
     from .heads import load_head, read_head_config
 
-    head_dir = resolve_head_dir(settings.head_path) if settings.head_path else None
-    head_config = read_head_config(head_dir) if head_dir else {}
-    model_cfg = settings.model if settings.model is not None else model_config_for_head(head_config, conf_dir)
+    head_dir = resolve_head_path(settings.head_path) if settings.head_path else None
+    if head_dir is not None and not head_dir.is_dir():
+        raise SpecHeadsError(f"head={settings.head_path} is not a directory (config.json + model.safetensors)")
+    exported = head_dir is not None and is_exported_dir(head_dir)
+    head_config = read_head_config(head_dir) if head_dir is not None and not exported else {}
+    if settings.model is not None:
+        model_cfg = settings.model
+    elif exported:
+        raise SpecHeadsError(f"{head_dir} is an engine-format head that names no specheads target: give model=NAME")
+    else:
+        model_cfg = model_config_for_head(head_config, conf_dir)
     target = load_target(model_cfg, resolve_device(settings.device))
     head = load_head(head_dir, target) if head_dir else None
     return Session(target, head, head_dir, head_config)
@@ -99,7 +88,8 @@ def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
             policy = static_tree(head.default_tree)
         elif head.family == "medusa":
             depth = head.spec.num_heads
-            policy = static_tree([p for p in MEDUSA_PATHS if len(p) <= depth] + chain_paths(depth))
+            paths = {tuple(p) for p in MEDUSA_PATHS if len(p) <= depth} | {tuple(p) for p in chain_paths(depth)}
+            policy = static_tree(sorted(paths))
         else:
             policy = DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens)
     else:
