@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from specheads.config import HeadConfig, ModelConfig
 from specheads.errors import SpecHeadsError
-from specheads.export import check_directory, export_head, load_exported
+from specheads.export import check_directory, export_head, load_exported, source_head_config
 from specheads.heads import build_head, load_head, save_head
 from specheads.target import load_target
 
@@ -92,6 +92,7 @@ def test_round_trip_gives_identical_drafts(tiny_target, tmp_path, family, overri
     assert result.findings and all(not result.findings[e] for e in result.engines)
     original = load_head(src, tiny_target)
     exported = load_head(result.path, tiny_target)  # dispatches to the engine-format reader
+    assert source_head_config(result.path)["target"]["name"] == "tiny-random"
     assert type(exported) is type(original)
     assert exported.target_layer_ids() == original.target_layer_ids()
     assert exported.default_tree == original.default_tree
@@ -109,6 +110,7 @@ def test_engine_fields_alone_are_enough(tiny_target, tmp_path, fmt, engine, over
     src = make_head_dir(tiny_target, tmp_path / "head", family, **overrides)
     out = export_head(src, fmt, tmp_path / "out", engine=engine, target=tiny_target).path
     edit_config(out, lambda c: c.pop("specheads"))
+    assert source_head_config(out) is None
     original, exported = load_head(src, tiny_target), load_exported(out, tiny_target)
     assert exported.target_layer_ids() == original.target_layer_ids()
     if family == "medusa":

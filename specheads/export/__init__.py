@@ -5,6 +5,7 @@
     resolve_head_path(path_or_hub_id) -> Path                     local dir, or snapshot_download
     push_to_hub(folder, repo_id)                                  one create_repo + upload_folder
     check_directory(dir, fmt) -> {engine: problems}               the per-engine contracts
+    source_head_config(exported_dir) -> dict | None               the specheads config it came from
 
 Formats: eagle3 (vLLM, SGLang), speculators (vLLM), eagle (vLLM, SGLang), vllm-medusa (vLLM),
 medusa (TensorRT-LLM, TGI). CLI: `python -m specheads.export head=DIR format=F out=DIR`.
@@ -17,7 +18,7 @@ _EXPORTS = {
     "HeadSource": "common",
     "FORMATS": "exporter", "ExportResult": "exporter", "detect_format": "exporter",
     "export_head": "exporter", "formats_for": "exporter", "is_exported_dir": "exporter",
-    "load_exported": "exporter", "read_exported": "exporter",
+    "load_exported": "exporter", "read_exported": "exporter", "source_head_config": "exporter",
     "push_to_hub": "hub", "resolve_head_path": "hub",
     "model_card": "model_card",
     "CONTRACTS": "validate", "check_directory": "validate",

@@ -187,3 +187,15 @@ def is_exported_dir(directory: str | os.PathLike) -> bool:
     except SpecHeadsError:
         return False
     return config.get("format") != "specheads" and detect_format(config, Path(directory)) is not None
+
+
+def source_head_config(directory: str | os.PathLike) -> Optional[dict[str, Any]]:
+    """The specheads head config an export was made from (its target name, layer ids, training),
+    or None for a checkpoint written by another tool. Never raises."""
+    try:
+        block = read_json(Path(directory) / CONFIG_NAME).get(PROVENANCE_KEY)
+    except SpecHeadsError:
+        return None
+    config = block.get("head_config") if isinstance(block, dict) else None
+    return config if isinstance(config, dict) and config.get("format") == "specheads" else None
+
