@@ -75,6 +75,9 @@ class DataConfig:
     builtin_examples: int = 256
     builtin_answer_tokens: int = 160
     builtin_batch_size: int = 16
+    # conversation turns (> 1: the target also writes follow-up user turns) and the build's seed
+    builtin_turns: int = 1
+    builtin_seed: int = 0
     # offline features: a directory of cached hidden states written by distill.py
     features: Optional[str] = None
 
