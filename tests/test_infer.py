@@ -23,6 +23,14 @@ CONF = ROOT / "conf"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def target():
     return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
