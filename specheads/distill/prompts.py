@@ -1,0 +1,247 @@
+"""User prompts for distillation: read from a data set, or written by the target (Magpie).
+
+Magpie: an aligned chat model given only the chat template's user-turn prefix writes a plausible
+user request. A small model's bare requests are narrow, so each one is conditioned on a topic and
+a task type placed in one of several system prompts, and sampled at temperature ~1.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+from ..errors import SpecHeadsError
+from .config import MagpieConfig
+from .decontaminate import NgramIndex, PROMPT_KEYS, words
+from .generation import generate
+
+# Written for this project (not taken from any evaluation set): what kind of request to write.
+TASK_TYPES = {
+    "writing": "asks for a piece of writing, such as an email, a blog post, a poem, a speech or a short story",
+    "roleplay": "asks the assistant to play a character or act out a scenario",
+    "reasoning": "asks a puzzle or a question that needs careful step-by-step reasoning",
+    "math": "asks a math problem (arithmetic, algebra, geometry, probability or statistics)",
+    "coding": "asks for help writing, explaining or fixing a program or a function",
+    "extraction": "gives a short text and asks to extract, list or summarize information from it",
+    "stem": "asks a question about science, technology, engineering or medicine",
+    "humanities": "asks about history, philosophy, literature, art, economics or society",
+    "advice": "asks for practical advice or a plan",
+    "explanation": "asks for a simple explanation of a concept",
+    "brainstorming": "asks for a list of ideas",
+    "editing": "gives a sentence or paragraph and asks to rewrite, shorten or correct it",
+    "comparison": "asks to compare two things and explain the differences",
+    "classification": "asks to sort, rank or classify a few items",
+    "conversation": "chats casually and asks for an opinion",
+}
+
+TOPICS = [
+    "cooking", "baking bread", "travel in Japan", "a trip to the mountains", "personal finance",
+    "saving for retirement", "job interviews", "starting a small business", "marketing",
+    "climate change", "renewable energy", "recycling", "gardening", "house plants", "pets",
+    "dog training", "birds", "ocean life", "dinosaurs", "the solar system", "black holes",
+    "space exploration", "the human body", "nutrition", "running", "yoga", "sleep", "mental health",
+    "friendship", "parenting", "wedding planning", "moving to a new city", "public speaking",
+    "learning a language", "studying for exams", "college applications", "ancient Rome",
+    "ancient Egypt", "the Middle Ages", "the industrial revolution", "world war history",
+    "democracy and elections", "economics and inflation", "supply and demand", "philosophy of mind",
+    "ethics", "poetry", "novels and fiction", "movies", "music theory", "playing guitar",
+    "painting", "photography", "architecture", "fashion", "video games", "board games", "chess",
+    "soccer", "basketball", "the Olympics", "smartphones", "the internet", "cybersecurity",
+    "artificial intelligence", "databases", "web development", "Python programming",
+    "JavaScript", "sorting algorithms", "data structures", "spreadsheets", "statistics",
+    "probability", "geometry", "algebra", "fractions and percentages", "chemistry",
+    "physics of motion", "electricity", "genetics", "evolution", "vaccines", "weather",
+    "volcanoes and earthquakes", "rivers and lakes", "forests", "cars and engines", "bicycles",
+    "trains", "airplanes", "cities and urban planning", "law and contracts", "taxes",
+    "customer service", "team management", "time management", "a birthday party",
+    "a science fair project", "a fantasy kingdom", "a detective mystery", "a haunted house",
+    "pirates", "robots", "a small village", "a coffee shop", "a restaurant review",
+    "a product launch", "a hiking accident", "a lost wallet",
+]
+
+SYSTEM_TEMPLATES = [
+    "You are a helpful AI assistant. The user {task}. The topic is {topic}.",
+    "The user is about to send a request about {topic}. The user {task}.",
+    "You are an expert on {topic}. A user {task}.",
+    "Conversation topic: {topic}. The user {task}.",
+    "You are a friendly assistant who helps people with {topic}. In this conversation the user {task}.",
+    "You answer questions from curious people. Today's user is interested in {topic} and {task}.",
+    "You are a knowledgeable assistant. The next message is from a user who {task}, on the subject of {topic}.",
+    "You are a chatbot. The user {task}. Subject: {topic}.",
+]
+
+FOLLOW_UP_SYSTEMS = [
+    "The user continues the conversation with a follow-up request about the previous answer.",
+    "The user asks the assistant to change, extend or shorten its previous answer.",
+    "The user asks a related follow-up question.",
+    "The user asks for more details or an example about the previous answer.",
+]
+
+SENTINEL = "\u2063SPECHEADS\u2063"  # invisible separators: never part of a real template
+
+
+def user_turn_prefix(tokenizer, history: list[dict]) -> str:
+    """The rendered text up to where the next user message's content would start."""
+    text = tokenizer.apply_chat_template(history + [{"role": "user", "content": SENTINEL}],
+                                         tokenize=False)
+    if SENTINEL not in text:
+        raise SpecHeadsError("the chat template drops user content; cannot write Magpie prompts")
+    return text[: text.index(SENTINEL)]
+
+
+def end_of_turn_ids(tokenizer, model=None) -> set[int]:
+    """Token ids that end a turn: eos, the generation config's eos, and the token the template
+    puts right after a message's content (e.g. <|im_end|>)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+    after = text[text.index(SENTINEL) + len(SENTINEL):]
+    after_ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    if after_ids and after_ids[0] in set(tokenizer.all_special_ids):
+        ids.add(int(after_ids[0]))
+    if not ids:
+        raise SpecHeadsError("the tokenizer has no end-of-turn token (eos); cannot generate")
+    return ids
+
+
+def normalise(text: str) -> str:
+    return " ".join(words(text))
+
+
+def conditioning_systems(n: int, rng: random.Random) -> list[tuple[str, str]]:
+    """n (task type, system prompt) pairs drawn over topics x task types x templates."""
+    tasks = list(TASK_TYPES)
+    out = []
+    for _ in range(n):
+        task = rng.choice(tasks)
+        system = rng.choice(SYSTEM_TEMPLATES).format(task=TASK_TYPES[task], topic=rng.choice(TOPICS))
+        out.append((task, system))
+    return out
+
+
+class PromptFilter:
+    """Quality filter and dedup over normalised text (the seen-set spans a whole run)."""
+
+    def __init__(self, cfg: MagpieConfig, tokenizer, index: Optional[NgramIndex] = None):
+        self.cfg, self.index = cfg, index
+        self.special = [t for t in tokenizer.all_special_tokens if t]
+        self.seen: set[str] = set()
+        self.counts = {"empty_or_cut": 0, "special": 0, "length": 0, "unprintable": 0,
+                       "duplicate": 0, "contaminated": 0}
+
+    def add_seen(self, text: str) -> None:
+        self.seen.add(normalise(text))
+
+    def reason(self, text: str, finished: bool = True, quality: bool = True) -> Optional[str]:
+        """Why the prompt is rejected (a key of self.counts), or None to keep it.
+
+        quality=False checks only emptiness, duplicates and contamination (data set prompts).
+        """
+        cfg = self.cfg
+        if not text.strip() or (quality and cfg.require_end and not finished):
+            return "empty_or_cut"
+        if quality:
+            if any(t in text for t in self.special):
+                return "special"
+            if not cfg.min_words <= len(text.split()) <= cfg.max_words:
+                return "length"
+            good = sum(ch.isprintable() or ch in "\n\t" for ch in text) - text.count("\ufffd")
+            if good < cfg.min_printable * len(text):
+                return "unprintable"
+        key = normalise(text)
+        if key in self.seen:
+            return "duplicate"
+        if self.index and self.index.matches(text):
+            return "contaminated"
+        return None
+
+    def accept(self, text: str, finished: bool = True, quality: bool = True) -> bool:
+        why = self.reason(text, finished, quality)
+        if why is None:
+            self.add_seen(text)
+            return True
+        self.counts[why] += 1
+        return False
+
+
+def magpie_prompts(target, n: int, cfg: MagpieConfig, prompt_filter: PromptFilter, seed: int,
+                   batch_size: int, desc: Optional[str] = None) -> list[dict]:
+    """n new prompts written by the target: [{"prompt", "category"}], deduplicated and filtered.
+
+    Generates in rounds of oversampled candidates until n are kept or max_rounds is reached.
+    """
+    tokenizer, model = target.tokenizer, target.model
+    stop = end_of_turn_ids(tokenizer, model)
+    rng = random.Random(seed)
+    kept: list[dict] = []
+    for round_ in range(cfg.max_rounds):
+        need = n - len(kept)
+        if need <= 0:
+            break
+        count = max(need, int(need * cfg.oversample + 0.999))
+        if cfg.conditioned:
+            systems = conditioning_systems(count, rng)
+        else:
+            systems = [("magpie", None)] * count
+        prefixes = [user_turn_prefix(tokenizer, [{"role": "system", "content": s}] if s else [])
+                    for _, s in systems]
+        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes]
+        outs = generate(model, ids, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
+                        pad_id=_pad_id(tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
+                        batch_size=batch_size, seed=rng.randrange(2**31),
+                        desc=f"{desc} round {round_ + 1}" if desc else None)
+        for (task, _), out in zip(systems, outs):
+            text = tokenizer.decode(out.tokens, skip_special_tokens=False).strip()
+            if len(kept) < n and prompt_filter.accept(text, out.finished):
+                kept.append({"prompt": text, "category": task})
+    return kept
+
+
+def follow_up_prompts(target, conversations: list[list[dict]], cfg: MagpieConfig,
+                      prompt_filter: PromptFilter, seed: int, batch_size: int,
+                      desc: Optional[str] = None) -> list[Optional[str]]:
+    """A target-written next user turn for each conversation (None where it was rejected)."""
+    tokenizer, model = target.tokenizer, target.model
+    rng = random.Random(seed)
+    prefixes = [user_turn_prefix(tokenizer, [{"role": "system", "content": rng.choice(FOLLOW_UP_SYSTEMS)}]
+                                 + conversation) for conversation in conversations]
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes]
+    outs = generate(model, ids, max_new_tokens=cfg.max_new_tokens, stop_ids=end_of_turn_ids(tokenizer, model),
+                    pad_id=_pad_id(tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
+                    batch_size=batch_size, seed=rng.randrange(2**31), desc=desc)
+    result = []
+    for out in outs:
+        text = tokenizer.decode(out.tokens, skip_special_tokens=False).strip()
+        result.append(text if prompt_filter.accept(text, out.finished) else None)
+    return result
+
+
+def dataset_prompts(path: str, format: str = "auto", split: str = "train") -> list[dict]:
+    """First user turn of every row: ShareGPT, OpenAI, FastChat question.jsonl ("turns") or
+    {"prompt"|"question"|"instruction"} rows. [{"prompt", "category"}]."""
+    from ..data import first_user_turn, iter_rows, row_to_conversation
+
+    prompts = []
+    for where, row in iter_rows(path, split):
+        category = "dataset"
+        if isinstance(row, dict) and isinstance(row.get("turns"), list):
+            text = row["turns"][0] if row["turns"] else None
+            category = str(row.get("category") or category)
+        elif isinstance(row, dict) and any(isinstance(row.get(k), str) for k in PROMPT_KEYS):
+            text = next(row[k] for k in PROMPT_KEYS if isinstance(row.get(k), str))
+        else:
+            text = first_user_turn(row_to_conversation(row, format, where))
+        if not isinstance(text, str):
+            raise SpecHeadsError(f"{where}: no user prompt found")
+        prompts.append({"prompt": text, "category": category})
+    return prompts
+
+
+def _pad_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise SpecHeadsError("the tokenizer has neither a pad nor an eos token")
+    return int(pad)
