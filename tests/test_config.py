@@ -1,5 +1,7 @@
 """Every YAML under conf/ composes against the structured schema; bad keys and types fail early."""
 
+import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,22 +24,46 @@ def group_options() -> list[tuple[str, str]]:
     return sorted((str(p.parent.relative_to(CONF)), p.stem) for p in CONF.rglob("*.yaml") if p.parent != CONF)
 
 
+def entry_points() -> dict[str, Path]:
+    """primary config name -> the @hydra.main script that uses it (train.py, infer.py, ...)."""
+    found = {}
+    for path in [*ROOT.glob("*.py"), *(ROOT / "specheads").rglob("__main__.py")]:
+        match = re.search(r'config_name\s*=\s*"([^"]+)"', path.read_text())
+        if match:
+            found[match.group(1)] = path
+    return found
+
+
+def register_all() -> None:
+    """Import every entry point once: each registers the structured schemas its primary needs."""
+    register_configs()
+    for name, path in sorted(entry_points().items()):
+        module_name = f"_entry_{name}"
+        if module_name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+
+
 @pytest.fixture
 def hydra_conf():
-    register_configs()
+    register_all()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         yield
     GlobalHydra.instance().clear()
 
 
+_CHOICES: dict[str, set] = {}
+
+
 def primaries_using(group: str) -> list[str]:
-    users = []
+    """Primary configs whose defaults list has `group` (composed once per primary)."""
     for primary in PRIMARIES:
-        cfg = compose(primary, return_hydra_config=True)
-        if group in cfg.hydra.runtime.choices:
-            users.append(primary)
-    return users
+        if primary not in _CHOICES:
+            _CHOICES[primary] = set(compose(primary, return_hydra_config=True).hydra.runtime.choices)
+    return [p for p in PRIMARIES if group in _CHOICES[p]]
 
 
 def test_train_config_has_the_contract_groups(hydra_conf):
@@ -69,11 +95,15 @@ def test_every_group_option_composes(hydra_conf, group, option):
 @pytest.mark.parametrize("group,option", group_options())
 def test_group_files_extend_their_schema(group, option):
     """Each group file names its <group>_schema first, so it is validated on its own too."""
-    register_configs()
+    register_all()
     from hydra.core.config_store import ConfigStore
 
-    if f"{group.split('/')[0]}_schema.yaml" not in ConfigStore.instance().list(group.split("/")[0]):
-        pytest.skip(f"no schema registered for group {group}")
+    try:
+        registered = ConfigStore.instance().list(group)
+    except OSError:
+        registered = []
+    if f"{group}_schema.yaml" not in registered:
+        pytest.skip(f"no {group}_schema registered")
     raw = OmegaConf.load(CONF / group / f"{option}.yaml")
     assert f"{group}_schema" in list(raw.get("defaults", [])), f"conf/{group}/{option}.yaml"
 
