@@ -5,6 +5,8 @@ A drafter follows the generation loop through three calls:
   draft(root, prefix_len, max_depth) -> (tokens, layout)   tokens[0] == root
   advance(states, tokens, bonus)   after verification; states and tokens of the accepted path
                                    (root first), bonus = the target's next token (the next root)
+(and rewind(n), which makes the next draft() redo the work of the last n accepted tokens: used
+to time drafting during tree calibration).
 Drafts are deterministic (top-k), so any acceptance rule that treats them as one-hot proposals
 is lossless.
 
@@ -130,24 +132,24 @@ class MedusaDrafter:
         self.policy = policy
         self.layer_ids: list[int] = []
         self.reads_final = True
-        self.head_logp: Optional[torch.Tensor] = None  # [K, V]
+        self.final: Optional[torch.Tensor] = None  # [1, 1, H] target state at the last accepted token
         depth = policy.layout.max_depth if isinstance(policy, StaticTree) else policy.depth
         if depth > head.spec.num_heads:
             raise SpecHeadsError(
                 f"the tree is {depth} deep but this Medusa head has only {head.spec.num_heads} heads")
 
-    def _set_position(self, final: torch.Tensor) -> None:
-        logits = self.head.medusa_logits(final[:, -1:])  # [K, 1, 1, V]
-        self.head_logp = torch.log_softmax(logits[:, 0, 0].float(), dim=-1)
-
     def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
-        self._set_position(states["final"])
+        self.final = states["final"][:, -1:]
 
     def advance(self, states: dict, tokens: Sequence[int], bonus: int) -> None:
-        self._set_position(states["final"])
+        self.final = states["final"][:, -1:]
+
+    def rewind(self, n: int) -> None:
+        """Nothing to undo: drafting reads only the last accepted state."""
 
     def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
-        head_logp = self.head_logp
+        logits = self.head.medusa_logits(self.final)  # [K, 1, 1, V]
+        head_logp = torch.log_softmax(logits[:, 0, 0].float(), dim=-1)
 
         def child_logp(ids, table):
             return head_logp[torch.tensor([table.depths[i] for i in ids], device=head_logp.device)]
@@ -170,6 +172,7 @@ class EagleDrafter:
         self.reads_final = head.reads_final
         self.cache = None
         self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (ids, features) to feed
+        self.last_fed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def _features(self, states: dict) -> torch.Tensor:
         return self.head.input_features(states)
@@ -188,10 +191,20 @@ class EagleDrafter:
     def cache_device(self) -> torch.device:
         return self.head.device
 
+    def rewind(self, n: int) -> None:
+        """Forget the last n fed entries and queue them again (to time or repeat a drafting step)."""
+        ids, feats = self.last_fed
+        n = min(n, ids.shape[1])
+        self.cache.crop(self.cache.length - n)
+        self.pending = (ids[:, -n:], feats[:, -n:])
+
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the accepted tokens; returns the root's (hidden_out [Hd], draft log-probs [Vd])."""
+        if self.pending is None:
+            raise RuntimeError("draft() called twice without advance() or rewind()")
         ids, feats = self.pending
         self.pending = None
+        self.last_fed = (ids, feats)
         start = self.cache.length
         pos = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
         hidden, logits = self.head.draft_step(ids, feats, pos, self.cache)
