@@ -301,3 +301,46 @@ def test_sampled_tokens_follow_the_target_distribution(temperature, top_p, targe
     exp.append(rest_e)
     exp = np.array(exp) * (sum(obs) / sum(exp))
     assert chisquare(obs, exp).pvalue > 0.01
+
+
+class FutureOracleDrafter:
+    """Random trees in which one random path carries the true continuation (known in advance)
+    to a random depth: long accepted paths at arbitrary tree positions, no model calls."""
+
+    layer_ids: list = []
+    reads_final = False
+
+    def __init__(self, reference: list[int], vocab: int, seed: int = 0):
+        self.ref, self.vocab, self.rng = reference, vocab, random.Random(seed)
+
+    def start(self, prompt, states, root):
+        pass
+
+    def advance(self, states, tokens, bonus):
+        pass
+
+    def draft(self, root, prefix_len, max_depth):
+        rng = self.rng
+        parents, tokens, true_node = [-1], [root], 0
+        truth = self.ref[prefix_len + 1: prefix_len + 1 + rng.randint(0, 6)]
+        for _ in range(rng.randint(0, 20)):
+            parents.append(rng.randrange(len(tokens)))
+            tokens.append(rng.randrange(self.vocab))
+        for t in truth:  # hang the true chain below a random node on the way
+            parents.append(true_node)
+            tokens.append(t)
+            true_node = len(tokens) - 1
+        return tokens, TreeLayout(tuple(parents))
+
+
+@pytest.mark.slow
+def test_real_target_tree_verification_matches_greedy(smollm2_target):
+    tgt = smollm2_target
+    ids = tgt.tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of copper."}],
+                                            add_generation_prompt=True, tokenize=True)["input_ids"]
+    prompt = torch.tensor([ids])
+    ref = hf_greedy(tgt, prompt, 40)
+    drafter = FutureOracleDrafter(ids + ref, tgt.info.vocab_size)
+    res = speculative_generate(tgt, drafter, prompt, SamplingConfig(max_new_tokens=40))
+    assert res.output_ids == ref
+    assert res.tau > 2  # long paths were accepted and compacted
