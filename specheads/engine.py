@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -91,9 +92,12 @@ def main_rank_first(d: Dist):
 
 
 def quiet_deepspeed(debug: bool) -> None:
+    """DeepSpeed logs every init at INFO and calls torch collectives torch now calls deprecated."""
     from deepspeed.utils import logger
 
     logger.setLevel(logging.INFO if debug else logging.WARNING)
+    if not debug:
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
 # -- optimizer and DeepSpeed config ------------------------------------------------------------
@@ -414,4 +418,5 @@ def train(cfg: DictConfig) -> Optional[Path]:
                 (k for k in last_eval if k.startswith("eval/acc_")), key=lambda k: int(k.rsplit("_", 1)[1])))
             print(f"step {trainer.step}: eval loss {last_eval['eval/loss']:.4f}, top-1 per depth [{accs}], "
                   f"sim tau {last_eval['eval/sim_tau']:.3f}")
+    dist.destroy_process_group()
     return path if d.is_main else None
