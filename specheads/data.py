@@ -184,24 +184,24 @@ def assistant_char_spans(tokenizer, messages: Conversation) -> tuple[str, list[t
     text = render(tokenizer, messages)
     spans, cursor = [], 0
     for i, message in enumerate(messages):
+        anchored = False
         if message["role"] == "assistant":
             # Anchor the search after the generation prompt, so a short answer ("user") cannot
             # be matched inside the template's own header text.
             prefix = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
             if prefix and text.startswith(prefix):
-                cursor = max(cursor, len(prefix))
+                cursor, anchored = max(cursor, len(prefix)), True
         content = message["content"]
-        start = text.find(content, cursor) if content else -1
-        if start < 0 and content.strip():  # some templates strip the content
+        if not content.strip():
+            if anchored:  # an empty answer still ends its turn: train on the end token
+                spans.append((cursor, cursor))
+            continue
+        start = text.find(content, cursor)
+        if start < 0:  # some templates strip the content
             content = content.strip()
             start = text.find(content, cursor)
-        if start < 0:
-            if message["role"] == "assistant" and message["content"].strip():
-                raise SpecHeadsError(
-                    f"the chat template changes the text of assistant message {i}; "
-                    "cannot locate it for the loss mask"
-                )
-            continue
+        if start < 0:  # the template rewrote this message: it gets no loss (rows left with
+            continue   # no assistant token at all are dropped by build_datasets)
         end = start + len(content)
         if message["role"] == "assistant":
             spans.append((start, end))

@@ -76,6 +76,13 @@ def test_answer_equal_to_a_template_word_is_not_matched_in_the_header(tok):
     assert row["loss_mask"] == mask
 
 
+def test_empty_answer_trains_only_its_end_token(tok):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]
+    row = tokenize_conversation(tok, messages, max_length=1000)
+    ids, mask = expected([("user", "Hi"), ("assistant", "")])
+    assert row["input_ids"] == ids and row["loss_mask"] == mask and sum(mask) == 1
+
+
 def test_slow_tokenizer_path_gives_the_same_mask(tok, monkeypatch):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                 {"role": "user", "content": "More"}, {"role": "assistant", "content": "Sure thing"}]

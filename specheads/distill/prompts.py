@@ -127,7 +127,9 @@ class PromptFilter:
 
     def __init__(self, cfg: MagpieConfig, tokenizer, index: Optional[NgramIndex] = None):
         self.cfg, self.index = cfg, index
-        self.special = [t for t in tokenizer.all_special_tokens if t]
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        self.special = sorted({t for t in tokenizer.all_special_tokens if t}
+                              | {t.content for t in added if getattr(t, "special", False) and t.content})
         self.seen: set[str] = set()
         self.counts = {"empty_or_cut": 0, "special": 0, "length": 0, "unprintable": 0,
                        "duplicate": 0, "contaminated": 0}
