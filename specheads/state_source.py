@@ -61,5 +61,9 @@ class OnlineStates:
 
 
 def row_lengths(rows: Sequence[dict]) -> list[int]:
-    column = rows["input_ids"] if hasattr(rows, "column_names") else [r["input_ids"] for r in rows]
-    return [len(ids) for ids in column]
+    """Token count of every row; a `datasets.Dataset` is measured in Arrow, without Python lists."""
+    if hasattr(rows, "with_format") and hasattr(rows, "column_names"):
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(rows.with_format("arrow")["input_ids"]).to_pylist()
+    return [len(r["input_ids"]) for r in rows]

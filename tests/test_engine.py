@@ -115,3 +115,14 @@ def test_loss_falls_through_the_engine(family, world, tiny_target, tmp_path):
     assert [k for k in after if k.startswith("eval/acc_")] == [f"eval/acc_{i}" for i in range(depth)]
     assert 1.0 <= after["eval/sim_tau"] <= 1.0 + depth
     assert all(torch.equal(v, target_before[k]) for k, v in tiny_target.model.state_dict().items())
+
+
+def test_row_lengths_of_a_shuffled_dataset():
+    import datasets
+
+    from specheads.state_source import row_lengths
+
+    ds = datasets.Dataset.from_list([{"input_ids": [1] * n, "loss_mask": [0] * n} for n in range(1, 20)])
+    view = ds.shuffle(seed=3).select(range(5))
+    assert row_lengths(view) == [len(r["input_ids"]) for r in view]
+    assert row_lengths([{"input_ids": [4, 5]}]) == [2]
