@@ -224,6 +224,16 @@ def test_streaming_callback_and_drafted_flags(target, heads, sequences):
     assert any(len(ts) > 1 for ts, _ in seen)
 
 
+def test_typical_acceptance_is_opt_in_and_respects_limits(target, heads, sequences):
+    head = heads["medusa", "trained"]
+    cfg = SamplingConfig(max_new_tokens=20, temperature=0.3, acceptance="typical")
+    assert cfg.rule() == "typical" and SamplingConfig(temperature=0.7).rule() == "speculative"
+    res = speculative_generate(target, make_drafter(head, POLICIES["chain"]), sequences[1:2, :8], cfg,
+                               generator=torch.Generator().manual_seed(0))
+    assert len(res.output_ids) == 20 and max(res.accepted_drafts) >= 1
+    assert sum(res.accept_lengths) == 19
+
+
 def self_drafter(target, policy):
     """Drafts the target's own top-ranked tokens (deterministically) into `policy`'s tree."""
     model = target.model
