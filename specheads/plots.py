@@ -34,7 +34,7 @@ def plot_tau_per_category(summary: dict, path: Path) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_ylabel("tau (tokens per target forward)")
     ax.set_title("Acceptance length per category")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     _save(fig, path)
 
 
@@ -45,6 +45,7 @@ def plot_acceptance_per_depth(rates: Sequence[float], path: Path) -> None:
     ax.bar(depths, rates, color="tab:green")
     for d, r in zip(depths, rates):
         ax.text(d, r + 0.01, f"{r:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(depths)
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("draft depth")
     ax.set_ylabel("P(accepted | reached)")
