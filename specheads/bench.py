@@ -273,6 +273,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     out.write(format_table(summary) + "\n")
     for m, cmp in report.get("identical_to_baseline", {}).items():
         out.write(f"{m}: {cmp['equal']}/{cmp['total']} outputs identical to baseline\n")
+        for d in cmp["divergences"]:
+            out.write(f"  question {d['question_id']}: first differs at token {d['index']} "
+                      f"(target top-2 logit margin there {d['top2_margin']:.4f})\n")
     out.write(f"rows: {paths['rows']}\nsummary: {paths['summary']}\n")
     out.flush()
     return report
