@@ -218,3 +218,85 @@ def collate_features(rows: list[FeatureRow], pad_id: int, dtype: torch.dtype) ->
         for k, v in r.states.items():
             states[k][i, :n] = v.to(dtype)
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}, states
+
+
+def split_dir(directory, split: str) -> Path:
+    return Path(directory) / split
+
+
+def ensure_split_features(target: FrozenTarget, splits: dict, layer_ids, final: bool, directory,
+                          max_length: int, dtype: str = "bfloat16",
+                          data_fingerprint: Optional[str] = None) -> None:
+    """Cache every split under directory/<split>/ unless an up-to-date cache is already there."""
+    expected = feature_cache_key(target, layer_ids, final, max_length)
+    for split, rows in splits.items():
+        where = split_dir(directory, split)
+        if (where / INDEX_NAME).is_file():
+            index = json.loads((where / INDEX_NAME).read_text())
+            if index.get("key") == expected and index.get("data") == data_fingerprint \
+                    and index.get("rows") == len(rows):
+                continue
+        write_features(target, rows, layer_ids, final, where, max_length, dtype=dtype)
+        index = json.loads((where / INDEX_NAME).read_text())
+        index["data"] = data_fingerprint
+        _write_json_atomic(where / INDEX_NAME, index)
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class OfflineStates:
+    """A trainer state source reading cached features instead of running the target.
+
+    Fits the StateSource protocol of specheads.state_source; the cache must hold (at least) the
+    states the head needs and match the target, tokenizer, template and max_length.
+    """
+
+    def __init__(self, directory, target: FrozenTarget, max_length: int, pad_id: int,
+                 device: torch.device, dtype: torch.dtype, splits=("train", "eval")):
+        self.directory, self.pad_id, self.device, self.dtype = Path(directory), pad_id, device, dtype
+        self.caches: dict[str, FeatureCache] = {}
+        for split in splits:
+            where = split_dir(directory, split)
+            if not (where / INDEX_NAME).is_file():
+                if split == "train":
+                    raise SpecHeadsError(f"no feature cache at {where}; write one with distill.py "
+                                         "distill.features=true or point data.features elsewhere")
+                continue
+            cache = FeatureCache(where)
+            found = cache.index.get("key", {})
+            wanted = feature_cache_key(target, found.get("layer_ids", []),
+                                       found.get("final_post_norm", False), max_length)
+            check_key(found, wanted, where)
+            self.caches[split] = cache
+        self._rows: dict[str, list[dict]] = {}
+
+    def rows(self, split: str):
+        if split not in self.caches:
+            return []
+        if split not in self._rows:
+            cache = self.caches[split]
+            self._rows[split] = [{"input_ids": r.input_ids.tolist(), "loss_mask": r.loss_mask.tolist()}
+                                 for r in (cache[i] for i in range(len(cache)))]
+        return self._rows[split]
+
+    def require(self, layer_ids, final: bool) -> None:
+        have = set(self.caches["train"].names)
+        missing = [n for n in state_names(layer_ids, final) if n not in have]
+        if missing:
+            raise SpecHeadsError(f"feature cache {self.directory} lacks {missing} (has {sorted(have)}); "
+                                 "rebuild it for this head's layers")
+        self.wanted = set(int(k) for k in layer_ids) | ({"final"} if final else set())
+
+    def fetch(self, split: str, indices):
+        cache = self.caches[split]
+        rows = [cache[int(i)] for i in indices]
+        for r in rows:
+            r.states = {k: v for k, v in r.states.items() if k in self.wanted}
+        batch, states = collate_features(rows, self.pad_id, self.dtype)
+        return ({k: v.to(self.device) for k, v in batch.items()},
+                {k: v.to(self.device) for k, v in states.items()})

@@ -58,3 +58,36 @@ def test_collate_pads_like_online(tiny_target, tmp_path):
     assert batch["attention_mask"][0].sum() == len(data[0]["input_ids"])
     assert states[2].shape[:2] == batch["input_ids"].shape
     assert torch.equal(states["final"][1], cache[2].states["final"])
+
+
+def test_offline_source_gives_online_losses(tiny_target, tmp_path):
+    from specheads.config import HeadConfig
+    from specheads.features import OfflineStates, ensure_split_features
+    from specheads.heads import build_head
+    from specheads.state_source import OnlineStates
+
+    splits = {"train": rows(6), "eval": rows(2, seed=1)}
+    ensure_split_features(tiny_target, splits, [2, 3, 4], True, tmp_path / "feat", max_length=64,
+                          dtype="float32", data_fingerprint="abc")
+    stamp = (tmp_path / "feat" / "train" / "index.json").stat().st_mtime_ns
+    # an up-to-date cache is reused, not rewritten
+    ensure_split_features(tiny_target, splits, [2, 3, 4], True, tmp_path / "feat", max_length=64,
+                          dtype="float32", data_fingerprint="abc")
+    assert (tmp_path / "feat" / "train" / "index.json").stat().st_mtime_ns == stamp
+    offline = OfflineStates(tmp_path / "feat", tiny_target, 64, 0, torch.device("cpu"), torch.float32)
+    online = OnlineStates(tiny_target, splits, 0)
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(family="eagle3", layer_ids=[2, 3, 4], draft_vocab_size=96, ttt_steps=3),
+                      tiny_target, train_rows=splits["train"])
+    for source in (offline, online):
+        source.require(*head.training_states())
+    assert offline.rows("train") == [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+                                     for r in splits["train"]]
+    for idx in ([0, 3], [5, 1, 2]):
+        (b1, s1), (b2, s2) = offline.fetch("train", idx), online.fetch("train", idx)
+        assert torch.equal(b1["input_ids"], b2["input_ids"]) and torch.equal(b1["loss_mask"], b2["loss_mask"])
+        l1, _ = head.loss(b1, s1)
+        l2, _ = head.loss(b2, s2)
+        torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SpecHeadsError, match="lacks"):
+        offline.require([1], True)
