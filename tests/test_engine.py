@@ -126,3 +126,26 @@ def test_row_lengths_of_a_shuffled_dataset():
     view = ds.shuffle(seed=3).select(range(5))
     assert row_lengths(view) == [len(r["input_ids"]) for r in view]
     assert row_lengths([{"input_ids": [4, 5]}]) == [2]
+
+
+def test_resume_continues_the_same_run_and_refuses_another(world, tiny_target, tmp_path):
+    from specheads.heads import build_head
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    out = tmp_path / "run"
+
+    def trainer(family, **train):
+        cfg = job(family, data, out, max_steps=4, **train)
+        torch.manual_seed(0)
+        source = open_state_source(cfg, tiny_target, world)
+        return Trainer(cfg, build_head(cfg.head, tiny_target, train_rows=source.rows("train")), source, world, out)
+
+    first = trainer("medusa")
+    for _ in range(2):
+        first.train_step()
+    first.save()
+    second = trainer("medusa")
+    assert second.resume() == 2
+    assert all(torch.equal(a, b) for a, b in zip(first.head.parameters(), second.head.parameters()))
+    with pytest.raises(SpecHeadsError, match="different run.*grad_accum 1 -> 2"):
+        trainer("medusa", grad_accum=2).resume()

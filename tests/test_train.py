@@ -65,6 +65,12 @@ def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
     assert (out / ".hydra" / "config.yaml").is_file()  # Hydra's own files stay inside output_dir
     if family == "eagle3":
         assert any((out / "wandb").glob("offline-run-*"))
+    if family == "medusa":  # the same command again: nothing left to train, the head is written again
+        logged = (out / "metrics.jsonl").read_text()
+        again = run(proc.args)
+        assert "resuming from step 3" in again.stderr
+        assert (out / "metrics.jsonl").read_text() == logged  # no step was trained twice
+        assert_head_written(again, out)
 
 
 def test_two_ranks_zero2_on_cpu(tmp_path):
