@@ -15,14 +15,14 @@ from specheads.distill.config import DistillConfig, MagpieConfig
 from specheads.distill.decontaminate import (NgramIndex, decontaminate, decontaminate_prompts,
                                              resolve_eval_files)
 from specheads.distill.generation import generate
-from specheads.distill.prompts import (PromptFilter, dataset_prompts, end_of_turn_ids, magpie_prompts,
-                                       user_turn_prefix)
+from specheads.distill.prompts import (TASK_TYPES, PromptFilter, dataset_prompts, end_of_turn_ids,
+                                       magpie_prompts, trim_to_sentence, user_turn_prefix)
 from specheads.distill.regenerate import run_distillation
 from specheads.errors import SpecHeadsError
 
 ROOT = Path(__file__).resolve().parents[1]
 # A random-weight target writes random bytes: keep only dedup, not the quality filter.
-RELAXED = MagpieConfig(min_words=0, min_printable=0.0, require_end=False, max_new_tokens=12)
+RELAXED = MagpieConfig(min_words=0, min_printable=0.0, cut="keep", max_new_tokens=12)
 LONG = "please write a short poem about the quiet autumn rain falling on the old stone bridge tonight"
 
 
@@ -113,11 +113,26 @@ def test_batched_greedy_equals_unbatched_and_transformers_generate(tiny_target):
 def test_sampling_is_seeded(tiny_target):
     model, tok = tiny_target.model, tiny_target.tokenizer
     prompts = prompt_ids(tok, ["hello"] * 6)
-    run = lambda seed: [g.tokens for g in generate(model, prompts, max_new_tokens=8, stop_ids=[258],  # noqa: E731
-                                                   pad_id=256, temperature=1.0, top_p=0.9, seed=seed)]
+    def run(seed):
+        return [g.tokens for g in generate(model, prompts, max_new_tokens=8, stop_ids=[258], pad_id=256,
+                                           temperature=1.0, top_p=0.9, seed=seed)]
+
     assert run(1) == run(1)
     assert run(1) != run(2)
     assert len({tuple(t) for t in run(1)}) > 1
+
+
+def test_top_p_keeps_only_the_nucleus():
+    from specheads.distill.generation import _pick
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(2000, 1)
+    picked = _pick(logits, 1.0, 0.8, g)
+    assert set(picked.tolist()) == {0, 1}
+    assert abs((picked == 0).float().mean().item() - 0.5 / 0.8) < 0.05
+    # A flat distribution needs more candidates than the first top-k guess: it must widen.
+    picked = _pick(torch.zeros(4000, 3000), 1.0, 0.5, g)
+    assert 512 < len(set(picked.tolist())) <= 1501
 
 
 # -- prompts --------------------------------------------------------------------------------------
@@ -144,6 +159,12 @@ def test_prompt_filter(tiny_target):
                         "duplicate": 1, "contaminated": 0}
 
 
+def test_cut_prompts_are_trimmed_to_their_last_sentence():
+    assert trim_to_sentence('I need help. Can you say "hi!" to Bob? Then write a') == 'I need help. Can you say "hi!" to Bob?'
+    assert trim_to_sentence("Version 2.5 of the tool is") == ""
+    assert trim_to_sentence("Done.") == "Done."
+
+
 def test_magpie_prompts_are_produced_and_deduplicated(tiny_target):
     greedy = replace(RELAXED, temperature=0.0, conditioned=False, max_rounds=2)
     f = PromptFilter(greedy, tiny_target.tokenizer)
@@ -153,14 +174,14 @@ def test_magpie_prompts_are_produced_and_deduplicated(tiny_target):
     f = PromptFilter(RELAXED, tiny_target.tokenizer)
     kept = magpie_prompts(tiny_target, 6, RELAXED, f, seed=0, batch_size=8)
     assert len(kept) == 6 and len({p["prompt"] for p in kept}) == 6
-    assert all(p["category"] in __import__("specheads.distill.prompts", fromlist=["x"]).TASK_TYPES
-               for p in kept)
+    assert all(p["category"] in TASK_TYPES for p in kept)
 
 
 def test_dataset_prompts_formats(tmp_path):
     fastchat = questions(tmp_path / "q.jsonl", ["first turn", "other"])
     sharegpt = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [
-        {"from": "system", "value": "sys"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}])
+        {"from": "system", "value": "sys"}, {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "yo"}]}])
     plain = write_jsonl(tmp_path / "p.jsonl", [{"question": "What is 2+2?", "answer": "4"}])
     assert [p["prompt"] for p in dataset_prompts(str(fastchat))] == ["first turn", "other"]
     assert dataset_prompts(str(sharegpt)) == [{"prompt": "hi", "category": "dataset"}]
@@ -274,11 +295,11 @@ def test_distill_cli_end_to_end(tmp_path):
     proc = run_cli("model=tiny-random", f"distill.prompts={src}", "distill.num_prompts=3",
                    "distill.max_new_tokens=8", f"distill.output={out}", "distill.turns=2",
                    "distill.magpie.min_words=0", "distill.magpie.min_printable=0",
-                   "distill.magpie.require_end=false", cwd=tmp_path)
+                   "distill.magpie.cut=keep", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(out)
     rows = load_conversations(str(out))
-    assert sorted(r[0]["content"] for r in rows) == sorted(["Tell me a joke.", "What is rain?", "Name a color."])
+    assert sorted(r[0]["content"] for r in rows) == ["Name a color.", "Tell me a joke.", "What is rain?"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "q.jsonl"]  # nothing else written
 
 

@@ -38,7 +38,7 @@ def builtin_distill_config(data_cfg, output: Path, random_weights: bool = False)
     """
     magpie = MagpieConfig()
     if random_weights:
-        magpie = MagpieConfig(min_words=0, min_printable=0.0, require_end=False)
+        magpie = MagpieConfig(min_words=0, min_printable=0.0, cut="keep")
     return DistillConfig(
         magpie=magpie,
         prompts="magpie",

@@ -17,17 +17,19 @@ class MagpieConfig:
 
     temperature: float = 1.0
     top_p: float = 0.95
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48
     # Condition each prompt on a topic x task type placed in a varied system prompt (diversity).
     conditioned: bool = True
     # Generate this many candidates per needed prompt (filters and dedup drop some).
-    oversample: float = 1.4
+    oversample: float = 1.1
     max_rounds: int = 4
     # Quality filter.
     min_words: int = 3
     max_words: int = 200
     min_printable: float = 0.95
-    require_end: bool = True  # drop prompts cut off by max_new_tokens
+    # A prompt cut off by max_new_tokens: "trim" it to its last complete sentence, "drop" it,
+    # or "keep" it as it is. Trimming saves the generation spent on long prompts.
+    cut: str = "trim"
 
 
 @dataclass

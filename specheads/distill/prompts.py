@@ -8,6 +8,7 @@ a task type placed in one of several system prompts, and sampled at temperature 
 from __future__ import annotations
 
 import random
+import re
 from typing import Optional
 
 from ..errors import SpecHeadsError
@@ -17,7 +18,7 @@ from .generation import generate
 
 # Written for this project (not taken from any evaluation set): what kind of request to write.
 TASK_TYPES = {
-    "writing": "asks for a piece of writing, such as an email, a blog post, a poem, a speech or a short story",
+    "writing": "asks for a piece of writing: an email, a blog post, a poem, a speech or a short story",
     "roleplay": "asks the assistant to play a character or act out a scenario",
     "reasoning": "asks a puzzle or a question that needs careful step-by-step reasoning",
     "math": "asks a math problem (arithmetic, algebra, geometry, probability or statistics)",
@@ -66,7 +67,7 @@ SYSTEM_TEMPLATES = [
     "Conversation topic: {topic}. The user {task}.",
     "You are a friendly assistant who helps people with {topic}. In this conversation the user {task}.",
     "You answer questions from curious people. Today's user is interested in {topic} and {task}.",
-    "You are a knowledgeable assistant. The next message is from a user who {task}, on the subject of {topic}.",
+    "You are a knowledgeable assistant. The next message is from a user who {task}, about {topic}.",
     "You are a chatbot. The user {task}. Subject: {topic}.",
 ]
 
@@ -143,7 +144,7 @@ class PromptFilter:
         quality=False checks only emptiness, duplicates and contamination (data set prompts).
         """
         cfg = self.cfg
-        if not text.strip() or (quality and cfg.require_end and not finished):
+        if not text.strip() or (quality and cfg.cut != "keep" and not finished):
             return "empty_or_cut"
         if quality:
             if any(t in text for t in self.special):
@@ -192,12 +193,12 @@ def magpie_prompts(target, n: int, cfg: MagpieConfig, prompt_filter: PromptFilte
                     for _, s in systems]
         ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes]
         outs = generate(model, ids, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
-                        pad_id=_pad_id(tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
+                        pad_id=pad_token_id(tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
                         batch_size=batch_size, seed=rng.randrange(2**31),
                         desc=f"{desc} round {round_ + 1}" if desc else None)
         for (task, _), out in zip(systems, outs):
-            text = tokenizer.decode(out.tokens, skip_special_tokens=False).strip()
-            if len(kept) < n and prompt_filter.accept(text, out.finished):
+            text, finished = _cut(tokenizer.decode(out.tokens, skip_special_tokens=False), out.finished, cfg)
+            if len(kept) < n and prompt_filter.accept(text, finished):
                 kept.append({"prompt": text, "category": task})
     return kept
 
@@ -212,13 +213,29 @@ def follow_up_prompts(target, conversations: list[list[dict]], cfg: MagpieConfig
                                  + conversation) for conversation in conversations]
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes]
     outs = generate(model, ids, max_new_tokens=cfg.max_new_tokens, stop_ids=end_of_turn_ids(tokenizer, model),
-                    pad_id=_pad_id(tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
+                    pad_id=pad_token_id(tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
                     batch_size=batch_size, seed=rng.randrange(2**31), desc=desc)
     result = []
     for out in outs:
-        text = tokenizer.decode(out.tokens, skip_special_tokens=False).strip()
-        result.append(text if prompt_filter.accept(text, out.finished) else None)
+        text, finished = _cut(tokenizer.decode(out.tokens, skip_special_tokens=False), out.finished, cfg)
+        result.append(text if prompt_filter.accept(text, finished) else None)
     return result
+
+
+_SENTENCE_END = re.compile(r"[.?!][\"')\]]*(?=\s|$)")
+
+
+def trim_to_sentence(text: str) -> str:
+    """The text up to its last complete sentence ("" when it has none)."""
+    ends = list(_SENTENCE_END.finditer(text))
+    return text[: ends[-1].end()].strip() if ends else ""
+
+
+def _cut(text: str, finished: bool, cfg: MagpieConfig) -> tuple[str, bool]:
+    text = text.strip()
+    if not finished and cfg.cut == "trim":
+        return trim_to_sentence(text), True
+    return text, finished
 
 
 def dataset_prompts(path: str, format: str = "auto", split: str = "train") -> list[dict]:
@@ -242,7 +259,7 @@ def dataset_prompts(path: str, format: str = "auto", split: str = "train") -> li
     return prompts
 
 
-def _pad_id(tokenizer) -> int:
+def pad_token_id(tokenizer) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise SpecHeadsError("the tokenizer has neither a pad nor an eos token")

@@ -30,8 +30,8 @@ from ..errors import SpecHeadsError
 from .config import DistillConfig
 from .decontaminate import build_index, resolve_eval_files
 from .generation import generate
-from .prompts import (PromptFilter, _pad_id, dataset_prompts, end_of_turn_ids, follow_up_prompts,
-                      magpie_prompts)
+from .prompts import (PromptFilter, dataset_prompts, end_of_turn_ids, follow_up_prompts,
+                      magpie_prompts, pad_token_id)
 
 PIPELINE_VERSION = 1
 MANIFEST = "manifest.json"
@@ -113,7 +113,7 @@ def answer(target, conversations: list[list[dict]], cfg: DistillConfig, seed: in
     ids = [tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
                      add_special_tokens=False)["input_ids"] for c in conversations]
     outs = generate(target.model, ids, max_new_tokens=cfg.max_new_tokens,
-                    stop_ids=end_of_turn_ids(tokenizer, target.model), pad_id=_pad_id(tokenizer),
+                    stop_ids=end_of_turn_ids(tokenizer, target.model), pad_id=pad_token_id(tokenizer),
                     temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
                     seed=seed, desc=desc)
     return [(tokenizer.decode(o.tokens, skip_special_tokens=True), o.finished) for o in outs]
@@ -252,6 +252,7 @@ def _check(cfg: DistillConfig) -> None:
         (cfg.num_prompts is None or cfg.num_prompts >= 1, "distill.num_prompts must be >= 1"),
         (0.0 < cfg.top_p <= 1.0, "distill.top_p must be in (0, 1]"),
         (0.0 < cfg.magpie.top_p <= 1.0, "distill.magpie.top_p must be in (0, 1]"),
+        (cfg.magpie.cut in ("trim", "drop", "keep"), "distill.magpie.cut must be trim, drop or keep"),
         (cfg.temperature >= 0.0, "distill.temperature must be >= 0"),
     ]
     for ok, message in checks:

@@ -26,4 +26,4 @@ def distill(cfg) -> Path:
 
 def cache_features(job: DistillJobConfig, target, data_dir: Path) -> Path:
     """Offline hidden-state caching of the distilled conversations (the hook for distill.features)."""
-    raise SpecHeadsError("distill.features.enabled: offline feature caching is not available in distill.py yet")
+    raise SpecHeadsError("distill.features.enabled: offline feature caching is not available yet")
