@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
+from tqdm.auto import tqdm
 
 from .config import DataConfig
 from .errors import SpecHeadsError
@@ -217,7 +218,7 @@ def tokenize_conversation(tokenizer, messages: Conversation, max_length: int) ->
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
     else:
         ids, offsets = _tokenize_pieces(tokenizer, text, spans)
-    end_ids = _end_of_turn_ids(tokenizer)
+    end_ids = special_token_ids(tokenizer)
     mask = [0] * len(ids)
     k = 0
     for start, end in spans:
@@ -234,8 +235,8 @@ def tokenize_conversation(tokenizer, messages: Conversation, max_length: int) ->
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
 
 
-def _end_of_turn_ids(tokenizer) -> set[int]:
-    """Special tokens that may close an assistant turn (eos, <|im_end|>, <|eot_id|>, ...)."""
+def special_token_ids(tokenizer) -> set[int]:
+    """Special tokens (eos, <|im_end|>, <|eot_id|>, ...): the ones that may close a turn."""
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -285,7 +286,7 @@ def build_datasets(data_cfg: DataConfig, tokenizer, target=None):
     if data_cfg.max_examples is not None:
         order = order[: data_cfg.max_examples]
     rows = []
-    for i in order:
+    for i in tqdm(order, desc="tokenizing", unit="conv", leave=False, disable=len(order) < 2000):
         row = tokenize_conversation(tokenizer, conversations[i], data_cfg.max_length)
         if any(row["loss_mask"]):
             rows.append(row)

@@ -83,6 +83,37 @@ def test_empty_answer_trains_only_its_end_token(tok):
     assert row["input_ids"] == ids and row["loss_mask"] == mask and sum(mask) == 1
 
 
+def test_mask_with_another_template_that_strips_content():
+    tok = byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] | trim }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  Hello you \n"}]
+    row = tokenize_conversation(tok, messages, max_length=1000)
+    text = "[user] Hi\n[assistant] Hello you\n"
+    assert tok.decode(row["input_ids"]) == text
+    start = text.index("Hello you")
+    # No end-of-turn token in this template: exactly the stripped answer is trained on.
+    assert row["loss_mask"] == [int(start <= i < start + len("Hello you")) for i in range(len(text))]
+
+
+@pytest.mark.slow
+def test_smollm2_mask_covers_exactly_the_answers(smollm2_target):
+    tok = smollm2_target.tokenizer
+    messages = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."},
+                {"role": "user", "content": "Another?"}, {"role": "assistant", "content": " A pear, maybe.\n"}]
+    row = tokenize_conversation(tok, messages, max_length=1000)
+    ids = row["input_ids"]
+    assert ids == tok.apply_chat_template(messages, tokenize=True)["input_ids"]
+    spans, current = [], []
+    for token, m in zip(ids, row["loss_mask"]):
+        if m:
+            current.append(token)
+        elif current:
+            spans.append(tok.decode(current))
+            current = []
+    assert spans == ["An apple.<|im_end|>", " A pear, maybe.\n<|im_end|>"]
+
+
 def test_slow_tokenizer_path_gives_the_same_mask(tok, monkeypatch):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                 {"role": "user", "content": "More"}, {"role": "assistant", "content": "Sure thing"}]

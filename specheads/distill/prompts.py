@@ -11,6 +11,7 @@ import random
 import re
 from typing import Optional
 
+from ..data import first_user_turn, iter_rows, row_to_conversation, special_token_ids
 from ..errors import SpecHeadsError
 from .config import MagpieConfig
 from .decontaminate import NgramIndex, PROMPT_KEYS, words
@@ -101,7 +102,7 @@ def end_of_turn_ids(tokenizer, model=None) -> set[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
     after = text[text.index(SENTINEL) + len(SENTINEL):]
     after_ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    if after_ids and after_ids[0] in set(tokenizer.all_special_ids):
+    if after_ids and after_ids[0] in special_token_ids(tokenizer):
         ids.add(int(after_ids[0]))
     if not ids:
         raise SpecHeadsError("the tokenizer has no end-of-turn token (eos); cannot generate")
@@ -128,9 +129,7 @@ class PromptFilter:
 
     def __init__(self, cfg: MagpieConfig, tokenizer, index: Optional[NgramIndex] = None):
         self.cfg, self.index = cfg, index
-        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
-        self.special = sorted({t for t in tokenizer.all_special_tokens if t}
-                              | {t.content for t in added if getattr(t, "special", False) and t.content})
+        self.special = [t for t in tokenizer.convert_ids_to_tokens(sorted(special_token_ids(tokenizer))) if t]
         self.seen: set[str] = set()
         self.counts = {"empty_or_cut": 0, "special": 0, "length": 0, "unprintable": 0,
                        "duplicate": 0, "contaminated": 0}
@@ -241,8 +240,6 @@ def _cut(text: str, finished: bool, cfg: MagpieConfig) -> tuple[str, bool]:
 def dataset_prompts(path: str, format: str = "auto", split: str = "train") -> list[dict]:
     """First user turn of every row: ShareGPT, OpenAI, FastChat question.jsonl ("turns") or
     {"prompt"|"question"|"instruction"} rows. [{"prompt", "category"}]."""
-    from ..data import first_user_turn, iter_rows, row_to_conversation
-
     prompts = []
     for where, row in iter_rows(path, split):
         category = "dataset"
