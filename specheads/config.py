@@ -85,25 +85,29 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 600
+    """Optimisation and bookkeeping. The defaults fit the embedded default run (`python train.py`:
+    SmolLM2-135M + EAGLE-3 on the built-in data) into about 10 minutes on a 2-core CPU; cluster
+    runs set max_steps (or epochs), batch_size and grad_accum for their data."""
+
+    max_steps: int = 60
+    # when set, the number of steps comes from epochs over the training split (max_steps ignored)
     epochs: Optional[float] = None
-    batch_size: int = 4
+    batch_size: int = 4  # rows per rank per micro-batch
     grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 6
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # sort rows by length inside windows of batches (less padding, order still random)
     group_by_length: bool = True
-    eval_every: int = 200
+    eval_every: int = 200  # 0 = only at the end (there is always a final evaluation)
     # per rank; null = the whole eval split
-    eval_batches: Optional[int] = 8
-    save_every: int = 200
-    log_every: int = 10
-    keep_checkpoints: int = 2
-    num_workers: int = 0
+    eval_batches: Optional[int] = 4
+    save_every: int = 50  # 0 = only at the end (there is always a final checkpoint)
+    log_every: int = 5
+    keep_checkpoints: int = 2  # 0 = keep all
 
 
 @dataclass

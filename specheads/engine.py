@@ -353,14 +353,18 @@ class Trainer:
 # -- the whole job -----------------------------------------------------------------------------
 
 def open_state_source(cfg: DictConfig, target, d: Dist) -> StateSource:
-    """Online states from the target over build_datasets rows. (Offline features: data.features.)"""
+    """Offline features when data.features names a cache, else online target states over
+    build_datasets rows."""
+    pad_id = target.tokenizer.pad_token_id
     if cfg.data.get("features"):
-        raise SpecHeadsError("offline features (data.features) are not supported by this trainer yet")
+        from .features import OfflineStates
+
+        return OfflineStates(cfg.data.features, target, int(cfg.data.max_length), pad_id=pad_id,
+                             device=d.device, dtype=target.dtype)
     from .data import build_datasets
 
     with main_rank_first(d):
         train_rows, eval_rows = build_datasets(cfg.data, target.tokenizer, target=target)
-    pad_id = target.tokenizer.pad_token_id
     return OnlineStates(target, {"train": train_rows, "eval": eval_rows}, pad_id=pad_id)
 
 

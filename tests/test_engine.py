@@ -10,6 +10,7 @@ from specheads.config import TrainJobConfig
 from specheads.engine import Trainer, deepspeed_config, open_state_source, setup_distributed
 from specheads.errors import SpecHeadsError
 from specheads.schedule import WarmupCosine
+from specheads.state_source import OnlineStates
 from test_train import write_conversations
 
 
@@ -149,3 +150,33 @@ def test_resume_continues_the_same_run_and_refuses_another(world, tiny_target, t
     assert all(torch.equal(a, b) for a, b in zip(first.head.parameters(), second.head.parameters()))
     with pytest.raises(SpecHeadsError, match="different run.*grad_accum 1 -> 2"):
         trainer("medusa", grad_accum=2).resume()
+
+
+def test_offline_features_feed_the_same_trainer(world, tiny_target, tmp_path):
+    """data.features swaps the online target forwards for a feature cache: same batches, same states."""
+    from specheads.data import build_datasets
+    from specheads.features import ensure_split_features
+    from specheads.heads import build_head
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    cfg = job("eagle3", data, tmp_path / "run", max_steps=10)
+    train_rows, eval_rows = build_datasets(cfg.data, tiny_target.tokenizer)
+    torch.manual_seed(0)
+    head = build_head(cfg.head, tiny_target, train_rows=train_rows)
+    layer_ids, final = head.training_states()
+    ensure_split_features(tiny_target, {"train": train_rows, "eval": eval_rows}, layer_ids, final,
+                          tmp_path / "features", int(cfg.data.max_length), dtype="float32")
+    cfg.data.features = str(tmp_path / "features")
+    offline = open_state_source(cfg, tiny_target, world)
+    online = OnlineStates(tiny_target, {"train": train_rows, "eval": eval_rows}, tiny_target.tokenizer.pad_token_id)
+    online.require(layer_ids, final)
+    offline.require(layer_ids, final)
+    (b1, s1), (b2, s2) = offline.fetch("train", [3, 0]), online.fetch("train", [3, 0])
+    assert all(torch.equal(b1[k], b2[k]) for k in b2)
+    mask = b2["attention_mask"].bool()
+    assert all(torch.allclose(s1[k][mask], s2[k][mask], atol=1e-5) for k in s2)
+    trainer = Trainer(cfg, head, offline, world, tmp_path / "run")
+    before = trainer.evaluate()["eval/loss"]
+    for _ in range(10):
+        trainer.train_step()
+    assert trainer.evaluate()["eval/loss"] < before
