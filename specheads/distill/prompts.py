@@ -191,9 +191,11 @@ def magpie_prompts(target, n: int, cfg: MagpieConfig, prompt_filter: PromptFilte
         prefixes = [user_turn_prefix(tokenizer, [{"role": "system", "content": s}] if s else [])
                     for _, s in systems]
         ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes]
+        # The few oversampled extras ride in the same batch instead of a small batch of their own.
+        batch = count if count <= batch_size * 1.25 else batch_size
         outs = generate(model, ids, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
                         pad_id=pad_token_id(tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
-                        batch_size=batch_size, seed=rng.randrange(2**31),
+                        batch_size=batch, seed=rng.randrange(2**31),
                         desc=f"{desc} round {round_ + 1}" if desc else None)
         for (task, _), out in zip(systems, outs):
             text, finished = _cut(tokenizer.decode(out.tokens, skip_special_tokens=False), out.finished, cfg)
