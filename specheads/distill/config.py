@@ -37,7 +37,16 @@ class FeaturesConfig:
     """Offline hidden-state caching after regeneration (off by default)."""
 
     enabled: bool = False
-    output: Optional[str] = None
+    output: Optional[str] = None  # default: <distill.output>/features
+    # Which states to cache (our convention); null = the EAGLE-3 default [2, L//2, L-3]. The
+    # post-norm final state is cached too, so one cache serves Medusa, EAGLE-1 and EAGLE-3.
+    layer_ids: Optional[list[int]] = None
+    final: bool = True
+    dtype: str = "bfloat16"
+    # Must equal train.py's data.max_length / eval_fraction / shuffle_seed for the same split.
+    max_length: int = 512
+    eval_fraction: float = 0.05
+    shuffle_seed: int = 0
 
 
 @dataclass

@@ -25,5 +25,24 @@ def distill(cfg) -> Path:
 
 
 def cache_features(job: DistillJobConfig, target, data_dir: Path) -> Path:
-    """Offline hidden-state caching of the distilled conversations (the hook for distill.features)."""
-    raise SpecHeadsError("distill.features.enabled: offline feature caching is not available yet")
+    """Cache the target's states over the distilled conversations, split as train.py splits them.
+
+    Train from it with `python train.py data.path=DATA_DIR data.features=FEATURES_DIR`.
+    """
+    from ..config import DataConfig
+    from ..data import build_datasets
+    from ..features import ensure_split_features
+    from ..heads.spec import default_layer_ids
+
+    feats = job.distill.features
+    out = Path(feats.output) if feats.output else data_dir / "features"
+    layer_ids = feats.layer_ids or default_layer_ids("eagle3", target.info.num_layers)
+    data_cfg = DataConfig(name="distilled", path=str(data_dir), max_length=feats.max_length,
+                          eval_fraction=feats.eval_fraction, shuffle_seed=feats.shuffle_seed,
+                          decontaminate=list(job.distill.decontaminate))
+    train_rows, eval_rows = build_datasets(data_cfg, target.tokenizer, target=target)
+    ensure_split_features(target, {"train": train_rows, "eval": eval_rows}, layer_ids, feats.final, out,
+                          feats.max_length, dtype=feats.dtype,
+                          data_fingerprint=getattr(train_rows, "_fingerprint", None))
+    print(f"features: {out}")
+    return out
