@@ -29,8 +29,12 @@ from .infer_config import InferJobConfig
 SPEC_FIELDS = ("accept_lengths", "accepted_drafts", "tree_depths", "tree_sizes")
 
 
-def read_questions(path: str | os.PathLike, limit: Optional[int] = None) -> list[dict]:
-    """FastChat question.jsonl rows: question_id, category, turns (the first turn is used)."""
+def read_questions(path: str | os.PathLike, limit: Optional[int] = None,
+                   per_category: Optional[int] = None) -> list[dict]:
+    """FastChat question.jsonl rows: question_id, category, turns (the first turn is used).
+
+    per_category keeps the first N questions of every category (a quick run that still covers all).
+    """
     p = Path(path)
     if not p.is_file():
         raise SpecHeadsError(f"questions file {path} does not exist")
@@ -46,8 +50,10 @@ def read_questions(path: str | os.PathLike, limit: Optional[int] = None) -> list
             turns = row.get("turns") if isinstance(row, dict) else None
             if not turns or not isinstance(turns, list) or "question_id" not in row:
                 raise SpecHeadsError(f"{path}:{n} needs question_id and a non-empty turns list (FastChat format)")
-            rows.append({"question_id": row["question_id"], "category": row.get("category", "all") or "all",
-                         "prompt": str(turns[0])})
+            category = row.get("category", "all") or "all"
+            if per_category is not None and sum(r["category"] == category for r in rows) >= per_category:
+                continue
+            rows.append({"question_id": row["question_id"], "category": category, "prompt": str(turns[0])})
             if limit is not None and len(rows) >= limit:
                 break
     if not rows:
@@ -202,7 +208,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
 
     b = settings.bench
     target = session.target
-    questions = read_questions(b.questions, b.limit)
+    questions = read_questions(b.questions, b.limit, b.per_category)
     paths = output_paths(b.output)
     paths["rows"].parent.mkdir(parents=True, exist_ok=True)
     eos = eos_token_ids(target)

@@ -47,6 +47,7 @@ class BenchConfig:
     prompt_lookup_num_tokens: int = 10
     prompt_lookup_max_ngram: int = 2
     limit: Optional[int] = None
+    per_category: Optional[int] = None
     warmup: int = 1
     plots: bool = True
 

@@ -154,3 +154,14 @@ def test_run_benchmark_in_process(tmp_path, target, family):
     text = "".join(lines)
     assert "vs base" in text and "spec: 3/3 outputs identical to baseline" in text
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_per_category_keeps_the_first_questions_of_every_category(tmp_path):
+    from specheads.bench import read_questions
+
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}"]}
+            for i, c in enumerate(["a", "a", "a", "b", "b", "c"])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    picked = read_questions(path, per_category=2)
+    assert [q["question_id"] for q in picked] == [0, 1, 3, 4, 5]
