@@ -116,19 +116,32 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Optional[Path]:
             ax_loss.plot(xs, ys, style, label=key, markersize=3)
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_loss.legend()
-    depth_keys = sorted({k for r in records for k in r if k.startswith("eval/acc_")},
-                        key=lambda k: int(k.rsplit("_", 1)[1]))
-    for key in depth_keys:
-        xs, ys = series(key)
-        ax_acc.plot(xs, ys, "o-", label=f"depth {key.rsplit('_', 1)[1]}", markersize=3)
+    # eval accuracy per draft depth (points), and the head's own training accuracy per depth
+    # (dashed, same colour), which shows the trend between the few evaluations
+    def depth(key):
+        return int(key.rsplit("_", 1)[1])
+
+    eval_keys = sorted({k for r in records for k in r if k.startswith("eval/acc_")}, key=depth)
+    train_keys = sorted({k for r in records for k in r if k.startswith("train/acc_")}, key=depth)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for key in sorted(set(map(depth, eval_keys)) | set(map(depth, train_keys))):
+        color = colors[key % len(colors)]
+        xs, ys = series(f"eval/acc_{key}")
+        if xs:
+            ax_acc.plot(xs, ys, "o-", color=color, label=f"depth {key}", markersize=4)
+        xs, ys = series(f"train/acc_{key}")
+        if xs:
+            ax_acc.plot(xs, ys, "--", color=color, alpha=0.6, label=None if eval_keys else f"depth {key}")
     xs, ys = series("eval/sim_tau")
-    if xs:
-        ax_acc.set_title(f"eval top-1 per depth (sim tau {ys[-1]:.2f} at step {xs[-1]})")
-    else:
-        ax_acc.set_title("eval top-1 per depth")
-    ax_acc.set(xlabel="step", ylabel="top-1 accuracy", ylim=(0, 1))
-    if depth_keys:
-        ax_acc.legend(fontsize=8)
+    ax_acc.set_title(f"top-1 per depth (eval sim tau {ys[-1]:.2f} at step {xs[-1]})" if xs else "top-1 per depth")
+    last_step = max(r["step"] for r in records)
+    for ax in (ax_loss, ax_acc):
+        ax.set_xlim(0, max(1, last_step) * 1.03)
+    accs = [v for k in eval_keys + train_keys for v in series(k)[1]]
+    ax_acc.set(xlabel="step", ylabel="top-1 accuracy (dots: eval, dashed: train)",
+               ylim=(0, min(1.0, 1.2 * max(accs, default=1.0) + 0.02)))
+    if eval_keys or train_keys:
+        ax_acc.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     png_path = Path(png_path)
     fd, tmp = tempfile.mkstemp(dir=png_path.parent, prefix=f".{png_path.name}.", suffix=".png")
