@@ -28,7 +28,7 @@ demo: setup
 		bench.output=$(DEMO_DIR)/bench/mt_bench.jsonl bench.max_new_tokens=64 bench.per_category=2
 
 test: setup
-	$(PY) -m pytest tests -x -q -p no:cacheprovider
+	$(PY) -m pytest tests -x -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) runs outputs
