@@ -89,12 +89,12 @@ class TrainConfig:
     SmolLM2-135M + EAGLE-3 on the built-in data) into about 10 minutes on a 2-core CPU; cluster
     runs set max_steps (or epochs), batch_size and grad_accum for their data."""
 
-    max_steps: int = 60
+    max_steps: int = 70
     # when set, the number of steps comes from epochs over the training split (max_steps ignored)
     epochs: Optional[float] = None
     batch_size: int = 4  # rows per rank per micro-batch
     grad_accum: int = 1
-    lr: float = 2e-3
+    lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     warmup_steps: int = 6
     weight_decay: float = 0.0
