@@ -89,7 +89,7 @@ class TrainConfig:
     SmolLM2-135M + EAGLE-3 on the built-in data) into about 10 minutes on a 2-core CPU; cluster
     runs set max_steps (or epochs), batch_size and grad_accum for their data."""
 
-    max_steps: int = 70
+    max_steps: int = 60
     # when set, the number of steps comes from epochs over the training split (max_steps ignored)
     epochs: Optional[float] = None
     batch_size: int = 4  # rows per rank per micro-batch
