@@ -79,6 +79,7 @@ def config_error_line(err: BaseException) -> str:
 def run_hydra_main(main: Callable[[], None], argv: list[str] | None = None) -> None:
     """Call a @hydra.main function (whose task is wrapped in `job`) with one-line config errors."""
     sys.argv = strip_launcher_args(sys.argv if argv is None else argv)
+    _state["composing"] = True
     if os.environ.get(_FULL_ERROR) == "1":
         main()
         return
