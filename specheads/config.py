@@ -94,7 +94,7 @@ class TrainConfig:
     epochs: Optional[float] = None
     batch_size: int = 4  # rows per rank per micro-batch
     grad_accum: int = 1
-    lr: float = 1e-3
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     warmup_steps: int = 6
     weight_decay: float = 0.0
