@@ -21,11 +21,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The default job: the target writes and answers its own prompts (cached), an EAGLE-3 head trains
-# on them, then a quick benchmark (2 MT-bench questions per category) against plain decoding.
+# on them, its tree is calibrated on this machine, then a quick benchmark (1 MT-bench question per
+# category) against plain decoding and prompt lookup.
 demo: setup
 	$(PY) train.py output_dir=$(DEMO_DIR)
-	$(PY) infer.py head=$(DEMO_DIR)/head bench.questions=$(EVAL)/mt_bench_question.jsonl \
-		bench.output=$(DEMO_DIR)/bench/mt_bench.jsonl bench.max_new_tokens=64 bench.per_category=2
+	$(PY) infer.py head=$(DEMO_DIR)/head tree=auto tree.calibration_prompts=4 \
+		bench.questions=$(EVAL)/mt_bench_question.jsonl bench.output=$(DEMO_DIR)/bench/mt_bench.jsonl \
+		bench.max_new_tokens=64 bench.per_category=1
 
 test: setup
 	$(PY) -m pytest tests -x -p no:cacheprovider

@@ -159,6 +159,39 @@ def acceptance_per_depth(rows: Sequence[dict]) -> list[float]:
     return [accepted[d] / reached[d] for d in sorted(reached) if reached[d]]
 
 
+def cost_breakdown(rows: Sequence[dict]) -> Optional[dict]:
+    """Where a speculative step's time goes, against one plain decoding step.
+
+    speedup = tau * base_step / (draft + verify), so the three terms are the head's acceptance
+    (tau), the drafting cost and the cost of verifying a whole tree instead of one token. The
+    tau needed to break even is (draft + verify) / base_step.
+    """
+    spec = [r for r in rows if r["method"] == "spec" and r["target_forwards"]]
+    base = [r for r in rows if r["method"] == "baseline" and r["target_forwards"]]
+    if not spec or not base:
+        return None
+    steps = sum(r["target_forwards"] for r in spec)
+    draft = sum(r["draft_s"] for r in spec) / steps
+    verify = sum(r["verify_s"] for r in spec) / steps
+    # a plain step: everything after the prefill, per decode forward (the prefill is timed apart
+    # for spec; for the baseline its share is removed using spec's prefill of the same prompts)
+    prefill = {r["question_id"]: r["prefill_s"] for r in spec}
+    base_step = sum(r["wall_s"] - prefill.get(r["question_id"], 0.0) for r in base) / \
+        sum(r["target_forwards"] for r in base)
+    sizes = [n for r in spec for n in r.get("tree_sizes", [])]
+    tau = sum(r["new_tokens"] - 1 for r in spec) / steps
+    return {"plain_step_ms": 1e3 * base_step, "draft_ms": 1e3 * draft, "verify_ms": 1e3 * verify,
+            "mean_tree_nodes": sum(sizes) / len(sizes) if sizes else None,
+            "verify_over_plain": verify / base_step, "draft_over_plain": draft / base_step,
+            "tau": tau, "break_even_tau": (draft + verify) / base_step}
+
+
+def format_costs(c: dict) -> str:
+    return (f"spec step: draft {c['draft_ms']:.1f} ms + verify {c['verify_ms']:.1f} ms "
+            f"({c['mean_tree_nodes']:.1f} tree nodes) vs plain step {c['plain_step_ms']:.1f} ms; "
+            f"tau {c['tau']:.2f}, break-even tau {c['break_even_tau']:.2f}")
+
+
 def first_divergence(target, prompt_ids: list[int], base: list[int], other: list[int]) -> Optional[dict]:
     """Where `other` leaves the baseline, and the target's top-2 logit margin there."""
     if base == other:
@@ -266,6 +299,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     }
     if "spec" in b.methods:
         report["acceptance_per_depth"] = acceptance_per_depth([r for r in rows if r["method"] == "spec"])
+        report["costs"] = cost_breakdown(rows)
     if "baseline" in b.methods:
         report["identical_to_baseline"] = compare_to_baseline(target, rows, prompts, questions, b.methods,
                                                               greedy=settings.temperature <= 0)
@@ -282,6 +316,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         for d in cmp["divergences"]:
             out.write(f"  question {d['question_id']}: first differs at token {d['index']} "
                       f"(target top-2 logit margin there {d['top2_margin']:.4f})\n")
+    if report.get("costs"):
+        out.write(format_costs(report["costs"]) + "\n")
     out.write(f"rows: {paths['rows']}\nsummary: {paths['summary']}\n")
     out.flush()
     return report

@@ -232,6 +232,12 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         out.write(f"{r['nodes']:>5} {r['depth']:>5} {r['tau']:>6.2f} {r['target_ms']:>9.1f} {r['draft_ms']:>8.1f} "
                   f"{r['tokens_per_s']:>7.1f}{mark}\n")
     out.write(f"expected speedup {best['tokens_per_s'] / plain:.2f}x; tree paths: {json.dumps(best['paths'])}\n")
+    if best["tokens_per_s"] < plain:
+        # the smallest tree already costs more than its acceptance buys: say which term limits it
+        one = rows[0]
+        out.write(f"no tree beats plain decoding here: verifying even {one['nodes'] + 1} tokens costs "
+                  f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
+                  f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n")
     if t.save and session.head_dir is not None:
         if store_default_tree(head, Path(session.head_dir), best["paths"]):
             out.write(f"stored as the default tree of {session.head_dir}\n")

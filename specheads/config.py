@@ -79,7 +79,8 @@ class DataConfig:
     # conversation turns (> 1: the target also writes follow-up user turns) and the build's seed
     builtin_turns: int = 1
     builtin_seed: int = 0
-    # offline features: a directory of cached hidden states written by distill.py
+    # offline features: a cache directory written by distill.py, or "auto" (one target pass over
+    # the data caches the states under the cache root; every epoch after it skips the target)
     features: Optional[str] = None
 
 
@@ -149,5 +150,8 @@ def register_configs() -> None:
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedConfig)
     from .export.config import ExportJobConfig  # primary schema of conf/export.yaml
+    from .infer_config import TreeConfig  # infer.py's tree group (infer.yaml itself is checked in code)
+
+    cs.store(group="tree", name="tree_schema", node=TreeConfig)
 
     cs.store(name="export_schema", node=ExportJobConfig)

@@ -148,6 +148,10 @@ def row_to_conversation(row: Any, format: str = "auto", where: str = "row") -> C
     conversation = []
     for j, turn in enumerate(turns):
         conversation.append(_message(turn, f"{where} {key}[{j}]"))
+    if row.get("finished") is False and conversation[-1]["role"] == "assistant":
+        # distill.py's answer was cut off by its token budget: the turn never ended, so the
+        # end-of-turn token after it is not the target's prediction and gets no loss.
+        conversation[-1]["truncated"] = True
     return conversation
 
 
@@ -182,20 +186,28 @@ def render(tokenizer, messages: Conversation, add_generation_prompt: bool = Fals
 
 def assistant_char_spans(tokenizer, messages: Conversation) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character span of every assistant message's content."""
-    text = render(tokenizer, messages)
-    spans, cursor = [], 0
+    text, spans, _ = _assistant_spans(tokenizer, messages)
+    return text, spans
+
+
+def _assistant_spans(tokenizer, messages: Conversation):
+    """(text, spans, index of the message each span belongs to)."""
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = render(tokenizer, plain)
+    spans, owners, cursor = [], [], 0
     for i, message in enumerate(messages):
         anchored = False
         if message["role"] == "assistant":
             # Anchor the search after the generation prompt, so a short answer ("user") cannot
             # be matched inside the template's own header text.
-            prefix = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+            prefix = render(tokenizer, plain[:i], add_generation_prompt=True) if i else ""
             if prefix and text.startswith(prefix):
                 cursor, anchored = max(cursor, len(prefix)), True
         content = message["content"]
         if not content.strip():
             if anchored:  # an empty answer still ends its turn: train on the end token
                 spans.append((cursor, cursor))
+                owners.append(i)
             continue
         start = text.find(content, cursor)
         if start < 0:  # some templates strip the content
@@ -206,13 +218,16 @@ def assistant_char_spans(tokenizer, messages: Conversation) -> tuple[str, list[t
         end = start + len(content)
         if message["role"] == "assistant":
             spans.append((start, end))
+            owners.append(i)
         cursor = end
-    return text, spans
+    return text, spans, owners
 
 
 def tokenize_conversation(tokenizer, messages: Conversation, max_length: int) -> dict[str, list[int]]:
     """Chat-template token ids and a mask that is 1 exactly on assistant content + its end token."""
-    text, spans = assistant_char_spans(tokenizer, messages)
+    text, spans, owners = _assistant_spans(tokenizer, messages)
+    # a cut-off answer keeps its loss on the content but not on the end token after it
+    cut = [bool(messages[i].get("truncated")) for i in owners]
     if getattr(tokenizer, "is_fast", False):
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
@@ -221,7 +236,7 @@ def tokenize_conversation(tokenizer, messages: Conversation, max_length: int) ->
     end_ids = special_token_ids(tokenizer)
     mask = [0] * len(ids)
     k = 0
-    for start, end in spans:
+    for n, (start, end) in enumerate(spans):
         while k < len(ids) and offsets[k][1] <= start:
             k += 1
         while k < len(ids) and offsets[k][0] < end:
@@ -229,7 +244,7 @@ def tokenize_conversation(tokenizer, messages: Conversation, max_length: int) ->
                 mask[k] = 1
             k += 1
         # The token that closes the turn is predicted from the answer: train on it too.
-        if k < len(ids) and ids[k] in end_ids:
+        if k < len(ids) and ids[k] in end_ids and not cut[n]:
             mask[k] = 1
             k += 1
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}

@@ -353,19 +353,44 @@ class Trainer:
 # -- the whole job -----------------------------------------------------------------------------
 
 def open_state_source(cfg: DictConfig, target, d: Dist) -> StateSource:
-    """Offline features when data.features names a cache, else online target states over
-    build_datasets rows."""
+    """Offline features when data.features names a cache (or is "auto": cached on first use
+    under the cache root, keyed by target, layers, template and the rows), else online target
+    states over build_datasets rows."""
     pad_id = target.tokenizer.pad_token_id
-    if cfg.data.get("features"):
+    features = cfg.data.get("features")
+    if features == "auto":
+        features = str(ensure_auto_features(cfg, target, d))
+    if features:
         from .features import OfflineStates
 
-        return OfflineStates(cfg.data.features, target, int(cfg.data.max_length), pad_id=pad_id,
+        return OfflineStates(features, target, int(cfg.data.max_length), pad_id=pad_id,
                              device=d.device, dtype=target.dtype)
+    train_rows, eval_rows = _datasets(cfg, target, d)
+    return OnlineStates(target, {"train": train_rows, "eval": eval_rows}, pad_id=pad_id)
+
+
+def _datasets(cfg: DictConfig, target, d: Dist):
     from .data import build_datasets
 
     with main_rank_first(d):
-        train_rows, eval_rows = build_datasets(cfg.data, target.tokenizer, target=target)
-    return OnlineStates(target, {"train": train_rows, "eval": eval_rows}, pad_id=pad_id)
+        return build_datasets(cfg.data, target.tokenizer, target=target)
+
+
+def ensure_auto_features(cfg: DictConfig, target, d: Dist) -> Path:
+    """data.features=auto: one target pass over the data caches the states this head trains on
+    (bf16 on GPU, fp32 on CPU), so every further epoch costs only the head's own compute."""
+    from .features import auto_features_dir, ensure_split_features
+    from .heads.spec import HeadSpec
+
+    train_rows, eval_rows = _datasets(cfg, target, d)
+    layer_ids = HeadSpec.from_config(cfg.head, target.info).layer_ids
+    dtype = "float32" if target.dtype == torch.float32 else "bfloat16"
+    splits = {"train": train_rows, "eval": eval_rows}
+    directory = auto_features_dir(target, splits, layer_ids, True, int(cfg.data.max_length), dtype)
+    with main_rank_first(d):
+        ensure_split_features(target, splits, layer_ids, True, directory, int(cfg.data.max_length),
+                              dtype=dtype, data_fingerprint=directory.name)
+    return directory
 
 
 def export_head(head: nn.Module, engine, directory: Path, training: dict[str, Any], d: Dist) -> Path:

@@ -242,6 +242,21 @@ def ensure_split_features(target: FrozenTarget, splits: dict, layer_ids, final: 
         _write_json_atomic(where / INDEX_NAME, index)
 
 
+def auto_features_dir(target: FrozenTarget, splits: dict, layer_ids, final: bool, max_length: int,
+                      dtype: str) -> Path:
+    """Where data.features=auto keeps a cache: named by the key and a digest of every row."""
+    h = hashlib.sha256(json.dumps([feature_cache_key(target, layer_ids, final, max_length), dtype],
+                                  sort_keys=True).encode())
+    for split in sorted(splits):
+        h.update(split.encode())
+        for row in splits[split]:
+            h.update(b"|" + ",".join(map(str, row["input_ids"])).encode())
+            h.update(b"/" + bytes(int(m) for m in row["loss_mask"]))
+    from .target import cache_root
+
+    return cache_root() / "features" / f"{target.info.name}-{h.hexdigest()[:16]}"
+
+
 def _write_json_atomic(path: Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:

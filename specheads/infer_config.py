@@ -18,6 +18,7 @@ from .errors import SpecHeadsError
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
 METHODS = ("baseline", "prompt_lookup", "spec")
+DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is not given
 
 
 @dataclass
@@ -41,7 +42,7 @@ class TreeConfig:
 @dataclass
 class BenchConfig:
     questions: Optional[str] = None
-    output: Optional[str] = None
+    output: Optional[str] = None  # None = runs/bench/<questions file stem>.jsonl
     max_new_tokens: int = 256
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     prompt_lookup_num_tokens: int = 10
@@ -105,8 +106,10 @@ def validate(cfg: DictConfig) -> InferJobConfig:
         raise SpecHeadsError("acceptance=typical needs temperature > 0")
     if settings.mark not in ("auto", "ansi", "brackets", "none"):
         raise SpecHeadsError(f"mark must be auto, ansi, brackets or none, got {settings.mark!r}")
-    if bool(b.questions) != bool(b.output):
-        raise SpecHeadsError("the benchmark needs both bench.questions=FILE.jsonl and bench.output=OUT.jsonl")
+    if b.output and not b.questions:
+        raise SpecHeadsError("bench.output is set but bench.questions=FILE.jsonl is not")
+    if b.questions and not b.output:
+        b.output = str(Path(DEFAULT_BENCH_DIR) / f"{Path(b.questions).stem}.jsonl")
     if not settings.head_path and (not b.questions or "spec" in b.methods):
         raise SpecHeadsError("give the draft head: head=DIR_OR_HUB_ID")
     if not settings.head_path and settings.model is None:

@@ -7,6 +7,7 @@ import torch
 
 from specheads.bench import (
     acceptance_per_depth,
+    cost_breakdown,
     first_divergence,
     format_table,
     hf_generate,
@@ -90,6 +91,20 @@ def test_acceptance_per_depth():
     assert acceptance_per_depth(rows) == [0.75, 0.5, 1.0]
 
 
+def test_cost_breakdown_splits_a_step_into_its_terms():
+    rows = [
+        {"question_id": 1, "method": "baseline", "new_tokens": 11, "target_forwards": 10, "wall_s": 1.1},
+        {"question_id": 1, "method": "spec", "new_tokens": 11, "target_forwards": 4, "wall_s": 0.7,
+         "prefill_s": 0.1, "draft_s": 0.2, "verify_s": 0.4, "tree_sizes": [9, 9, 9, 5]},
+    ]
+    c = cost_breakdown(rows)
+    assert c["plain_step_ms"] == pytest.approx(100.0)  # (1.1 s - 0.1 s prefill) / 10 forwards
+    assert c["draft_ms"] == pytest.approx(50.0) and c["verify_ms"] == pytest.approx(100.0)
+    assert c["tau"] == pytest.approx(2.5) and c["break_even_tau"] == pytest.approx(1.5)
+    assert c["mean_tree_nodes"] == pytest.approx(8.0)
+    assert cost_breakdown([r for r in rows if r["method"] == "spec"]) is None
+
+
 def test_output_paths():
     p = output_paths("/x/mt.jsonl")
     assert str(p["summary"]) == "/x/mt.summary.json" and str(p["tau_png"]) == "/x/mt.tau.png"
@@ -153,6 +168,7 @@ def test_run_benchmark_in_process(tmp_path, target, family):
     assert (tmp_path / "out" / "res.acceptance.png").stat().st_size > 0
     text = "".join(lines)
     assert "vs base" in text and "spec: 3/3 outputs identical to baseline" in text
+    assert "break-even tau" in text and summary["costs"]["verify_ms"] > 0
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
 
 

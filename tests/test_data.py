@@ -76,6 +76,22 @@ def test_answer_equal_to_a_template_word_is_not_matched_in_the_header(tok):
     assert row["loss_mask"] == mask
 
 
+def test_cut_off_answer_gets_no_loss_on_the_end_token(tok, tmp_path):
+    """distill.py marks answers cut by its token budget finished=false: the template still closes
+    the turn, but the target never predicted that end token, so it is not trained."""
+    turns = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2, 3"}]
+    file = write_jsonl(tmp_path / "d.jsonl", [{"messages": turns, "finished": False},
+                                              {"messages": turns, "finished": True}])
+    cut, whole = load_conversations(str(file))
+    ids, mask = expected([("user", "Count"), ("assistant", "1, 2, 3")])
+    end = len(ids) - 2  # <|im_end|> closing the answer, then "\n"
+    assert ids[end] == END and mask[end] == 1
+    assert tokenize_conversation(tok, whole, 1000) == {"input_ids": ids, "loss_mask": mask}
+    row = tokenize_conversation(tok, cut, 1000)
+    assert row["input_ids"] == ids
+    assert row["loss_mask"] == mask[:end] + [0] + mask[end + 1:]
+
+
 def test_empty_answer_trains_only_its_end_token(tok):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]
     row = tokenize_conversation(tok, messages, max_length=1000)

@@ -180,3 +180,28 @@ def test_offline_features_feed_the_same_trainer(world, tiny_target, tmp_path):
     for _ in range(10):
         trainer.train_step()
     assert trainer.evaluate()["eval/loss"] < before
+
+
+def test_auto_features_are_cached_once_per_data(world, tiny_target, tmp_path, monkeypatch):
+    """data.features=auto: the first run caches the states under the cache root, the next reuses
+    them, and other data gets a cache of its own."""
+    from specheads import features as features_module
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    writes = []
+    real_write = features_module.write_features
+    monkeypatch.setattr(features_module, "write_features",
+                        lambda *a, **k: writes.append(a[4]) or real_write(*a, **k))
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    cfg = job("eagle3", data, tmp_path / "run", max_steps=2)
+    cfg.data.features = "auto"
+    source = open_state_source(cfg, tiny_target, world)
+    assert len(writes) == 2 and all(str(w).startswith(str(tmp_path / "cache" / "features")) for w in writes)
+    source.require([2], True)
+    batch, states = source.fetch("train", [0, 1])
+    assert states[2].dtype == torch.float32 and states["final"].shape[:2] == batch["input_ids"].shape
+    open_state_source(cfg, tiny_target, world)
+    assert len(writes) == 2  # reused
+    cfg.data.max_examples = 20
+    open_state_source(cfg, tiny_target, world)
+    assert len(writes) == 4 and writes[2].parent != writes[0].parent

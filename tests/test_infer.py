@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specheads.config import HeadConfig, ModelConfig
+from specheads.config import HeadConfig, ModelConfig, register_configs
 from specheads.errors import SpecHeadsError
 from specheads.heads import build_head, save_head
 from specheads.infer_config import TreeConfig
@@ -110,7 +110,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 @pytest.mark.parametrize("overrides, message", [
     (["prompt=hi"], "head="),
     (["head_path=/tmp"], "prompt"),
-    (["head_path=/tmp", "bench.questions=q.jsonl"], "bench.output"),
+    (["head_path=/tmp", "bench.output=o.jsonl"], "bench.questions"),
     (["head_path=/tmp", "prompt=hi", "tree.kind=weird"], "tree.kind"),
     (["head_path=/tmp", "prompt=hi", "max_new_tokens=many"], "max_new_tokens"),
     (["head_path=/tmp", "prompt=hi", "bench.methods=[spec,eagle]"], "bench.methods"),
@@ -122,12 +122,31 @@ def test_settings_are_checked(overrides, message):
 
     from specheads.infer_config import validate
 
+    register_configs()  # the tree group's schema (infer.py registers it when imported)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base=None):
             cfg = compose("infer", overrides)
         with pytest.raises(SpecHeadsError, match=message.replace("(", "\\(")):
             validate(cfg)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def test_bench_output_defaults_next_to_the_runs(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from specheads.infer_config import validate
+
+    register_configs()
+    questions = tmp_path / "mt_bench_question.jsonl"
+    questions.write_text("{}\n")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            cfg = compose("infer", ["head_path=/tmp", f"bench.questions={questions}"])
+        assert validate(cfg).bench.output == "runs/bench/mt_bench_question.jsonl"
     finally:
         GlobalHydra.instance().clear()
 
