@@ -24,9 +24,9 @@ $(STAMP): pyproject.toml
 # category) against plain decoding and prompt lookup.
 demo: setup
 	$(PY) train.py output_dir=$(DEMO_DIR)
-	$(PY) infer.py head=$(DEMO_DIR)/head tree=auto tree.calibration_prompts=3 tree.calibration_tokens=32 \
-		tree.max_nodes=16 bench.questions=$(EVAL)/mt_bench_question.jsonl \
-		bench.output=$(DEMO_DIR)/bench/mt_bench.jsonl bench.max_new_tokens=48 bench.per_category=1
+	$(PY) infer.py head=$(DEMO_DIR)/head tree=auto tree.calibration_prompts=2 tree.calibration_tokens=32 \
+		tree.max_nodes=8 bench.questions=$(EVAL)/mt_bench_question.jsonl \
+		bench.output=$(DEMO_DIR)/bench/mt_bench.jsonl bench.max_new_tokens=32 bench.per_category=1
 
 test: setup
 	$(PY) -m pytest tests -x -p no:cacheprovider

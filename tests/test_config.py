@@ -168,7 +168,7 @@ def test_recipe_applies_to_its_pair_only(hydra_conf):
     """conf/recipe/<model>_<head>.yaml tunes the embedded default; other pairs keep the group
     defaults, and the command line still overrides a recipe."""
     default = compose("config")
-    assert (default.head.ttt_steps, default.data.features, default.train.max_steps) == (3, "auto", 100)
+    assert (default.head.ttt_steps, default.data.features, default.train.max_steps) == (3, "auto", 80)
     other = compose("config", ["head=eagle"])
     assert other.data.features is None and other.train.max_steps == 60
     assert compose("config", ["head.ttt_steps=7"]).head.ttt_steps == 7
