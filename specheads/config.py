@@ -86,8 +86,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation and bookkeeping. The defaults fit the embedded default run (`python train.py`:
-    SmolLM2-135M + EAGLE-3 on the built-in data) into about 10 minutes on a 2-core CPU; cluster
+    """Optimisation and bookkeeping. These are small-run defaults; the embedded default run
+    (`python train.py`: SmolLM2-135M + EAGLE-3) takes its steps from conf/recipe/, and cluster
     runs set max_steps (or epochs), batch_size and grad_accum for their data."""
 
     max_steps: int = 60
