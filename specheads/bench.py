@@ -170,7 +170,8 @@ def cost_breakdown(rows: Sequence[dict]) -> Optional[dict]:
     base = [r for r in rows if r["method"] == "baseline" and r["target_forwards"]]
     if not spec or not base:
         return None
-    steps = sum(r["target_forwards"] for r in spec)
+    stats = _stats(spec)
+    steps = stats["target_forwards"]
     draft = sum(r["draft_s"] for r in spec) / steps
     verify = sum(r["verify_s"] for r in spec) / steps
     # a plain step: everything after the prefill, per decode forward (the prefill is timed apart
@@ -179,11 +180,10 @@ def cost_breakdown(rows: Sequence[dict]) -> Optional[dict]:
     base_step = sum(r["wall_s"] - prefill.get(r["question_id"], 0.0) for r in base) / \
         sum(r["target_forwards"] for r in base)
     sizes = [n for r in spec for n in r.get("tree_sizes", [])]
-    tau = sum(r["new_tokens"] - 1 for r in spec) / steps
     return {"plain_step_ms": 1e3 * base_step, "draft_ms": 1e3 * draft, "verify_ms": 1e3 * verify,
             "mean_tree_nodes": sum(sizes) / len(sizes) if sizes else None,
             "verify_over_plain": verify / base_step, "draft_over_plain": draft / base_step,
-            "tau": tau, "break_even_tau": (draft + verify) / base_step}
+            "tau": stats["tau"], "break_even_tau": (draft + verify) / base_step}
 
 
 def format_costs(c: dict) -> str:

@@ -184,14 +184,9 @@ def render(tokenizer, messages: Conversation, add_generation_prompt: bool = Fals
                                          add_generation_prompt=add_generation_prompt)
 
 
-def assistant_char_spans(tokenizer, messages: Conversation) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span of every assistant message's content."""
-    text, spans, _ = _assistant_spans(tokenizer, messages)
-    return text, spans
-
-
-def _assistant_spans(tokenizer, messages: Conversation):
-    """(text, spans, index of the message each span belongs to)."""
+def assistant_char_spans(tokenizer, messages: Conversation) -> tuple[str, list[tuple[int, int]], list[int]]:
+    """The rendered conversation, the character span of every assistant message's content, and
+    the index of the message each span belongs to."""
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = render(tokenizer, plain)
     spans, owners, cursor = [], [], 0
@@ -225,7 +220,7 @@ def _assistant_spans(tokenizer, messages: Conversation):
 
 def tokenize_conversation(tokenizer, messages: Conversation, max_length: int) -> dict[str, list[int]]:
     """Chat-template token ids and a mask that is 1 exactly on assistant content + its end token."""
-    text, spans, owners = _assistant_spans(tokenizer, messages)
+    text, spans, owners = assistant_char_spans(tokenizer, messages)
     # a cut-off answer keeps its loss on the content but not on the end token after it
     cut = [bool(messages[i].get("truncated")) for i in owners]
     if getattr(tokenizer, "is_fast", False):
