@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specheads.cli import job, run_hydra_main
-from specheads.distill.config import register_distill_configs
+from specheads.config.distill import register_distill_configs
 from specheads.errors import one_line_errors
 
 register_distill_configs()

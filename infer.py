@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specheads.cli import job, run_hydra_main
-from specheads.config import register_configs
+from specheads.config.train import register_configs
 from specheads.errors import one_line_errors
 
 register_configs()
@@ -47,18 +47,18 @@ def plain_values(argv: list[str]) -> list[str]:
 @job
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from specheads.infer_config import validate
+    from specheads.config.infer import validate
 
     settings = validate(cfg)  # before torch is imported: bad input fails at once
-    from specheads.inference import load_session, run_demo
+    from specheads.bench.session import load_session, run_demo
 
     session = load_session(settings, CONF_DIR)
     if settings.tree.kind == "auto":
-        from specheads.calibrate import calibrate_tree
+        from specheads.bench.calibrate import calibrate_tree
 
         settings.tree = calibrate_tree(settings, session)
     if settings.bench.questions:
-        from specheads.bench import run_benchmark
+        from specheads.bench.runner import run_benchmark
 
         run_benchmark(settings, session)
     else:

@@ -13,7 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specheads.cli import job, run_hydra_main
-from specheads.config import register_configs
+from specheads.config.train import register_configs
 from specheads.errors import one_line_errors
 
 register_configs()
@@ -23,7 +23,7 @@ register_configs()
 @job
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from specheads.engine import train
+    from specheads.train.engine import train
 
     head_dir = train(cfg)
     if head_dir is not None:  # rank 0

@@ -1,3 +1,20 @@
-"""specheads: train speculative-decoding draft heads on a frozen target; verify trees losslessly."""
+"""specheads: train speculative-decoding draft heads on a frozen target; verify trees losslessly.
+
+The package's layers, lowest first. A module may import from its own layer and the layers below
+it, never from a layer above, and no import cycle exists (tests/test_layers.py checks both).
+"""
 
 __version__ = "0.1.0"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "cli", "atomic"),  # one-line errors, entry-point plumbing, atomic writes
+    ("config",),  # structured configs: one schema module per entry point
+    ("target", "tiny"),  # the frozen target, hidden-state capture; tiny seeded targets
+    ("heads",),  # draft-head families: build, loss, draft step, head directories
+    ("data",),  # formats, chat rendering + loss masks, datasets, decontamination, features
+    ("distill",),  # prompt writing and regeneration by the target
+    ("train",),  # distributed set-up, DeepSpeed, batches, checkpoints, Trainer, train(cfg)
+    ("decode",),  # tree, verify, kv, drafters, tree policy, speculative generation, baselines
+    ("export",),  # engine formats, validation, Hub
+    ("bench",),  # questions, benchmark, calibration, plots, the infer.py session
+)

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .config import ModelConfig
+from .config.train import ModelConfig
 from .errors import SpecHeadsError
 
 EMBEDDED_PREFIX = "embedded:"

@@ -10,7 +10,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def tiny_target():
-    from specheads.config import ModelConfig
+    from specheads.config.train import ModelConfig
     from specheads.target import load_target
 
     return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), device=torch.device("cpu"))
@@ -18,7 +18,7 @@ def tiny_target():
 
 @pytest.fixture(scope="session")
 def smollm2_target():
-    from specheads.config import ModelConfig
+    from specheads.config.train import ModelConfig
     from specheads.target import load_target
 
     return load_target(ModelConfig(), device=torch.device("cpu"))
@@ -47,3 +47,29 @@ def head_states(target, head, batch):
     layer_ids, final = head.training_states()
     s = target.states(batch["input_ids"], batch["attention_mask"], layer_ids=layer_ids, final=final)
     return {**s.hidden, "final": s.final}
+
+
+def quick_head(target, family, sequences=None, steps=0):
+    """A head of `family` on `target`, optionally overfitted on `sequences` for `steps` steps."""
+    from specheads.config.train import HeadConfig
+    from specheads.heads import build_head
+
+    torch.manual_seed(0)
+    rows = [{"input_ids": list(range(320)), "loss_mask": [1] * 320}]
+    # eagle3 with a reduced draft vocab: the d2t mapping is exercised
+    head = build_head(HeadConfig(family=family, draft_vocab_size=200, ttt_steps=2, num_heads=4),
+                      target, train_rows=rows)
+    if steps:
+        batch = {"input_ids": sequences, "attention_mask": torch.ones_like(sequences),
+                 "loss_mask": torch.ones_like(sequences)}
+        layer_ids, final = head.training_states()
+        s = target.states(sequences, batch["attention_mask"], layer_ids=layer_ids, final=final)
+        states = {**s.hidden, "final": s.final}
+        opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+        head.train()
+        for _ in range(steps):
+            loss, _ = head.loss(batch, states)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return head.eval()

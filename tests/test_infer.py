@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specheads.config import HeadConfig, ModelConfig, register_configs
+from specheads.config.train import HeadConfig, ModelConfig, register_configs
 from specheads.errors import SpecHeadsError
 from specheads.heads import build_head, save_head
-from specheads.infer_config import TreeConfig
-from specheads.inference import TokenPrinter, model_config_for_head, tree_policy_for
+from specheads.config.infer import TreeConfig
+from specheads.bench.session import TokenPrinter, model_config_for_head, tree_policy_for
 from specheads.target import load_target
-from specheads.tree import StaticTree
+from specheads.decode.tree import StaticTree
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -62,8 +62,8 @@ def run_infer(*args, timeout=300):
 
 def test_demo_prints_marked_answer_and_stats(head_dir):
     """The demo mode in-process (the command line itself is exercised by the benchmark test)."""
-    from specheads.inference import load_session, run_demo
-    from specheads.infer_config import InferJobConfig
+    from specheads.bench.session import load_session, run_demo
+    from specheads.config.infer import InferJobConfig
 
     settings = InferJobConfig(head_path=str(head_dir), prompt="Hi, what's [1, 2] + {3}?", max_new_tokens=12,
                               mark="brackets")
@@ -120,7 +120,7 @@ def test_settings_are_checked(overrides, message):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from specheads.infer_config import validate
+    from specheads.config.infer import validate
 
     register_configs()  # the tree group's schema (infer.py registers it when imported)
     GlobalHydra.instance().clear()
@@ -137,7 +137,7 @@ def test_bench_output_defaults_next_to_the_runs(tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from specheads.infer_config import validate
+    from specheads.config.infer import validate
 
     register_configs()
     questions = tmp_path / "mt_bench_question.jsonl"

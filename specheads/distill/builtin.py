@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..target import cache_root
 from ..tiny import BYTE_VOCAB, CHATML_TEMPLATE, SPECIAL_TOKENS
-from .config import DistillConfig, MagpieConfig
+from ..config.distill import DistillConfig, MagpieConfig
 from .regenerate import PIPELINE_VERSION, read_manifest, run_distillation, tokenizer_fingerprint
 
 BUILTIN_VERSION = 1

@@ -11,10 +11,10 @@ import random
 import re
 from typing import Optional
 
-from ..data import first_user_turn, iter_rows, row_to_conversation, special_token_ids
+from ..data.conversations import first_user_turn, iter_rows, row_to_conversation, special_token_ids
 from ..errors import SpecHeadsError
-from .config import MagpieConfig
-from .decontaminate import NgramIndex, PROMPT_KEYS, words
+from ..config.distill import MagpieConfig
+from ..data.decontaminate import NgramIndex, PROMPT_KEYS, words
 from .generation import generate
 
 # Written for this project (not taken from any evaluation set): what kind of request to write.

@@ -8,7 +8,7 @@ Output directory:
 Shard k holds the prompts of slot k, and every random choice is seeded by (seed, k), so running
 the same command again skips the completed shards and produces the rest: no duplicates, no gaps.
 Load the result with `datasets.load_dataset("json", data_files="DIR/shards/*.jsonl")` or
-`specheads.data.load_conversations("DIR")`.
+`specheads.data.conversations.load_conversations("DIR")`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,9 +24,10 @@ from typing import Any, Optional
 
 from tqdm.auto import tqdm
 
+from ..atomic import write_text
 from ..errors import SpecHeadsError
-from .config import DistillConfig
-from .decontaminate import build_index, resolve_eval_files
+from ..config.distill import DistillConfig
+from ..data.decontaminate import build_index, resolve_eval_files
 from .generation import generate
 from .prompts import (PromptFilter, dataset_prompts, end_of_turn_ids, follow_up_prompts,
                       magpie_prompts, pad_token_id)
@@ -64,23 +63,9 @@ def completed_shard_files(directory: Path) -> list[Path]:
     return [Path(directory) / manifest["shards"][str(k)]["file"] for k in range(manifest["num_shards"])]
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_shard(directory: Path, k: int, rows: list[dict]) -> Path:
     path = Path(directory) / SHARDS / f"shard-{k:05d}.jsonl"
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), fsync=True)
     return path
 
 
@@ -225,7 +210,7 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
         rejected = {key: prompt_filter.counts[key] - before[key] for key in before}
         manifest["shards"][str(k)] = {"file": str(path.relative_to(out)), "rows": len(rows),
                                       "rejected": rejected}
-        atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
+        write_text(out / MANIFEST, json.dumps(manifest, indent=1))
         bar.update(size)
     bar.close()
 
@@ -235,7 +220,7 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
         for key, v in entry.get("rejected", {}).items():
             rejected_total[key] = rejected_total.get(key, 0) + v
     manifest.update(complete=True, conversations=rows_total, rejected=rejected_total)
-    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
+    write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     _update_metadata(out, conversations=rows_total, rejected=rejected_total, complete=True)
     print(f"{out}: {rows_total} conversations in {num_shards} shard(s) "
           f"({time.time() - start:.0f} s this run); rejected prompts: {_nonzero(rejected_total)}; "
@@ -332,14 +317,14 @@ def _write_metadata(out: Path, target, cfg: DistillConfig, seed: int, target_pat
         "fingerprint": fingerprint["hash"],
         "complete": False,
     }
-    atomic_write_text(out / METADATA, json.dumps(metadata, indent=1))
+    write_text(out / METADATA, json.dumps(metadata, indent=1))
 
 
 def _update_metadata(out: Path, **fields) -> None:
     path = out / METADATA
     metadata = json.loads(path.read_text()) if path.is_file() else {}
     metadata.update(fields)
-    atomic_write_text(path, json.dumps(metadata, indent=1))
+    write_text(path, json.dumps(metadata, indent=1))
 
 
 def _read_jsonl(path: Path) -> list[dict]:

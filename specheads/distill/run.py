@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from ..errors import SpecHeadsError
 from ..target import load_target, resolve_device
-from .config import DistillJobConfig
+from ..config.distill import DistillJobConfig
 from .regenerate import run_distillation
 
 
@@ -29,9 +28,9 @@ def cache_features(job: DistillJobConfig, target, data_dir: Path) -> Path:
 
     Train from it with `python train.py data.path=DATA_DIR data.features=FEATURES_DIR`.
     """
-    from ..config import DataConfig
-    from ..data import build_datasets
-    from ..features import ensure_split_features
+    from ..config.train import DataConfig
+    from ..data.conversations import build_datasets
+    from ..data.features import ensure_split_features
     from ..heads.spec import default_layer_ids
 
     feats = job.distill.features

@@ -2,6 +2,7 @@
 
     export_head(head_dir, fmt, out_dir, ...) -> ExportResult      one format, validated, atomic
     load_exported(exported_dir, target) -> DraftHead              any format back into specheads
+    open_head(dir_or_hub_id, target) -> DraftHead                 a head dir, Hub id or engine export
     resolve_head_path(path_or_hub_id) -> Path                     local dir, or snapshot_download
     push_to_hub(folder, repo_id)                                  one create_repo + upload_folder
     check_directory(dir, fmt) -> {engine: problems}               the per-engine contracts
@@ -9,7 +10,7 @@
 
 Formats: eagle3 (vLLM, SGLang), speculators (vLLM), eagle (vLLM, SGLang), vllm-medusa (vLLM),
 medusa (TensorRT-LLM, TGI). CLI: `python -m specheads.export head=DIR format=F out=DIR`.
-Names are imported on first use, so `specheads.export.config` stays cheap to import.
+Names are imported on first use, so `specheads.config.export` stays cheap to import.
 """
 
 from importlib import import_module
@@ -20,7 +21,7 @@ _EXPORTS = {
     "export_head": "exporter", "formats_for": "exporter", "is_exported_dir": "exporter",
     "load_exported": "exporter", "read_exported": "exporter", "source_head_config": "exporter",
     "push_to_hub": "hub", "resolve_head_path": "hub",
-    "model_card": "model_card",
+    "model_card": "model_card", "open_head": "load",
     "CONTRACTS": "validate", "check_directory": "validate",
 }
 __all__ = sorted(_EXPORTS)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from specheads.cli import job, run_hydra_main
 from specheads.errors import one_line_errors
-from specheads.export.config import register_export_configs
+from specheads.config.export import register_export_configs
 
 register_export_configs()
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")

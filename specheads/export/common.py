@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -15,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from .. import atomic
 from ..errors import SpecHeadsError
 from ..heads.io import CONFIG_NAME, WEIGHTS_NAME, read_head_config
 from ..heads.spec import HeadSpec
@@ -268,31 +267,14 @@ def write_directory(out: Path, exported: Exported, extra_files: dict[str, str],
     if out.is_dir() and any(out.iterdir()) and not (out / CONFIG_NAME).is_file():
         raise SpecHeadsError(f"out={out} is a non-empty directory that is not an exported head; "
                              "refusing to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the export is meant to be shared
-    try:
+    def fill(tmp: Path) -> None:
         for filename, tensors in exported.files.items():
             save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(exported.config, indent=2) + "\n")
         for filename, text in extra_files.items():
             (tmp / filename).write_text(text)
-        for path in tmp.iterdir():
-            path.chmod(0o666 & ~umask)
-        check(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return atomic.write_directory(out, fill, check)
 
 
 def with_draft_fields(info: TargetInfo, fields: dict[str, Any]) -> TargetInfo:

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from ..config import ModelConfig
+from ..config.train import ModelConfig
 from ..errors import SpecHeadsError
 from ..target import EMBEDDED_PREFIX, EMBEDDED_TARGETS, TargetInfo
 from .common import HeadSource

@@ -1,58 +1,13 @@
 """Draft-head families and their registry."""
 
-from __future__ import annotations
-
-from typing import Any, Optional
-
-from ..target import FrozenTarget
 from .base import DraftHead, check_compatible
 from .eagle import AutoregressiveHead, EagleHead
 from .eagle3 import Eagle3Head
 from .io import load_head, read_head_config, save_head
 from .layers import DraftCache
 from .medusa import MedusaHead
+from .registry import HEADS, build_head
 from .spec import HeadSpec
-from .vocab import build_draft_vocab
-
-HEADS: dict[str, type[DraftHead]] = {
-    MedusaHead.family: MedusaHead,
-    EagleHead.family: EagleHead,
-    Eagle3Head.family: Eagle3Head,
-}
-
-
-def build_head(head_cfg: Any, target: FrozenTarget, train_rows=None,
-               vocab_key: Optional[dict] = None) -> DraftHead:
-    """A fresh head for `target`. EAGLE-3 builds its draft vocab from `train_rows`.
-
-    vocab_key: extra cache-key parts for the draft vocab (the data fingerprint is added here).
-    """
-    spec = HeadSpec.from_config(head_cfg, target.info)
-    head = HEADS[spec.family](spec, target.info)
-    head.attach(target)
-    head.to(device=target.device, dtype=target.dtype)
-    if isinstance(head, Eagle3Head) and spec.draft_vocab_size < target.info.vocab_size:
-        if train_rows is None:
-            from ..errors import SpecHeadsError
-
-            raise SpecHeadsError(
-                "eagle3 with a reduced draft vocab needs training data to choose it from "
-                f"(draft_vocab_size {spec.draft_vocab_size} < vocab {target.info.vocab_size})")
-        key = None
-        fingerprint = getattr(train_rows, "_fingerprint", None)
-        if fingerprint is not None:
-            tok = target.tokenizer
-            key = {"data": fingerprint, "target": target.info.name,
-                   "tokenizer": getattr(tok, "name_or_path", ""),
-                   "template": getattr(tok, "chat_template", "") or "", **(vocab_key or {})}
-        d2t, t2d, coverage = build_draft_vocab(train_rows, target.info.vocab_size,
-                                               spec.draft_vocab_size, key)
-        head.set_vocab(d2t.to(head.d2t.device), t2d.to(head.t2d.device))
-        head.vocab_coverage = coverage
-    if hasattr(head, "init_from_target"):
-        head.init_from_target()
-    return head
-
 
 __all__ = [
     "HEADS", "AutoregressiveHead", "DraftCache", "DraftHead", "Eagle3Head", "EagleHead", "HeadSpec",

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,9 +11,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..atomic import write_directory
 from ..errors import SpecHeadsError
 from ..target import LAYER_CONVENTION, FrozenTarget, TargetInfo
 from .base import DraftHead
+from .registry import HEADS
 from .spec import HeadSpec
 
 SCHEMA_VERSION = 1
@@ -47,24 +47,12 @@ def head_config_dict(head: DraftHead, training: Optional[dict] = None) -> dict[s
 
 def save_head(head: DraftHead, directory: str | os.PathLike, training: Optional[dict] = None) -> Path:
     """Write the head directory atomically (a temp directory renamed into place)."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
-    try:
+    def fill(tmp: Path) -> None:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "family": head.family})
         (tmp / CONFIG_NAME).write_text(json.dumps(head_config_dict(head, training), indent=2) + "\n")
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+
+    return write_directory(directory, fill)
 
 
 def read_head_config(directory: str | os.PathLike) -> dict[str, Any]:
@@ -90,15 +78,8 @@ def read_head_config(directory: str | os.PathLike) -> dict[str, Any]:
 def load_head(directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
     """Load a head directory onto `target`; refuses a mismatched target or a corrupt file.
 
-    `directory` may also be a Hub id (fetched, or found in the local HF cache) or a directory
-    exported for a serving engine (vLLM, SGLang, speculators, Medusa layouts): see specheads.export.
+    Hub ids and engine-format directories are opened one layer up, by specheads.export.open_head.
     """
-    from ..export import is_exported_dir, load_exported, resolve_head_path
-    from . import HEADS
-
-    directory = resolve_head_path(directory)
-    if is_exported_dir(directory):
-        return load_exported(directory, target)
     config = read_head_config(directory)
     family = config["family"]
     if family not in HEADS:

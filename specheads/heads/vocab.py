@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from typing import Iterable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..atomic import atomic_path
 from ..target import cache_root
 
 
@@ -57,9 +56,6 @@ def build_draft_vocab(rows, vocab_size: int, draft_vocab_size: int,
     d2t, t2d = vocab_from_counts(counts, draft_vocab_size)
     coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        save_file({"d2t": d2t, "t2d": t2d, "coverage": torch.tensor([coverage])}, tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file({"d2t": d2t, "t2d": t2d, "coverage": torch.tensor([coverage])}, str(tmp))
     return d2t, t2d, coverage

@@ -1,0 +1,247 @@
+"""tree=auto: choose the static tree with the most expected tokens per second on this machine.
+
+1. Acceptance. The target writes its own greedy answers to calibration prompts. At every answer
+   position, the head drafts along the true continuation (teacher-forced, exactly as a tree
+   drafts along its correct path) and we record the rank of each true token at depths 1..D: a
+   rank vector. Under greedy verification a tree accepts the longest prefix of that vector that
+   is one of its paths, so E[accepted] = sum over tree paths of freq(path), where freq(path) is
+   the share of positions whose rank vector starts with it. For n nodes the best tree is
+   therefore the n most frequent paths (a child is never more frequent than its parent).
+2. Cost. Target forwards of 1..max_nodes+1 query tokens are timed against a realistic context,
+   and the head's drafting of each candidate tree is timed with the real drafter.
+3. Pick n maximising (1 + E[accepted]) / (target time + draft time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Sequence, TextIO
+
+import torch
+from tqdm import tqdm
+
+from ..decode.drafters import make_drafter
+from ..errors import SpecHeadsError
+from ..config.infer import InferJobConfig, TreeConfig
+from ..decode.kv import new_cache, tree_attention_bias
+from ..decode.tree import static_tree
+
+BUILTIN_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash table works and when it is a poor choice.",
+    "What is 17 times 23? Show your steps.",
+    "Give me three tips for a job interview.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+    "Summarise the causes of the French Revolution in a paragraph.",
+    "Plan a three-day trip to Kyoto.",
+    "What are the pros and cons of remote work?",
+    "Translate 'Where is the train station?' into French and Spanish.",
+]
+SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64, 80, 96, 128)
+MISS = 1 << 30
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def rank_vectors(target, head, ids: Sequence[int], answer_start: int, depth: int) -> list[tuple[int, ...]]:
+    """For each answer position, the rank (0 = top-1) of each true next token at depths 1..depth."""
+    seq = torch.tensor([list(ids)], device=target.device)
+    with target.capture(head.target_layer_ids(), final=head.reads_final) as store:
+        target.model(seq)
+    states = dict(store)
+    full = list(ids)
+    if head.family == "medusa":
+        logits = head.medusa_logits(states["final"])[:, 0]  # [K, T, V]: head k at t predicts t+k+2
+        per_depth = [logits[k] for k in range(min(depth, logits.shape[0]))]
+        to_draft = None
+    else:
+        outs = head.unrolled(seq, head.input_features(states), depth)  # step j at t predicts t+2+j
+        per_depth = [head.draft_logits(h)[0].float() for h in outs]
+        vd = per_depth[0].shape[-1]
+        to_draft = torch.full((target.info.vocab_size,), -1, dtype=torch.long, device=seq.device)
+        draft_ids = torch.arange(vd, device=seq.device)
+        to_draft[head.draft_to_target(draft_ids)] = draft_ids
+    vectors = []
+    for t in range(answer_start - 1, len(full) - 2):  # tree rooted at token t+1
+        ranks = []
+        for d, logits in enumerate(per_depth, start=1):
+            if t + 1 + d >= len(full):
+                break
+            true = full[t + 1 + d]
+            if to_draft is not None:
+                true = int(to_draft[true])
+                if true < 0:
+                    ranks.append(MISS)
+                    break
+            rank = int((logits[t] > logits[t, true]).sum())
+            ranks.append(rank)
+        vectors.append(tuple(ranks))
+    return vectors
+
+
+def path_frequencies(vectors: Sequence[tuple[int, ...]], top_k: int) -> Counter:
+    freq: Counter = Counter()
+    for v in vectors:
+        for m in range(1, len(v) + 1):
+            if v[m - 1] >= top_k:
+                break
+            freq[v[:m]] += 1
+    return freq
+
+
+def best_paths(freq: Counter, n: int) -> list[list[int]]:
+    """The n most frequent paths; ties favour shallow, then low ranks (keeps every prefix).
+    A head whose drafts were never right still gets the smallest tree, [[0]]."""
+    ordered = sorted(freq, key=lambda p: (-freq[p], len(p), p))
+    return [list(p) for p in ordered[:n]] or [[0]]
+
+
+@torch.no_grad()
+def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
+    """Seconds per verification forward of n query tokens after `context`.
+
+    The minimum over repeats (least disturbed by other work on the machine), made non-decreasing
+    in n: more query tokens never cost less.
+    """
+    model, device = target.model, target.device
+    cache = new_cache(model)
+    model(torch.tensor([list(context)], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    prefix = len(context)
+    out = {}
+    for n in sizes:
+        layout_mask = torch.ones(n, n, dtype=torch.bool).tril()
+        bias = tree_attention_bias(layout_mask, prefix, target.dtype, device)
+        ids = torch.tensor([[context[i % len(context)] for i in range(n)]], device=device)
+        pos = torch.arange(prefix, prefix + n, device=device)[None]
+        times = []
+        for r in range(repeats + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=ids, attention_mask=bias, position_ids=pos, past_key_values=cache, use_cache=True)
+            _sync(device)
+            if r:  # the first call warms up
+                times.append(time.perf_counter() - t0)
+            cache.crop(-n)
+        out[n] = min(times)
+    running = 0.0
+    for n in sorted(out):
+        running = out[n] = max(out[n], running)
+    return out
+
+
+@torch.no_grad()
+def time_draft(target, head, paths: list[list[int]], prompt: Sequence[int], repeats: int = 5,
+               accepted: int = 3) -> float:
+    """Seconds the real drafter spends on one step with this tree (catch-up of `accepted` tokens included)."""
+    device = target.device
+    drafter = make_drafter(head, static_tree(paths))
+    ids = torch.tensor([list(prompt)], device=device)
+    with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
+        out = target.model(ids)
+    root = int(out.logits[0, -1].argmax())
+    drafter.start(ids, dict(store), root)
+    drafter.draft(root, len(prompt), 1 << 30)
+    times = []
+    for r in range(repeats + 1):
+        drafter.rewind(accepted)
+        _sync(device)
+        t0 = time.perf_counter()
+        drafter.draft(root, len(prompt), 1 << 30)
+        _sync(device)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def calibration_prompts(settings: InferJobConfig, tokenizer) -> list[list[int]]:
+    from .runner import read_questions
+    from .session import encode_prompt
+
+    t = settings.tree
+    texts = ([q["prompt"] for q in read_questions(t.calibration_questions)] if t.calibration_questions
+             else BUILTIN_PROMPTS)
+    return [encode_prompt(tokenizer, x, settings.system, settings.chat) for x in texts[: t.calibration_prompts]]
+
+
+def store_default_tree(head, head_dir: Path, paths: list[list[int]]) -> bool:
+    """Save the tree as the head directory's default tree (only our own, writable head format)."""
+    from ..heads import read_head_config, save_head
+
+    try:
+        config = read_head_config(head_dir)
+    except SpecHeadsError:
+        return False  # an engine-format directory: not ours to rewrite
+    if not os.access(head_dir, os.W_OK) or Path(head_dir).resolve().is_relative_to(Path.home() / ".cache" / "huggingface"):
+        return False
+    head.default_tree = paths
+    save_head(head, head_dir, training=config.get("training"))
+    return True
+
+
+def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> TreeConfig:
+    """Measure, choose, (store), and return the chosen tree as a static TreeConfig."""
+    from .runner import hf_generate
+    from .session import eos_token_ids, sampling_config
+
+    t = settings.tree
+    target, head = session.target, session.head
+    depth = min(t.depth, head.spec.num_heads) if head.family == "medusa" else t.depth
+    prompts = calibration_prompts(settings, target.tokenizer)
+    if not prompts:
+        raise SpecHeadsError("tree=auto needs at least one calibration prompt")
+    cfg = sampling_config(settings, t.calibration_tokens, eos_token_ids(target))
+    cfg.temperature = 0.0
+    vectors, contexts = [], []
+    for ids in tqdm(prompts, desc="calibration: acceptance", unit="prompt", file=sys.stderr):
+        answer = hf_generate(target, torch.tensor([ids], device=target.device), cfg)["output_ids"]
+        contexts.append(ids + answer)
+        vectors += rank_vectors(target, head, ids + answer, len(ids), depth)
+    if not vectors:
+        raise SpecHeadsError("tree=auto: the calibration answers were empty")
+    freq = path_frequencies(vectors, t.top_k)
+    n_pos = len(vectors)
+    candidates = [n for n in SIZES if n <= min(t.max_nodes, len(freq))] or [1]
+    context = max(contexts, key=len)
+    target_s = time_target(target, context, [1] + [n + 1 for n in candidates])
+    rows = []
+    for n in tqdm(candidates, desc="calibration: draft cost", unit="tree", file=sys.stderr):
+        paths = best_paths(freq, n)
+        accepted = sum(freq[tuple(p)] for p in paths) / n_pos
+        draft_s = time_draft(target, head, paths, context[: max(len(context) // 2, 1)])
+        step = target_s[n + 1] + draft_s
+        rows.append({"nodes": n, "depth": max(len(p) for p in paths), "tau": 1 + accepted,
+                     "target_ms": 1e3 * target_s[n + 1], "draft_ms": 1e3 * draft_s,
+                     "tokens_per_s": (1 + accepted) / step, "paths": paths})
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    plain = 1 / target_s[1]
+    out.write(f"tree calibration on {target.device} ({n_pos} positions, {len(prompts)} prompts); "
+              f"plain decoding ~{plain:.1f} tokens/s\n")
+    out.write(f"{'nodes':>5} {'depth':>5} {'tau':>6} {'target ms':>9} {'draft ms':>8} {'tok/s':>7}\n")
+    for r in rows:
+        mark = "  <- chosen" if r is best else ""
+        out.write(f"{r['nodes']:>5} {r['depth']:>5} {r['tau']:>6.2f} {r['target_ms']:>9.1f} {r['draft_ms']:>8.1f} "
+                  f"{r['tokens_per_s']:>7.1f}{mark}\n")
+    out.write(f"expected speedup {best['tokens_per_s'] / plain:.2f}x; tree paths: {json.dumps(best['paths'])}\n")
+    if best["tokens_per_s"] < plain:
+        # the smallest tree already costs more than its acceptance buys: say which term limits it
+        one = rows[0]
+        out.write(f"no tree beats plain decoding here: verifying even {one['nodes'] + 1} tokens costs "
+                  f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
+                  f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n")
+    if t.save and session.head_dir is not None:
+        if store_default_tree(head, Path(session.head_dir), best["paths"]):
+            out.write(f"stored as the default tree of {session.head_dir}\n")
+        else:
+            out.write(f"{session.head_dir} is not writable here: pass the tree as tree=static 'tree.paths=...'\n")
+    out.flush()
+    return TreeConfig(kind="static", paths=best["paths"])

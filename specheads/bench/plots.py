@@ -1,0 +1,50 @@
+"""Benchmark figures (matplotlib, Agg backend: no display needed). Writes are atomic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from ..atomic import save_figure  # noqa: E402
+
+
+def _save(fig, path: Path) -> None:
+    save_figure(fig, path, dpi=120, bbox_inches="tight")
+
+
+def plot_tau_per_category(summary: dict, path: Path) -> None:
+    """Grouped bars: tau of each method in each category (and overall)."""
+    methods = list(summary)
+    categories = [c for c in summary[methods[0]]] if methods else []
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(categories) + 2), 3.6))
+    for i, m in enumerate(methods):
+        xs = [j + i * width for j in range(len(categories))]
+        ax.bar(xs, [summary[m].get(c, {}).get("tau", 0.0) for c in categories], width, label=m)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(categories))])
+    ax.set_xticklabels(categories, rotation=30, ha="right")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_title("Acceptance length per category")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    _save(fig, path)
+
+
+def plot_acceptance_per_depth(rates: Sequence[float], path: Path) -> None:
+    """Conditional acceptance of the draft token at each depth of the tree."""
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    depths = list(range(1, len(rates) + 1))
+    ax.bar(depths, rates, color="tab:green")
+    for d, r in zip(depths, rates):
+        ax.text(d, r + 0.01, f"{r:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(depths)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("P(accepted | reached)")
+    ax.set_title("Acceptance per depth")
+    _save(fig, path)

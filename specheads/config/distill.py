@@ -1,0 +1,88 @@
+"""Structured config of distill.py (registered in Hydra's ConfigStore, so unknown keys fail)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+from .train import ModelConfig, register_configs
+from ..data.decontaminate import DEFAULT_EVAL_GLOB
+
+
+@dataclass
+class MagpieConfig:
+    """Prompts written by the target itself from the chat template's user-turn prefix."""
+
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_new_tokens: int = 48
+    # Condition each prompt on a topic x task type placed in a varied system prompt (diversity).
+    conditioned: bool = True
+    # Generate this many candidates per needed prompt (filters and dedup drop some).
+    oversample: float = 1.1
+    max_rounds: int = 4
+    # Quality filter.
+    min_words: int = 3
+    max_words: int = 200
+    min_printable: float = 0.95
+    # A prompt cut off by max_new_tokens: "trim" it to its last complete sentence, "drop" it,
+    # or "keep" it as it is. Trimming saves the generation spent on long prompts.
+    cut: str = "trim"
+
+
+@dataclass
+class FeaturesConfig:
+    """Offline hidden-state caching after regeneration (off by default)."""
+
+    enabled: bool = False
+    output: Optional[str] = None  # default: <distill.output>/features
+    # Which states to cache (our convention); null = the EAGLE-3 default [2, L//2, L-3]. The
+    # post-norm final state is cached too, so one cache serves Medusa, EAGLE-1 and EAGLE-3.
+    layer_ids: Optional[list[int]] = None
+    final: bool = True
+    dtype: str = "bfloat16"
+    # Must equal train.py's data.max_length / eval_fraction / shuffle_seed for the same split.
+    max_length: int = 512
+    eval_fraction: float = 0.05
+    shuffle_seed: int = 0
+
+
+@dataclass
+class DistillConfig:
+    # "magpie" (the target writes its prompts) or a prompt source: local file/dir or Hub id in
+    # ShareGPT, OpenAI or FastChat question.jsonl format (first user turn is used).
+    prompts: str = "magpie"
+    prompts_format: str = "auto"
+    prompts_split: str = "train"
+    num_prompts: Optional[int] = 256
+    max_prompt_tokens: int = 1024
+    # Answers: greedy by default (the benchmark is greedy).
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    # Conversation turns; turns > 1 adds target-written follow-up user turns (Magpie-style).
+    turns: int = 1
+    batch_size: int = 32
+    shard_size: int = 256
+    output: str = "runs/distill-${model.name}"
+    # Evaluation prompt files/globs to keep out of the data (a glob matching nothing is skipped).
+    decontaminate: list[str] = field(default_factory=lambda: [DEFAULT_EVAL_GLOB])
+    ngram: int = 13
+    magpie: MagpieConfig = field(default_factory=MagpieConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+
+
+@dataclass
+class DistillJobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    debug: bool = False
+
+
+def register_distill_configs() -> None:
+    register_configs()
+    ConfigStore.instance().store(name="distill_schema", node=DistillJobConfig)

@@ -1,0 +1,125 @@
+"""The settings of infer.py, typed. conf/infer.yaml is composed by Hydra, then checked here.
+
+(infer.yaml carries no structured schema of its own because `head` names a config group of
+train.py; infer.py passes `head=PATH` on as `head_path` and validation happens in `validate`.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .train import ModelConfig
+from ..errors import SpecHeadsError
+
+TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
+METHODS = ("baseline", "prompt_lookup", "spec")
+DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is not given
+
+
+@dataclass
+class TreeConfig:
+    # default: the head's stored tree, else dynamic (EAGLE) / a static Medusa tree
+    # static: `paths`; dynamic: EAGLE-2 (depth, top_k, total_tokens); chain: top-1 chain of depth
+    # auto: calibrate on this machine (target cost per tree size x head acceptance per rank)
+    kind: str = "default"
+    paths: Optional[list[Any]] = None
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 32
+    # auto calibration
+    calibration_questions: Optional[str] = None  # question.jsonl; None = built-in prompts
+    calibration_prompts: int = 8
+    calibration_tokens: int = 48
+    max_nodes: int = 64
+    save: bool = True  # store the calibrated tree as the head's default tree
+
+
+@dataclass
+class BenchConfig:
+    questions: Optional[str] = None
+    output: Optional[str] = None  # None = runs/bench/<questions file stem>.jsonl
+    max_new_tokens: int = 256
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    prompt_lookup_num_tokens: int = 10
+    prompt_lookup_max_ngram: int = 2
+    limit: Optional[int] = None
+    per_category: Optional[int] = None
+    warmup: int = 1
+    plots: bool = True
+
+
+@dataclass
+class InferJobConfig:
+    head_path: Optional[str] = None
+    model: Optional[ModelConfig] = None
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    prompt: Optional[str] = None
+    system: Optional[str] = None
+    chat: bool = True
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    acceptance: str = "auto"  # auto (lossless) | typical (Medusa, lossy)
+    typical_epsilon: float = 0.09
+    typical_alpha: float = 0.3
+    compare: bool = True
+    mark: str = "auto"  # auto | ansi | brackets | none
+    seed: int = 0
+    device: str = "auto"
+    debug: bool = False
+
+
+def validate(cfg: DictConfig) -> InferJobConfig:
+    """Typed settings, or SpecHeadsError naming the bad key."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(InferJobConfig), cfg)
+        settings: InferJobConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        first = str(err).strip().splitlines()[0]
+        key = getattr(err, "full_key", None)
+        raise SpecHeadsError(f"{first}" + (f" ({key})" if key and key not in first else "")) from None
+    t, b = settings.tree, settings.bench
+    if t.kind not in TREE_KINDS:
+        raise SpecHeadsError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {t.kind!r}")
+    for name in ("depth", "top_k", "total_tokens", "max_nodes", "calibration_prompts", "calibration_tokens"):
+        if getattr(t, name) < 1:
+            raise SpecHeadsError(f"tree.{name} must be >= 1, got {getattr(t, name)}")
+    bad = [m for m in b.methods if m not in METHODS]
+    if bad or not b.methods:
+        raise SpecHeadsError(f"bench.methods must be a non-empty subset of {list(METHODS)}, got {b.methods}")
+    if len(set(b.methods)) != len(b.methods):
+        raise SpecHeadsError(f"bench.methods repeats a method: {b.methods}")
+    if b.max_new_tokens < 1 or settings.max_new_tokens < 1:
+        raise SpecHeadsError("max_new_tokens must be >= 1")
+    if settings.temperature < 0 or not 0 < settings.top_p <= 1 or settings.top_k < 0:
+        raise SpecHeadsError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+    if settings.acceptance not in ("auto", "typical"):
+        raise SpecHeadsError(f"acceptance must be auto (lossless) or typical (lossy), got {settings.acceptance!r}")
+    if settings.acceptance == "typical" and settings.temperature <= 0:
+        raise SpecHeadsError("acceptance=typical needs temperature > 0")
+    if settings.mark not in ("auto", "ansi", "brackets", "none"):
+        raise SpecHeadsError(f"mark must be auto, ansi, brackets or none, got {settings.mark!r}")
+    if b.output and not b.questions:
+        raise SpecHeadsError("bench.output is set but bench.questions=FILE.jsonl is not")
+    if b.questions and not b.output:
+        b.output = str(Path(DEFAULT_BENCH_DIR) / f"{Path(b.questions).stem}.jsonl")
+    if not settings.head_path and (not b.questions or "spec" in b.methods):
+        raise SpecHeadsError("give the draft head: head=DIR_OR_HUB_ID")
+    if not settings.head_path and settings.model is None:
+        raise SpecHeadsError("without a head, give the target: model=NAME")
+    if not b.questions and not settings.prompt:
+        raise SpecHeadsError('give a prompt (prompt="...") or a benchmark (bench.questions=... bench.output=...)')
+    if b.questions and not Path(b.questions).is_file():
+        raise SpecHeadsError(f"questions file {b.questions} does not exist")
+    head = settings.head_path
+    if head and head.startswith((".", "/", "~")) and not Path(head).expanduser().exists():
+        # checked here, before torch is imported, so that a typo fails at once
+        raise SpecHeadsError(f"head {head} does not exist")
+    return settings

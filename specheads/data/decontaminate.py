@@ -1,0 +1,124 @@
+"""Keep evaluation prompts out of training data: word n-gram overlap with any eval prompt drops.
+
+Text is normalised to lowercase word tokens (\\w+). A training example is dropped when one of its
+user turns shares an n-gram (default 13 words) with an evaluation prompt; an evaluation prompt
+shorter than n words (but at least MIN_SHORT_WORDS long) matches when it appears whole.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+from pathlib import Path
+from typing import Iterable, Sequence, Union
+
+from ..errors import SpecHeadsError
+
+# Relative to the working directory, then to the project checkout: the benchmark prompt sets.
+DEFAULT_EVAL_GLOB = "../shared/data/eval/*.jsonl"
+MIN_SHORT_WORDS = 6
+PROMPT_KEYS = ("prompt", "question", "instruction")
+_WORD = re.compile(r"\w+")
+_GLOB_CHARS = set("*?[")
+
+
+def words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def project_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def resolve_eval_files(patterns: Iterable[str]) -> list[Path]:
+    """Evaluation files named by paths or globs. A glob that matches nothing is skipped (the
+    default one points at a directory that may not exist); a missing plain path is an error."""
+    files: list[Path] = []
+    for pattern in patterns or ():
+        pattern = str(Path(pattern).expanduser()) if pattern.startswith("~") else str(pattern)
+        if _GLOB_CHARS & set(pattern):
+            found = sorted(glob.glob(pattern))
+            if not found and not Path(pattern).is_absolute():
+                found = sorted(glob.glob(str(project_root() / pattern)))
+            files.extend(Path(f) for f in found)
+        elif Path(pattern).is_file():
+            files.append(Path(pattern))
+        else:
+            raise SpecHeadsError(f"decontamination file {pattern} does not exist")
+    unique = {f.resolve(): f for f in files}
+    return list(unique.values())
+
+
+def eval_prompts(files: Iterable[Union[str, Path]]) -> list[str]:
+    """Every prompt of FastChat question.jsonl ("turns"), ShareGPT/OpenAI (user turns) or
+    {"prompt"|"question"|"instruction": str} files."""
+    from .conversations import iter_rows, row_to_conversation
+
+    prompts: list[str] = []
+    for file in files:
+        for where, row in iter_rows(str(file)):
+            if isinstance(row, dict) and isinstance(row.get("turns"), list):
+                prompts.extend(t for t in row["turns"] if isinstance(t, str))
+            elif isinstance(row, dict) and any(isinstance(row.get(k), str) for k in PROMPT_KEYS):
+                prompts.extend(row[k] for k in PROMPT_KEYS if isinstance(row.get(k), str))
+            else:
+                conversation = row_to_conversation(row, "auto", where)
+                prompts.extend(m["content"] for m in conversation if m["role"] == "user")
+    return prompts
+
+
+class NgramIndex:
+    """The n-grams of a set of evaluation prompts; `matches(text)` tests one training text."""
+
+    def __init__(self, prompts: Iterable[str], n: int = 13):
+        if n < 1:
+            raise SpecHeadsError(f"decontamination n-gram size must be >= 1, got {n}")
+        self.n = n
+        self.grams: set[tuple[str, ...]] = set()
+        self.short: dict[int, set[tuple[str, ...]]] = {}
+        for prompt in prompts:
+            toks = words(prompt)
+            if len(toks) >= n:
+                self.grams.update(_ngrams(toks, n))
+            elif len(toks) >= min(MIN_SHORT_WORDS, n):
+                self.short.setdefault(len(toks), set()).add(tuple(toks))
+
+    def __bool__(self) -> bool:
+        return bool(self.grams or self.short)
+
+    def matches(self, text: str) -> bool:
+        toks = words(text)
+        if any(g in self.grams for g in _ngrams(toks, self.n)):
+            return True
+        return any(g in grams for size, grams in self.short.items() for g in _ngrams(toks, size))
+
+
+def _ngrams(toks: Sequence[str], n: int):
+    return (tuple(toks[i:i + n]) for i in range(len(toks) - n + 1))
+
+
+def build_index(eval_files: Iterable[Union[str, Path]], n: int = 13) -> NgramIndex:
+    return NgramIndex(eval_prompts(eval_files), n)
+
+
+def decontaminate(conversations: list, eval_files_or_index, n: int = 13) -> tuple[list, int]:
+    """Drop conversations whose user turns overlap an evaluation prompt; (kept, dropped count)."""
+    index = _as_index(eval_files_or_index, n)
+    if not index:
+        return list(conversations), 0
+    kept = [c for c in conversations
+            if not any(m["role"] == "user" and index.matches(m["content"]) for m in c)]
+    return kept, len(conversations) - len(kept)
+
+
+def decontaminate_prompts(prompts: list[str], eval_files_or_index, n: int = 13) -> tuple[list[str], int]:
+    """The same test for bare user prompts; (kept, dropped count)."""
+    index = _as_index(eval_files_or_index, n)
+    kept = [p for p in prompts if not index.matches(p)] if index else list(prompts)
+    return kept, len(prompts) - len(kept)
+
+
+def _as_index(eval_files_or_index, n: int) -> NgramIndex:
+    if isinstance(eval_files_or_index, NgramIndex):
+        return eval_files_or_index
+    return build_index(eval_files_or_index, n)

@@ -1,0 +1,311 @@
+"""Offline hidden-state features: one pass of the frozen target, cached as safetensors shards.
+
+Layout of a cache directory:
+    index.json            key (what the features depend on), shards, dtype, layer ids + convention
+    shard-00000.safetensors
+        input_ids [N] int64, loss_mask [N] int8, offsets [R+1] int64 (row r = N-range offsets[r]:offsets[r+1])
+        layer_<k> [N, H] and/or final [N, H] in the cache dtype
+A cache whose key differs from what a run needs (another target, layers, tokenizer, template or
+max_length) is refused with a message naming the differing fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from ..atomic import write_json
+from ..errors import SpecHeadsError
+from ..target import LAYER_CONVENTION, FrozenTarget
+
+INDEX_NAME = "index.json"
+CACHE_VERSION = 1
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def feature_cache_key(target: FrozenTarget, layer_ids: Iterable[int], final: bool,
+                      max_length: int) -> dict[str, Any]:
+    """Everything the cached tensors depend on, besides the rows themselves."""
+    tok = target.tokenizer
+    vocab = json.dumps(sorted(tok.get_vocab().items())) if tok is not None else ""
+    return {
+        "version": CACHE_VERSION,
+        "target": target.info.name,
+        "revision": target.info.revision,
+        "target_shape": [target.info.hidden_size, target.info.num_layers, target.info.vocab_size],
+        "layer_ids": sorted(int(k) for k in layer_ids),
+        "layer_convention": LAYER_CONVENTION,
+        "final_post_norm": bool(final),
+        "tokenizer": _digest(vocab),
+        "chat_template": _digest((getattr(tok, "chat_template", None) or "") if tok is not None else ""),
+        "max_length": int(max_length),
+    }
+
+
+def state_names(layer_ids: Iterable[int], final: bool) -> list[str]:
+    names = [f"layer_{int(k)}" for k in sorted(layer_ids)]
+    return names + (["final"] if final else [])
+
+
+def write_features(target: FrozenTarget, rows, layer_ids: Iterable[int], final: bool, out_dir,
+                   max_length: int, dtype: str = "bfloat16", shard_tokens: int = 262144) -> dict:
+    """Run the target once over `rows` (dicts with input_ids, loss_mask) and cache its states.
+
+    Rows run one at a time (no padding), so a cached row is bit-identical to a fresh forward of it.
+    Shards are written into a temp directory that is renamed into place at the end.
+    """
+    if dtype not in DTYPES:
+        raise SpecHeadsError(f"feature dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    layer_ids = target.check_layer_ids(layer_ids)
+    key = feature_cache_key(target, layer_ids, final, max_length)
+    names = state_names(layer_ids, final)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    shards, buf, n_rows, n_tokens = [], _ShardBuffer(names), 0, 0
+    try:
+        for row in tqdm(rows, desc="caching features", unit="row"):
+            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)[:max_length]
+            mask = torch.as_tensor(row["loss_mask"], dtype=torch.long)[:max_length]
+            s = target.states(ids.unsqueeze(0).to(target.device), layer_ids=layer_ids, final=final)
+            states = {f"layer_{k}": s.hidden[k][0] for k in layer_ids}
+            if final:
+                states["final"] = s.final[0]
+            buf.add(ids, mask, {n: states[n].to(DTYPES[dtype]).cpu() for n in names})
+            n_rows, n_tokens = n_rows + 1, n_tokens + ids.numel()
+            if buf.tokens >= shard_tokens:
+                shards.append(buf.flush(tmp, len(shards)))
+        if buf.rows:
+            shards.append(buf.flush(tmp, len(shards)))
+        bytes_per_token = len(names) * target.info.hidden_size * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+        index = {"key": key, "dtype": dtype, "names": names, "rows": n_rows, "tokens": n_tokens,
+                 "bytes_per_token": bytes_per_token, "shards": shards}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"cached {n_rows} rows / {n_tokens} tokens of {', '.join(names)} ({dtype}): "
+          f"{bytes_per_token} bytes per token, {bytes_per_token * n_tokens / 2**20:.1f} MiB")
+    return index
+
+
+class _ShardBuffer:
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.reset()
+
+    def reset(self):
+        self.ids, self.masks, self.states, self.lengths = [], [], {n: [] for n in self.names}, []
+        self.tokens = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def add(self, ids, mask, states):
+        self.ids.append(ids)
+        self.masks.append(mask)
+        for n in self.names:
+            self.states[n].append(states[n])
+        self.lengths.append(ids.numel())
+        self.tokens += ids.numel()
+
+    def flush(self, directory: Path, number: int) -> dict:
+        name = f"shard-{number:05d}.safetensors"
+        offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.long)
+        offsets[1:] = torch.tensor(self.lengths).cumsum(0)
+        tensors = {"input_ids": torch.cat(self.ids), "loss_mask": torch.cat(self.masks).to(torch.int8),
+                   "offsets": offsets}
+        tensors.update({n: torch.cat(self.states[n]).contiguous() for n in self.names})
+        save_file(tensors, str(directory / name))
+        entry = {"file": name, "rows": self.rows, "tokens": self.tokens}
+        self.reset()
+        return entry
+
+
+@dataclass
+class FeatureRow:
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    states: dict[Any, torch.Tensor]  # layer id -> [T, H], "final" -> [T, H]
+
+
+class FeatureCache:
+    """Random access to cached rows; refuses a cache made for something else."""
+
+    def __init__(self, directory, expected_key: Optional[dict] = None):
+        self.directory = Path(directory)
+        path = self.directory / INDEX_NAME
+        if not path.is_file():
+            raise SpecHeadsError(f"{self.directory} is not a feature cache (no {INDEX_NAME})")
+        try:
+            self.index = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise SpecHeadsError(f"{path} is not valid JSON: {err}") from None
+        if expected_key is not None:
+            check_key(self.index.get("key", {}), expected_key, self.directory)
+        self.names = self.index["names"]
+        self._starts = []
+        total = 0
+        for shard in self.index["shards"]:
+            self._starts.append(total)
+            total += shard["rows"]
+        self._rows = total
+        self._open: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def _shard(self, i: int):
+        if i not in self._open:
+            f = self.directory / self.index["shards"][i]["file"]
+            if not f.is_file():
+                raise SpecHeadsError(f"feature shard {f} is missing")
+            self._open[i] = safe_open(str(f), framework="pt")
+        return self._open[i]
+
+    def __getitem__(self, r: int) -> FeatureRow:
+        if not 0 <= r < self._rows:
+            raise IndexError(r)
+        s = bisect_right(self._starts, r) - 1
+        shard = self._shard(s)
+        local = r - self._starts[s]
+        offsets = shard.get_slice("offsets")[local: local + 2]
+        a, b = int(offsets[0]), int(offsets[1])
+        states = {}
+        for n in self.names:
+            key = "final" if n == "final" else int(n.split("_", 1)[1])
+            states[key] = shard.get_slice(n)[a:b]
+        return FeatureRow(shard.get_slice("input_ids")[a:b], shard.get_slice("loss_mask")[a:b].long(), states)
+
+
+def check_key(found: dict, expected: dict, where) -> None:
+    diffs = [f"{k}: cached {found.get(k)!r}, needed {v!r}" for k, v in expected.items() if found.get(k) != v]
+    if diffs:
+        raise SpecHeadsError(f"stale feature cache {where} ({'; '.join(diffs)}): "
+                             "rebuild it with distill.py or point data.features elsewhere")
+
+
+def collate_features(rows: list[FeatureRow], pad_id: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Right-pad cached rows into (batch, states) exactly like the online path produces them."""
+    t = max(r.input_ids.numel() for r in rows)
+    b = len(rows)
+    ids = torch.full((b, t), pad_id, dtype=torch.long)
+    attn = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    states = {k: torch.zeros(b, t, v.shape[-1], dtype=dtype) for k, v in rows[0].states.items()}
+    for i, r in enumerate(rows):
+        n = r.input_ids.numel()
+        ids[i, :n], attn[i, :n], mask[i, :n] = r.input_ids, 1, r.loss_mask
+        for k, v in r.states.items():
+            states[k][i, :n] = v.to(dtype)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}, states
+
+
+def split_dir(directory, split: str) -> Path:
+    return Path(directory) / split
+
+
+def ensure_split_features(target: FrozenTarget, splits: dict, layer_ids, final: bool, directory,
+                          max_length: int, dtype: str = "bfloat16",
+                          data_fingerprint: Optional[str] = None) -> None:
+    """Cache every split under directory/<split>/ unless an up-to-date cache is already there."""
+    expected = feature_cache_key(target, layer_ids, final, max_length)
+    for split, rows in splits.items():
+        where = split_dir(directory, split)
+        if (where / INDEX_NAME).is_file():
+            index = json.loads((where / INDEX_NAME).read_text())
+            if index.get("key") == expected and index.get("data") == data_fingerprint \
+                    and index.get("rows") == len(rows):
+                continue
+        write_features(target, rows, layer_ids, final, where, max_length, dtype=dtype)
+        index = json.loads((where / INDEX_NAME).read_text())
+        index["data"] = data_fingerprint
+        write_json(where / INDEX_NAME, index)
+
+
+def auto_features_dir(target: FrozenTarget, splits: dict, layer_ids, final: bool, max_length: int,
+                      dtype: str) -> Path:
+    """Where data.features=auto keeps a cache: named by the key and a digest of every row."""
+    h = hashlib.sha256(json.dumps([feature_cache_key(target, layer_ids, final, max_length), dtype],
+                                  sort_keys=True).encode())
+    for split in sorted(splits):
+        h.update(split.encode())
+        for row in splits[split]:
+            h.update(b"|" + ",".join(map(str, row["input_ids"])).encode())
+            h.update(b"/" + bytes(int(m) for m in row["loss_mask"]))
+    from ..target import cache_root
+
+    return cache_root() / "features" / f"{target.info.name}-{h.hexdigest()[:16]}"
+
+
+class OfflineStates:
+    """A trainer state source reading cached features instead of running the target.
+
+    Fits the StateSource protocol of specheads.train.state_source; the cache must hold (at least) the
+    states the head needs and match the target, tokenizer, template and max_length.
+    """
+
+    def __init__(self, directory, target: FrozenTarget, max_length: int, pad_id: int,
+                 device: torch.device, dtype: torch.dtype, splits=("train", "eval")):
+        self.directory, self.pad_id, self.device, self.dtype = Path(directory), pad_id, device, dtype
+        self.caches: dict[str, FeatureCache] = {}
+        for split in splits:
+            where = split_dir(directory, split)
+            if not (where / INDEX_NAME).is_file():
+                if split == "train":
+                    raise SpecHeadsError(f"no feature cache at {where}; write one with distill.py "
+                                         "distill.features=true or point data.features elsewhere")
+                continue
+            cache = FeatureCache(where)
+            found = cache.index.get("key", {})
+            wanted = feature_cache_key(target, found.get("layer_ids", []),
+                                       found.get("final_post_norm", False), max_length)
+            check_key(found, wanted, where)
+            self.caches[split] = cache
+        self._rows: dict[str, list[dict]] = {}
+
+    def rows(self, split: str):
+        if split not in self.caches:
+            return []
+        if split not in self._rows:
+            cache = self.caches[split]
+            self._rows[split] = [{"input_ids": r.input_ids.tolist(), "loss_mask": r.loss_mask.tolist()}
+                                 for r in (cache[i] for i in range(len(cache)))]
+        return self._rows[split]
+
+    def require(self, layer_ids, final: bool) -> None:
+        have = set(self.caches["train"].names)
+        missing = [n for n in state_names(layer_ids, final) if n not in have]
+        if missing:
+            raise SpecHeadsError(f"feature cache {self.directory} lacks {missing} (has {sorted(have)}); "
+                                 "rebuild it for this head's layers")
+        self.wanted = set(int(k) for k in layer_ids) | ({"final"} if final else set())
+
+    def fetch(self, split: str, indices):
+        cache = self.caches[split]
+        rows = [cache[int(i)] for i in indices]
+        for r in rows:
+            r.states = {k: v for k, v in r.states.items() if k in self.wanted}
+        batch, states = collate_features(rows, self.pad_id, self.dtype)
+        return ({k: v.to(self.device) for k, v in batch.items()},
+                {k: v.to(self.device) for k, v in states.items()})

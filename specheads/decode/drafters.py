@@ -1,0 +1,271 @@
+"""Drafters: turn a draft head's predictions into a candidate tree for the target to verify.
+
+A drafter follows the generation loop through three calls:
+  start(prompt_ids, states, root)  after prefill; states = the target's captured states [1, T, .]
+  draft(root, prefix_len, max_depth) -> (tokens, layout)   tokens[0] == root
+  advance(states, tokens, bonus)   after verification; states and tokens of the accepted path
+                                   (root first), bonus = the target's next token (the next root)
+(and rewind(n), which makes the next draft() redo the work of the last n accepted tokens: used
+to time drafting during tree calibration).
+Drafts are deterministic (top-k), so any acceptance rule that treats them as one-hot proposals
+is lossless.
+
+Tree growth is shared by all families (`grow_tree`): the caller provides the log-probabilities
+of a node's children; the policy is a static tree of rank paths or an EAGLE-2 dynamic tree
+(expand the top_k most probable paths per level, then keep the best total_tokens nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ..errors import SpecHeadsError
+from .tree import StaticTree, TreeLayout, select_dynamic, static_tree
+
+
+@dataclass(frozen=True)
+class DynamicTreeSpec:
+    """EAGLE-2: `depth` drafted tokens at most per path, `top_k` children per expanded node,
+    `total_tokens` drafted nodes kept (the root is extra)."""
+
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 48
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
+            raise SpecHeadsError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {self}")
+
+
+TreePolicy = Union[StaticTree, DynamicTreeSpec]
+
+
+@dataclass
+class DraftTable:
+    """Every node produced while drafting: token (target vocab), parent, depth, path score."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.depths.append(0 if parent < 0 else self.depths[parent] + 1)
+        self.scores.append(float(score))
+        return len(self.tokens) - 1
+
+
+# child_logp(ids, table) -> [len(ids), Vd] log-probs of each node's next token (draft vocab);
+# to_target maps draft-vocab ids to target ids.
+ChildLogp = Callable[[list[int], DraftTable], torch.Tensor]
+ToTarget = Callable[[torch.Tensor], torch.Tensor]
+
+
+def prune_static(tree: StaticTree, max_depth: int) -> StaticTree:
+    if tree.layout.max_depth <= max_depth:
+        return tree
+    return static_tree([p for p in tree.paths if len(p) <= max_depth] or [[0]])
+
+
+def grow_tree(root: int, child_logp: ChildLogp, to_target: ToTarget, policy: TreePolicy,
+              max_depth: int) -> tuple[list[int], TreeLayout]:
+    """Draft a tree below `root` (never deeper than max_depth); returns (tokens, layout)."""
+    table = DraftTable()
+    table.add(root, -1, 0.0)
+    if max_depth < 1:
+        return [root], TreeLayout((-1,))
+    if isinstance(policy, StaticTree):
+        return _grow_static(table, child_logp, to_target, prune_static(policy, max_depth))
+    return _grow_dynamic(table, child_logp, to_target, policy, max_depth)
+
+
+def _grow_static(table: DraftTable, child_logp: ChildLogp, to_target: ToTarget,
+                 tree: StaticTree) -> tuple[list[int], TreeLayout]:
+    layout = tree.layout
+    depths = layout.depths
+    for d in range(1, layout.max_depth + 1):
+        level = [i for i in range(layout.size) if depths[i] == d]
+        parents = sorted({layout.parents[i] for i in level})
+        k = max(tree.ranks[i] for i in level) + 1
+        logp = child_logp(parents, table)
+        top = to_target(torch.topk(logp, min(k, logp.shape[-1]), dim=-1).indices).tolist()
+        row_of = {p: r for r, p in enumerate(parents)}
+        for i in level:  # level nodes are consecutive, so table ids equal node ids
+            ranks = top[row_of[layout.parents[i]]]
+            rank = tree.ranks[i]
+            token = ranks[rank] if rank < len(ranks) else ranks[-1]
+            table.add(token, layout.parents[i], 0.0)
+    return table.tokens, layout
+
+
+def _grow_dynamic(table: DraftTable, child_logp: ChildLogp, to_target: ToTarget,
+                  spec: DynamicTreeSpec, max_depth: int) -> tuple[list[int], TreeLayout]:
+    frontier = [0]
+    for d in range(1, min(spec.depth, max_depth) + 1):
+        logp = child_logp(frontier, table)
+        k = min(spec.top_k, logp.shape[-1])
+        top = torch.topk(logp, k, dim=-1)
+        tokens = to_target(top.indices).tolist()
+        values = top.values.tolist()
+        children = []
+        for row, parent in enumerate(frontier):
+            base = table.scores[parent]
+            for j in range(k):
+                children.append(table.add(tokens[row][j], parent, base + values[row][j]))
+        # the next frontier: the top_k children by path score (ties to the earlier node)
+        frontier = sorted(sorted(children, key=lambda c: (-table.scores[c], c))[:spec.top_k])
+    cand_parents = [p - 1 for p in table.parents[1:]]  # candidates are table ids 1.., root -> -1
+    kept, layout = select_dynamic(cand_parents, table.scores[1:], spec.total_tokens)
+    return [table.tokens[0]] + [table.tokens[c + 1] for c in kept], layout
+
+
+class MedusaDrafter:
+    """Medusa: head k's top-k at the last accepted position fill depth k+1 (a Cartesian product)."""
+
+    def __init__(self, head, policy: TreePolicy):
+        self.head = head
+        self.policy = policy
+        self.layer_ids: list[int] = []
+        self.reads_final = True
+        self.final: Optional[torch.Tensor] = None  # [1, 1, H] target state at the last accepted token
+        depth = policy.layout.max_depth if isinstance(policy, StaticTree) else policy.depth
+        if depth > head.spec.num_heads:
+            raise SpecHeadsError(
+                f"the tree is {depth} deep but this Medusa head has only {head.spec.num_heads} heads")
+
+    def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
+        self.final = states["final"][:, -1:]
+
+    def advance(self, states: dict, tokens: Sequence[int], bonus: int) -> None:
+        self.final = states["final"][:, -1:]
+
+    def rewind(self, n: int) -> None:
+        """Nothing to undo: drafting reads only the last accepted state."""
+
+    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        logits = self.head.medusa_logits(self.final)  # [K, 1, 1, V]
+        head_logp = torch.log_softmax(logits[:, 0, 0].float(), dim=-1)
+
+        def child_logp(ids, table):
+            return head_logp[torch.tensor([table.depths[i] for i in ids], device=head_logp.device)]
+
+        return grow_tree(root, child_logp, lambda ids: ids, self.policy, max_depth)
+
+
+class EagleDrafter:
+    """EAGLE-1 / EAGLE-3: the draft decoder runs level by level over the tree with its own KV cache.
+
+    The draft cache holds one entry per committed position i (feature of target position i,
+    token i+1). Tree nodes are appended while drafting and cropped afterwards; after
+    verification the accepted tokens are fed with the target's own features (`advance`).
+    """
+
+    def __init__(self, head, policy: TreePolicy):
+        self.head = head
+        self.policy = policy
+        self.layer_ids = head.target_layer_ids()
+        self.reads_final = head.reads_final
+        self.cache = None
+        self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (ids, features) to feed
+        self.last_fed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def _features(self, states: dict) -> torch.Tensor:
+        return self.head.input_features(states)
+
+    def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
+        self.cache = self.head.new_cache()
+        ids = torch.cat([prompt_ids[:, 1:], prompt_ids.new_tensor([[root]])], dim=1)
+        self.pending = (ids, self._features(states))
+
+    def advance(self, states: dict, tokens: Sequence[int], bonus: int) -> None:
+        device = self.cache_device
+        ids = torch.tensor([list(tokens[1:]) + [bonus]], dtype=torch.long, device=device)
+        self.pending = (ids, self._features(states))
+
+    @property
+    def cache_device(self) -> torch.device:
+        return self.head.device
+
+    def rewind(self, n: int) -> None:
+        """Forget the last n fed entries and queue them again (to time or repeat a drafting step)."""
+        ids, feats = self.last_fed
+        n = min(n, ids.shape[1])
+        self.cache.crop(self.cache.length - n)
+        self.pending = (ids[:, -n:], feats[:, -n:])
+
+    def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the accepted tokens; returns the root's (hidden_out [Hd], draft log-probs [Vd])."""
+        if self.pending is None:
+            raise RuntimeError("draft() called twice without advance() or rewind()")
+        ids, feats = self.pending
+        self.pending = None
+        self.last_fed = (ids, feats)
+        start = self.cache.length
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+        hidden, logits = self.head.draft_step(ids, feats, pos, self.cache)
+        return hidden[0, -1], torch.log_softmax(logits[0, -1].float(), dim=-1)
+
+    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        root_hidden, root_logp = self._catch_up()
+        stable = self.cache.length  # == prefix_len: entries for positions 0..prefix_len-1
+        device = root_hidden.device
+        hidden = {0: root_hidden}  # node id -> its draft output (its children's input feature)
+        slot: dict[int, int] = {}  # node id -> its slot in the draft cache
+
+        def child_logp(ids: list[int], table: DraftTable) -> torch.Tensor:
+            if ids == [0]:
+                return root_logp[None]
+            new_ids = [i for i in ids if i != 0]
+            n, past = len(new_ids), self.cache.length
+            mask = torch.zeros(n, past + n, dtype=torch.bool, device=device)
+            mask[:, :stable] = True
+            for r, i in enumerate(new_ids):
+                mask[r, past + r] = True
+                a = table.parents[i]
+                while a > 0:
+                    mask[r, slot[a]] = True
+                    a = table.parents[a]
+            tok = torch.tensor([[table.tokens[i] for i in new_ids]], device=device)
+            feats = torch.stack([hidden[table.parents[i]] for i in new_ids])[None]
+            pos = torch.tensor([[stable - 1 + table.depths[i] for i in new_ids]], device=device)
+            out, logits = self.head.draft_step(tok, feats, pos, self.cache, attention_mask=mask[None, None])
+            logp = torch.log_softmax(logits[0].float(), dim=-1)
+            for r, i in enumerate(new_ids):
+                hidden[i] = out[0, r]
+                slot[i] = past + r
+            rows = {i: logp[r] for r, i in enumerate(new_ids)}
+            rows[0] = root_logp
+            return torch.stack([rows[i] for i in ids])
+
+        try:
+            return grow_tree(root, child_logp, self.head.draft_to_target, self.policy, max_depth)
+        finally:
+            self.cache.crop(stable)
+
+
+def make_drafter(head, policy: TreePolicy):
+    if head.family == "medusa":
+        return MedusaDrafter(head, policy)
+    if head.family in ("eagle", "eagle3"):
+        return EagleDrafter(head, policy)
+    raise SpecHeadsError(f"no drafter for head family {head.family!r}")
+
+
+def tree_policy(kind: str, paths: Optional[Sequence[Sequence[int]]] = None, depth: int = 5,
+                top_k: int = 8, total_tokens: int = 48, default_paths: Optional[Any] = None) -> TreePolicy:
+    """static (paths, or the head's default tree) | dynamic (EAGLE-2) | chain (top-1 chain of depth)."""
+    if kind == "dynamic":
+        return DynamicTreeSpec(depth=depth, top_k=top_k, total_tokens=total_tokens)
+    if kind == "chain":
+        return static_tree([[0] * d for d in range(1, depth + 1)])
+    if kind == "static":
+        chosen = paths or default_paths
+        if not chosen:
+            raise SpecHeadsError("tree.kind=static needs tree.paths (or a head with a default tree)")
+        return static_tree(chosen)
+    raise SpecHeadsError(f"unknown tree kind {kind!r}; use static, dynamic or chain")

@@ -1,0 +1,135 @@
+"""Training metrics: metrics.jsonl (always, rank 0), Weights & Biases (disabled / offline / online),
+and a PNG of the loss and per-depth accuracy curves written at the end of a run."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from ..atomic import save_figure, write_jsonl
+from ..errors import SpecHeadsError
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+class MetricsLog:
+    """Rank 0 appends one JSON object per log call; the other ranks are silent."""
+
+    def __init__(self, output_dir: Path, wandb_cfg: Any, run_config: dict, enabled: bool,
+                 resume_step: int = 0):
+        if wandb_cfg.mode not in WANDB_MODES:
+            raise SpecHeadsError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {wandb_cfg.mode!r}")
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.run = None
+        if not enabled:
+            return
+        # A resumed run drops what the interrupted one logged after its last checkpoint.
+        records = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+        write_jsonl(self.path, records)
+        if wandb_cfg.mode != "disabled":
+            self.run = _start_wandb(Path(output_dir), wandb_cfg, run_config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.run is not None:
+            self.run.log(metrics, step=int(step))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def _start_wandb(output_dir: Path, wandb_cfg: Any, run_config: dict):
+    import wandb
+
+    # Keep one run id per output_dir, so a resumed training continues the same wandb run.
+    id_file = output_dir / "wandb-run-id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id)
+    try:
+        return wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, entity=wandb_cfg.entity,
+                          name=wandb_cfg.name, dir=str(output_dir), config=run_config, id=run_id,
+                          resume="allow", settings=wandb.Settings(silent=True))
+    except Exception as err:  # wandb raises its own error types for login / network problems
+        raise SpecHeadsError(f"wandb.init failed ({wandb_cfg.mode}): {str(err).splitlines()[0]}; "
+                             "use wandb.mode=offline or wandb.mode=disabled") from err
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        return []
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed run
+    return records
+
+
+def plot_metrics(metrics_path: Path, png_path: Path) -> Optional[Path]:
+    """Loss (train and eval) and eval top-1 accuracy per draft depth against the step."""
+    records = read_metrics(metrics_path)
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key):
+        pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, style in (("train/loss", "-"), ("eval/loss", "o-")):
+        xs, ys = series(key)
+        if xs:
+            ax_loss.plot(xs, ys, style, label=key, markersize=3)
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    ax_loss.legend()
+    # eval accuracy per draft depth (points), and the head's own training accuracy per depth
+    # (dashed, same colour), which shows the trend between the few evaluations
+    def depth(key):
+        return int(key.rsplit("_", 1)[1])
+
+    eval_keys = sorted({k for r in records for k in r if k.startswith("eval/acc_")}, key=depth)
+    train_keys = sorted({k for r in records for k in r if k.startswith("train/acc_")}, key=depth)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for key in sorted(set(map(depth, eval_keys)) | set(map(depth, train_keys))):
+        color = colors[key % len(colors)]
+        xs, ys = series(f"eval/acc_{key}")
+        if xs:
+            ax_acc.plot(xs, ys, "o-", color=color, label=f"depth {key}", markersize=4)
+        xs, ys = series(f"train/acc_{key}")
+        if xs:
+            ax_acc.plot(xs, ys, "--", color=color, alpha=0.6, label=None if eval_keys else f"depth {key}")
+    xs, ys = series("eval/sim_tau")
+    ax_acc.set_title(f"top-1 per depth (eval sim tau {ys[-1]:.2f} at step {xs[-1]})" if xs else "top-1 per depth")
+    last_step = max(r["step"] for r in records)
+    for ax in (ax_loss, ax_acc):
+        ax.set_xlim(0, max(1, last_step) * 1.03)
+    accs = [v for k in eval_keys + train_keys for v in series(k)[1]]
+    ax_acc.set(xlabel="step", ylabel="top-1 accuracy (dots: eval, dashed: train)",
+               ylim=(0, min(1.0, 1.2 * max(accs, default=1.0) + 0.02)))
+    if eval_keys or train_keys:
+        ax_acc.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return save_figure(fig, png_path, dpi=100)

@@ -1,0 +1,84 @@
+"""tree=auto: the acceptance model must predict what the real loop accepts; calibration stores a tree."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from specheads.bench.calibrate import best_paths, calibrate_tree, path_frequencies, rank_vectors
+from specheads.config.train import HeadConfig, ModelConfig
+from specheads.decode.drafters import make_drafter
+from specheads.decode.generate import SamplingConfig, speculative_generate
+from specheads.heads import build_head, load_head, save_head
+from specheads.bench.session import Session, tree_policy_for
+from specheads.config.infer import InferJobConfig, TreeConfig
+from specheads.target import load_target
+from specheads.decode.tree import static_tree
+from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def sequences(target):
+    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40,
+                                 do_sample=False)
+
+
+def test_path_frequencies_and_best_paths_are_prefix_closed():
+    vectors = [(0, 0, 1), (0, 1), (1, 0), (0, 0, 0), (2,), (0, 9)]
+    freq = path_frequencies(vectors, top_k=3)
+    assert freq[(0,)] == 4 and freq[(0, 0)] == 2 and (0, 9) not in freq
+    for n in range(1, len(freq) + 1):
+        paths = {tuple(p) for p in best_paths(freq, n)}
+        assert all(p[:-1] in paths or len(p) == 1 for p in paths)
+        static_tree([list(p) for p in paths])  # a valid tree
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle3"])
+def test_rank_vectors_predict_what_the_loop_accepts(family, target, sequences):
+    """Two implementations agree: teacher-forced ranks vs the real drafting + verification."""
+    head = quick_head(target, family, sequences, steps=60)
+    paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    tree = {tuple(p) for p in paths}
+    prompt = sequences[2:3, :8]
+    res = speculative_generate(target, make_drafter(head, static_tree(paths)), prompt,
+                               SamplingConfig(max_new_tokens=32))
+    full = prompt[0].tolist() + res.output_ids
+    vectors = rank_vectors(target, head, full, 8, depth=3)
+    offset, checked = 0, 0
+    for accepted, depth, emitted in zip(res.accepted_drafts, res.tree_depths, res.accept_lengths):
+        if depth == 3:  # trees pruned near max_new_tokens are skipped
+            v = vectors[offset]
+            predicted = max([m for m in range(1, len(v) + 1) if v[:m] in tree], default=0)
+            assert accepted == predicted
+            checked += 1
+        offset += emitted
+    assert checked >= 3 and max(res.accepted_drafts) >= 2
+
+
+def test_calibrate_tree_picks_and_stores_a_tree(tmp_path, target, sequences):
+    head = quick_head(target, "eagle", sequences, steps=30)
+    head_dir = save_head(head, tmp_path / "head")
+    settings = InferJobConfig(head_path=str(head_dir), tree=TreeConfig(
+        kind="auto", depth=3, top_k=3, calibration_prompts=2, calibration_tokens=16, max_nodes=8))
+    out = io.StringIO()
+    chosen = calibrate_tree(settings, Session(target, head, head_dir, {}), out=out)
+    assert chosen.kind == "static" and 1 <= len(chosen.paths) <= 8
+    assert "<- chosen" in out.getvalue() and "stored as the default tree" in out.getvalue()
+    assert json.loads((head_dir / "config.json").read_text())["default_tree"] == chosen.paths
+    reloaded = load_head(head_dir, target)
+    assert tree_policy_for(reloaded, TreeConfig(kind="default")).size == len(chosen.paths) + 1

@@ -1,0 +1,183 @@
+"""Benchmark harness: question parsing, the summary arithmetic, and one in-process run."""
+
+import json
+
+import pytest
+import torch
+
+from specheads.bench.runner import (
+    acceptance_per_depth,
+    cost_breakdown,
+    first_divergence,
+    format_table,
+    hf_generate,
+    output_paths,
+    read_questions,
+    run_benchmark,
+    summarize,
+)
+from specheads.config.train import HeadConfig, ModelConfig
+from specheads.errors import SpecHeadsError
+from specheads.decode.generate import SamplingConfig
+from specheads.heads import build_head
+from specheads.bench.session import Session
+from specheads.config.infer import BenchConfig, InferJobConfig, TreeConfig
+from specheads.target import load_target
+
+ROW_FIELDS = {"question_id", "category", "method", "output_ids", "new_tokens", "target_forwards", "wall_s"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
+
+
+def write_questions(path, n=3):
+    cats = ["writing", "math", "writing", "coding"]
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"question_id": 80 + i, "category": cats[i % 4],
+                                "turns": [f"Question {i}: tell me, briefly, about {i * 7}.", "second turn"]}) + "\n")
+    return path
+
+
+def test_read_questions(tmp_path):
+    rows = read_questions(write_questions(tmp_path / "q.jsonl", 4), limit=3)
+    assert [r["question_id"] for r in rows] == [80, 81, 82]
+    assert rows[0]["prompt"].startswith("Question 0") and rows[1]["category"] == "math"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": ["a"]}\nnot json\n')
+    with pytest.raises(SpecHeadsError, match=":2 is not valid JSON"):
+        read_questions(bad)
+    bad.write_text('{"question_id": 1, "turns": []}\n')
+    with pytest.raises(SpecHeadsError, match="turns"):
+        read_questions(bad)
+    with pytest.raises(SpecHeadsError, match="does not exist"):
+        read_questions(tmp_path / "missing.jsonl")
+
+
+def test_summary_arithmetic():
+    rows = [
+        # baseline: 10 tokens = prefill token + 9 forwards, in 1 s
+        {"method": "baseline", "category": "a", "new_tokens": 10, "target_forwards": 9, "wall_s": 1.0},
+        {"method": "prompt_lookup", "category": "a", "new_tokens": 10, "target_forwards": 6, "wall_s": 0.8},
+        # spec: 9 decode tokens in 3 forwards (tau 3), in 0.5 s (speedup 2, c = 3/2 - 1)
+        {"method": "spec", "category": "a", "new_tokens": 10, "target_forwards": 3, "wall_s": 0.5},
+    ]
+    s = summarize(rows, ["baseline", "prompt_lookup", "spec"])
+    assert s["baseline"]["all"]["tau"] == 1.0
+    assert s["prompt_lookup"]["a"]["tau"] == pytest.approx(1.5)
+    spec = s["spec"]["all"]
+    assert spec["tau"] == pytest.approx(3.0)
+    assert spec["tokens_per_s"] == pytest.approx(20.0)
+    assert spec["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert spec["speedup_vs_prompt_lookup"] == pytest.approx(20.0 / 12.5)
+    assert spec["overhead_c"] == pytest.approx(0.5)
+    assert "spec" in format_table(s)
+
+
+def test_acceptance_per_depth():
+    rows = [{"accepted_drafts": [0, 1, 3, 2], "tree_depths": [3, 3, 3, 1]}]
+    # depth 1 reached 4 times, accepted 3; depth 2 reached by the 3 that passed depth 1 (of
+    # which the last tree was only 1 deep) -> 2, accepted 1 (the 3); depth 3: 1 reached, 1 accepted
+    assert acceptance_per_depth(rows) == [0.75, 0.5, 1.0]
+
+
+def test_cost_breakdown_splits_a_step_into_its_terms():
+    rows = [
+        {"question_id": 1, "method": "baseline", "new_tokens": 11, "target_forwards": 10, "wall_s": 1.1},
+        {"question_id": 1, "method": "spec", "new_tokens": 11, "target_forwards": 4, "wall_s": 0.7,
+         "prefill_s": 0.1, "draft_s": 0.2, "verify_s": 0.4, "tree_sizes": [9, 9, 9, 5]},
+    ]
+    c = cost_breakdown(rows)
+    assert c["plain_step_ms"] == pytest.approx(100.0)  # (1.1 s - 0.1 s prefill) / 10 forwards
+    assert c["draft_ms"] == pytest.approx(50.0) and c["verify_ms"] == pytest.approx(100.0)
+    assert c["tau"] == pytest.approx(2.5) and c["break_even_tau"] == pytest.approx(1.5)
+    assert c["mean_tree_nodes"] == pytest.approx(8.0)
+    assert cost_breakdown([r for r in rows if r["method"] == "spec"]) is None
+
+
+def test_output_paths():
+    p = output_paths("/x/mt.jsonl")
+    assert str(p["summary"]) == "/x/mt.summary.json" and str(p["tau_png"]) == "/x/mt.tau.png"
+
+
+def test_hf_baseline_counts_decode_forwards(target):
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    out = hf_generate(target, prompt, SamplingConfig(max_new_tokens=7))
+    assert len(out["output_ids"]) == 7 and out["target_forwards"] == 6
+    ref = target.model.generate(prompt, max_new_tokens=7, do_sample=False)[0, 4:].tolist()
+    assert out["output_ids"] == ref
+    pld = hf_generate(target, prompt, SamplingConfig(max_new_tokens=7), prompt_lookup=(4, 2))
+    assert pld["output_ids"] == ref
+
+
+def test_first_divergence_reports_the_margin(target):
+    prompt = [1, 2, 3, 4]
+    base = target.model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, 4:].tolist()
+    other = base[:2] + [(base[2] + 1) % 320] + base[3:]
+    d = first_divergence(target, prompt, base, other)
+    assert d["index"] == 2 and d["baseline_token"] == base[2] and d["top2_margin"] > 0
+    assert first_divergence(target, prompt, base, list(base)) is None
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle3"])
+def test_run_benchmark_in_process(tmp_path, target, family):
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(family=family, draft_vocab_size=320, num_heads=3), target)
+    settings = InferJobConfig(
+        head_path=str(tmp_path / "head"),
+        tree=TreeConfig(kind="dynamic", depth=3, top_k=3, total_tokens=8),
+        bench=BenchConfig(questions=str(write_questions(tmp_path / "q.jsonl", 3)),
+                          output=str(tmp_path / "out" / "res.jsonl"), max_new_tokens=12, warmup=1),
+    )
+    lines = []
+
+    class Out:
+        def write(self, s):
+            lines.append(s)
+
+        def flush(self):
+            pass
+
+    report = run_benchmark(settings, Session(target, head, tmp_path / "head", {}), out=Out())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 3
+    assert {r["method"] for r in rows} == {"baseline", "prompt_lookup", "spec"}
+    for r in rows:
+        assert ROW_FIELDS <= set(r)
+        assert r["new_tokens"] == len(r["output_ids"]) <= 12
+    spec_rows = [r for r in rows if r["method"] == "spec"]
+    assert all("accept_lengths" in r and sum(r["accept_lengths"]) == r["new_tokens"] - 1 for r in spec_rows)
+    # greedy: every method gives the target's own output
+    assert report["identical_to_baseline"]["spec"] == {"equal": 3, "total": 3, "divergences": []}
+    summary = json.loads((tmp_path / "out" / "res.summary.json").read_text())
+    assert set(summary["methods"]) == {"baseline", "prompt_lookup", "spec"}
+    assert set(summary["methods"]["spec"]) == {"all", "writing", "math"}
+    for key in ("tau", "tokens_per_s", "speedup_vs_baseline", "speedup_vs_prompt_lookup", "overhead_c"):
+        assert key in summary["methods"]["spec"]["all"]
+    assert (tmp_path / "out" / "res.tau.png").stat().st_size > 0
+    assert (tmp_path / "out" / "res.acceptance.png").stat().st_size > 0
+    text = "".join(lines)
+    assert "vs base" in text and "spec: 3/3 outputs identical to baseline" in text
+    assert "break-even tau" in text and summary["costs"]["verify_ms"] > 0
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_per_category_keeps_the_first_questions_of_every_category(tmp_path):
+    from specheads.bench.runner import read_questions
+
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}"]}
+            for i, c in enumerate(["a", "a", "a", "b", "b", "c"])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    picked = read_questions(path, per_category=2)
+    assert [q["question_id"] for q in picked] == [0, 1, 3, 4, 5]

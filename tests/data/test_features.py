@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from specheads.errors import SpecHeadsError
+from specheads.data.features import FeatureCache, collate_features, feature_cache_key, write_features
+
+
+def rows(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = 12 + 3 * i
+        ids = torch.randint(0, 256, (t,), generator=g)
+        mask = torch.zeros(t, dtype=torch.long)
+        mask[t // 2:] = 1
+        out.append({"input_ids": ids.tolist(), "loss_mask": mask.tolist()})
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cached_features_equal_online_bit_for_bit(tiny_target, tmp_path, dtype):
+    data = rows()
+    layers = [1, 3, 6]
+    # small shards so that rows span several files
+    index = write_features(tiny_target, data, layers, True, tmp_path / "feat", max_length=64,
+                           dtype=dtype, shard_tokens=40)
+    assert len(index["shards"]) > 1 and index["rows"] == len(data)
+    cache = FeatureCache(tmp_path / "feat", feature_cache_key(tiny_target, layers, True, 64))
+    assert len(cache) == len(data)
+    want = getattr(torch, dtype)
+    for i, row in enumerate(data):
+        ids = torch.tensor(row["input_ids"])
+        online = tiny_target.states(ids.unsqueeze(0), layer_ids=layers, final=True)
+        cached = cache[i]
+        assert torch.equal(cached.input_ids, ids)
+        assert cached.loss_mask.tolist() == row["loss_mask"]
+        for k in layers:
+            assert torch.equal(cached.states[k], online.hidden[k][0].to(want))
+        assert torch.equal(cached.states["final"], online.final[0].to(want))
+
+
+def test_stale_cache_is_refused(tiny_target, tmp_path):
+    write_features(tiny_target, rows(2), [2], False, tmp_path / "feat", max_length=64, dtype="float32")
+    with pytest.raises(SpecHeadsError, match="stale feature cache .*layer_ids"):
+        FeatureCache(tmp_path / "feat", feature_cache_key(tiny_target, [3], False, 64))
+    with pytest.raises(SpecHeadsError, match="max_length"):
+        FeatureCache(tmp_path / "feat", feature_cache_key(tiny_target, [2], False, 128))
+    with pytest.raises(SpecHeadsError, match="not a feature cache"):
+        FeatureCache(tmp_path / "nothing")
+
+
+def test_collate_pads_like_online(tiny_target, tmp_path):
+    data = rows(3)
+    write_features(tiny_target, data, [2], True, tmp_path / "feat", max_length=64, dtype="float32")
+    cache = FeatureCache(tmp_path / "feat")
+    batch, states = collate_features([cache[0], cache[2]], pad_id=0, dtype=torch.float32)
+    assert batch["input_ids"].shape == (2, len(data[2]["input_ids"]))
+    assert batch["attention_mask"][0].sum() == len(data[0]["input_ids"])
+    assert states[2].shape[:2] == batch["input_ids"].shape
+    assert torch.equal(states["final"][1], cache[2].states["final"])
+
+
+def test_offline_source_gives_online_losses(tiny_target, tmp_path):
+    from specheads.config.train import HeadConfig
+    from specheads.data.features import OfflineStates, ensure_split_features
+    from specheads.heads import build_head
+    from specheads.train.state_source import OnlineStates
+
+    splits = {"train": rows(6), "eval": rows(2, seed=1)}
+    ensure_split_features(tiny_target, splits, [2, 3, 4], True, tmp_path / "feat", max_length=64,
+                          dtype="float32", data_fingerprint="abc")
+    stamp = (tmp_path / "feat" / "train" / "index.json").stat().st_mtime_ns
+    # an up-to-date cache is reused, not rewritten
+    ensure_split_features(tiny_target, splits, [2, 3, 4], True, tmp_path / "feat", max_length=64,
+                          dtype="float32", data_fingerprint="abc")
+    assert (tmp_path / "feat" / "train" / "index.json").stat().st_mtime_ns == stamp
+    offline = OfflineStates(tmp_path / "feat", tiny_target, 64, 0, torch.device("cpu"), torch.float32)
+    online = OnlineStates(tiny_target, splits, 0)
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(family="eagle3", layer_ids=[2, 3, 4], draft_vocab_size=96, ttt_steps=3),
+                      tiny_target, train_rows=splits["train"])
+    for source in (offline, online):
+        source.require(*head.training_states())
+    assert offline.rows("train") == [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+                                     for r in splits["train"]]
+    for idx in ([0, 3], [5, 1, 2]):
+        (b1, s1), (b2, s2) = offline.fetch("train", idx), online.fetch("train", idx)
+        assert torch.equal(b1["input_ids"], b2["input_ids"]) and torch.equal(b1["loss_mask"], b2["loss_mask"])
+        l1, _ = head.loss(b1, s1)
+        l2, _ = head.loss(b2, s2)
+        torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SpecHeadsError, match="lacks"):
+        offline.require([1], True)

@@ -1,0 +1,335 @@
+"""The generation loop: tree-verified greedy decoding must equal the target's own greedy decoding,
+token for token, whatever the drafts; sampled decoding must follow the target's distribution."""
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specheads.config.train import HeadConfig
+from specheads.decode.drafters import DynamicTreeSpec, grow_tree, make_drafter
+from specheads.decode.generate import SamplingConfig, speculative_generate
+from specheads.heads import build_head
+from specheads.target import FrozenTarget
+from specheads.tiny import tiny_target as build_tiny
+from conftest import quick_head
+from specheads.decode.tree import TreeLayout, chain_paths, full_paths, static_tree
+
+FAMILIES = ["medusa", "eagle", "eagle3"]
+POLICIES = {
+    "chain": static_tree(chain_paths(4)),
+    "wide": static_tree(full_paths(2, 3)),
+    "medusa-like": static_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
+    "dynamic": DynamicTreeSpec(depth=4, top_k=3, total_tokens=12),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # two threads on a loaded 2-core machine are ~10x slower for these tiny matrices
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_target(attn="eager", arch="llama"):
+    model, tok = build_tiny(arch)
+    if attn != "eager":
+        model.set_attn_implementation(attn)
+    return FrozenTarget(model, tok, name="tiny-random")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def sdpa_target():
+    return make_target("sdpa")
+
+
+def hf_greedy(target, prompt, n, eos=None):
+    kwargs = {} if eos is None else {"eos_token_id": eos}
+    out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                                do_sample=False, **kwargs)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def sequences(target):
+    """Greedy continuations of random prompts: the heads are overfitted on them so that long
+    paths get accepted (which is what exercises KV compaction and the draft cache catch-up)."""
+    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40,
+                                 do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def heads(target, sequences):
+    out = {}
+    for family in FAMILIES:
+        out[family, "untrained"] = quick_head(target, family)
+        out[family, "trained"] = quick_head(target, family, sequences, steps=60)
+    return out
+
+
+class RandomTreeDrafter:
+    """Random tree shapes (chains, wide, deep) filled with random tokens, or with the target's
+    greedy token where an oracle is given (so that some paths get accepted)."""
+
+    layer_ids: list = []
+    reads_final = False
+
+    def __init__(self, seed, oracle=None, shape="any"):
+        self.rng = random.Random(seed)
+        self.oracle = oracle
+        self.shape = shape
+
+    def start(self, prompt, states, root):
+        self.seq = prompt[0].tolist() + [root]
+
+    def advance(self, states, tokens, bonus):
+        self.seq += list(tokens[1:]) + [bonus]
+
+    def draft(self, root, prefix_len, max_depth):
+        assert prefix_len == len(self.seq) - 1
+        rng = self.rng
+        n = rng.randint(1, 16)
+        shape = self.shape if self.shape != "any" else rng.choice(["chain", "wide", "random"])
+        if shape == "chain":
+            parents = [-1] + list(range(n - 1))
+        elif shape == "wide":
+            parents = [-1] + [0] * (n - 1)
+        else:
+            parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+        layout = TreeLayout(tuple(parents))
+        tokens = [root]
+        for i in range(1, n):
+            if self.oracle is not None and rng.random() < 0.6:
+                ctx = self.seq + [tokens[a] for a in layout.path_to(parents[i])[1:]]
+                tokens.append(self.oracle(ctx))
+            else:
+                tokens.append(rng.randrange(320))
+        return tokens, layout
+
+
+def greedy_oracle(target):
+    def next_token(ctx):
+        with torch.no_grad():
+            return int(target.model(torch.tensor([ctx])).logits[0, -1].argmax())
+    return next_token
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_trees_give_exact_greedy_output(attn, seed, target, sdpa_target):
+    tgt = target if attn == "eager" else sdpa_target
+    prompt = torch.randint(0, 256, (1, 6 + seed), generator=torch.Generator().manual_seed(seed))
+    ref = hf_greedy(tgt, prompt, 30)
+    drafter = RandomTreeDrafter(seed, oracle=greedy_oracle(tgt))
+    res = speculative_generate(tgt, drafter, prompt, SamplingConfig(max_new_tokens=30))
+    assert res.output_ids == ref
+    assert max(res.accept_lengths) > 1  # the oracle drafts did get accepted
+    assert sum(res.accept_lengths) == len(ref) - 1
+    assert res.target_forwards == len(res.accept_lengths)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mistral"])
+def test_other_architectures(arch):
+    tgt = make_target(arch=arch)
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    ref = hf_greedy(tgt, prompt, 16)
+    res = speculative_generate(tgt, RandomTreeDrafter(1, oracle=greedy_oracle(tgt)), prompt,
+                               SamplingConfig(max_new_tokens=16))
+    assert res.output_ids == ref
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("trained", ["untrained", "trained"])
+def test_heads_give_exact_greedy_output(family, trained, target, heads, sequences):
+    head = heads[family, trained]
+    prompts = [sequences[1:2, :8], torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])]
+    refs = [hf_greedy(target, prompt, 24) for prompt in prompts]
+    for name, policy in POLICIES.items():
+        drafter = make_drafter(head, policy)
+        for prompt, ref in zip(prompts, refs):
+            res = speculative_generate(target, drafter, prompt, SamplingConfig(max_new_tokens=24))
+            assert res.output_ids == ref, (family, trained, name)
+            assert res.tree_sizes[0] > 1
+    if trained == "trained":
+        res = speculative_generate(target, make_drafter(head, POLICIES["chain"]), sequences[1:2, :8],
+                                   SamplingConfig(max_new_tokens=32))
+        assert res.tau > 1.5, (family, res.accept_lengths)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_and_max_new_tokens_inside_accepted_paths(family, target, heads, sequences):
+    head = heads[family, "trained"]
+    prompt = sequences[2:3, :8]
+    full = hf_greedy(target, prompt, 32)
+    drafter = make_drafter(head, POLICIES["dynamic"])
+    # EOS: pretend a token from the middle of the answer is EOS
+    for cut in (0, 1, 5, 11, 17):
+        eos = full[cut]
+        expected = hf_greedy(target, prompt, 32, eos=eos)
+        assert expected == full[: full.index(eos) + 1]
+        res = speculative_generate(target, drafter, prompt, SamplingConfig(max_new_tokens=32, eos_token_ids=[eos]))
+        assert res.output_ids == expected and res.stopped_by == "eos"
+    # max_new_tokens: never a token more, also when the accepted path was longer
+    for n in (0, 1, 2, 3, 7, 13):
+        res = speculative_generate(target, drafter, prompt, SamplingConfig(max_new_tokens=n))
+        assert res.output_ids == full[:n]
+        assert res.target_forwards == max(0, len(res.accept_lengths))
+        assert sum(res.accept_lengths) == max(n - 1, 0)
+
+
+def test_streaming_callback_and_drafted_flags(target, heads, sequences):
+    seen = []
+    prompt = sequences[1:2, :8]
+    res = speculative_generate(target, make_drafter(heads["eagle", "trained"], POLICIES["chain"]), prompt,
+                               SamplingConfig(max_new_tokens=24), on_step=lambda t, d: seen.append((t, d)))
+    assert [t for ts, _ in seen for t in ts] == res.output_ids
+    assert [d for _, ds in seen for d in ds] == res.drafted
+    assert res.drafted[0] is False  # the prefill's token is the target's own
+    # per step: accepted drafts, then the target's own token (the last step may be cut short)
+    for ts, ds in seen[1:-1]:
+        assert ds == [True] * (len(ds) - 1) + [False]
+    assert all(seen[-1][1][:-1])
+    assert any(len(ts) > 1 for ts, _ in seen)
+
+
+def test_typical_acceptance_is_opt_in_and_respects_limits(target, heads, sequences):
+    head = heads["medusa", "trained"]
+    cfg = SamplingConfig(max_new_tokens=20, temperature=0.3, acceptance="typical")
+    assert cfg.rule() == "typical" and SamplingConfig(temperature=0.7).rule() == "speculative"
+    res = speculative_generate(target, make_drafter(head, POLICIES["chain"]), sequences[1:2, :8], cfg,
+                               generator=torch.Generator().manual_seed(0))
+    assert len(res.output_ids) == 20 and max(res.accepted_drafts) >= 1
+    assert sum(res.accept_lengths) == 19
+
+
+def self_drafter(target, policy):
+    """Drafts the target's own top-ranked tokens (deterministically) into `policy`'s tree."""
+    model = target.model
+
+    class SelfDrafter:
+        layer_ids: list = []
+        reads_final = False
+
+        def start(self, prompt, states, root):
+            self.seq = prompt[0].tolist() + [root]
+
+        def advance(self, states, tokens, bonus):
+            self.seq += list(tokens[1:]) + [bonus]
+
+        def draft(self, root, prefix_len, max_depth):
+            def child_logp(ids, table):
+                ctxs = [tuple(self.seq + [table.tokens[a] for a in _path(table, i)[1:]]) for i in ids]
+                return torch.stack([next_logp(c) for c in ctxs])
+            return grow_tree(root, child_logp, lambda x: x, policy, max_depth)
+
+    cache = {}
+
+    def next_logp(ctx):
+        if ctx not in cache:
+            with torch.no_grad():
+                cache[ctx] = model(torch.tensor([ctx])).logits[0, -1].log_softmax(-1)
+        return cache[ctx]
+
+    return SelfDrafter()
+
+
+def _path(table, i):
+    path = [i]
+    while table.parents[path[-1]] != -1:
+        path.append(table.parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 0.9)])
+def test_sampled_tokens_follow_the_target_distribution(temperature, top_p, target):
+    """End to end: the first two tokens (the second decided by a tree verification)."""
+    from specheads.decode.verify import sampling_probs
+
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    n = 800
+    gen = torch.Generator().manual_seed(7)
+    drafter = self_drafter(target, static_tree([[0], [1], [2], [0, 0]]))
+    # 3 new tokens: the root comes from the prefill, the next two from one tree verification
+    cfg = SamplingConfig(max_new_tokens=3, temperature=temperature, top_p=top_p)
+    counts, depths = Counter(), Counter()
+    for _ in range(n):
+        res = speculative_generate(target, drafter, prompt, cfg, generator=gen)
+        counts[tuple(res.output_ids[:2])] += 1
+        depths[res.accepted_drafts[0]] += 1
+    assert depths[0] > n * 0.1 and depths[1] + depths[2] > n * 0.3  # drafts both accepted and rejected
+    with torch.no_grad():
+        p1 = sampling_probs(target.model(prompt).logits[0, -1], temperature, top_p)
+        firsts = torch.arange(320)
+        batch = torch.cat([prompt.expand(320, -1), firsts[:, None]], dim=1)
+        p2 = sampling_probs(target.model(batch).logits[:, -1], temperature, top_p)
+    joint = (p1[:, None] * p2).flatten()
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for idx in range(joint.numel()):
+        key = (idx // 320, idx % 320)
+        e = float(joint[idx]) * n
+        if e == 0:
+            assert counts[key] == 0
+        elif e < 5:
+            rest_o += counts[key]
+            rest_e += e
+        else:
+            obs.append(counts[key])
+            exp.append(e)
+    obs.append(rest_o)
+    exp.append(rest_e)
+    exp = np.array(exp) * (sum(obs) / sum(exp))
+    assert chisquare(obs, exp).pvalue > 0.01
+
+
+class FutureOracleDrafter:
+    """Random trees in which one random path carries the true continuation (known in advance)
+    to a random depth: long accepted paths at arbitrary tree positions, no model calls."""
+
+    layer_ids: list = []
+    reads_final = False
+
+    def __init__(self, reference: list[int], vocab: int, seed: int = 0):
+        self.ref, self.vocab, self.rng = reference, vocab, random.Random(seed)
+
+    def start(self, prompt, states, root):
+        pass
+
+    def advance(self, states, tokens, bonus):
+        pass
+
+    def draft(self, root, prefix_len, max_depth):
+        rng = self.rng
+        parents, tokens, true_node = [-1], [root], 0
+        truth = self.ref[prefix_len + 1: prefix_len + 1 + rng.randint(0, 6)]
+        for _ in range(rng.randint(0, 20)):
+            parents.append(rng.randrange(len(tokens)))
+            tokens.append(rng.randrange(self.vocab))
+        for t in truth:  # hang the true chain below a random node on the way
+            parents.append(true_node)
+            tokens.append(t)
+            true_node = len(tokens) - 1
+        return tokens, TreeLayout(tuple(parents))
+
+
+@pytest.mark.slow
+def test_real_target_tree_verification_matches_greedy(smollm2_target):
+    tgt = smollm2_target
+    ids = tgt.tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of copper."}],
+                                            add_generation_prompt=True, tokenize=True)["input_ids"]
+    prompt = torch.tensor([ids])
+    ref = hf_greedy(tgt, prompt, 40)
+    drafter = FutureOracleDrafter(ids + ref, tgt.info.vocab_size)
+    res = speculative_generate(tgt, drafter, prompt, SamplingConfig(max_new_tokens=40))
+    assert res.output_ids == ref
+    assert res.tau > 2  # long paths were accepted and compacted

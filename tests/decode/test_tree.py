@@ -1,0 +1,98 @@
+import random
+
+import pytest
+import torch
+
+from specheads.errors import SpecHeadsError
+from specheads.decode.tree import TreeLayout, chain_paths, full_paths, select_dynamic, static_tree
+
+
+def test_medusa_worked_example():
+    # medusa.md section 4.2: choices [[0],[0,0],[1],[0,1]]
+    tree = static_tree([[0], [0, 0], [1], [0, 1]])
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1))
+    assert tree.layout.parents == (-1, 0, 0, 1, 1)
+    assert tree.layout.depths == (0, 1, 1, 2, 2)
+    assert tree.ranks == (-1, 0, 1, 0, 1)
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [1, 0, 1, 0, 0],
+                             [1, 1, 0, 1, 0],
+                             [1, 1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(tree.layout.mask, expected)
+    assert sorted(tree.layout.retrieve.tolist()) == sorted([[0, 1, 4], [0, 1, 3], [0, 2, -1]])
+    assert tree.layout.position_offsets().tolist() == [0, 1, 1, 2, 2]
+
+
+def random_layout(rng: random.Random, n: int) -> TreeLayout:
+    return TreeLayout(tuple([-1] + [rng.randrange(i) for i in range(1, n)]))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_mask_is_ancestor_closure(seed):
+    rng = random.Random(seed)
+    layout = random_layout(rng, rng.randint(1, 30))
+    for i in range(layout.size):
+        ancestors = set(layout.path_to(i))
+        assert set(torch.nonzero(layout.mask[i]).flatten().tolist()) == ancestors
+        assert layout.depths[i] == len(ancestors) - 1
+    # every leaf has exactly one retrieve row, and every node lies on some row
+    rows = layout.retrieve.tolist()
+    assert len(rows) == len(layout.leaves)
+    assert {n for r in rows for n in r if n >= 0} == set(range(layout.size))
+    for r in rows:
+        nodes = [n for n in r if n >= 0]
+        assert nodes == layout.path_to(nodes[-1])
+
+
+def test_chain_and_full_trees():
+    chain = static_tree(chain_paths(4))
+    assert chain.layout.parents == (-1, 0, 1, 2, 3)
+    assert chain.layout.retrieve.tolist() == [[0, 1, 2, 3, 4]]
+    full = static_tree(full_paths(2, 3))
+    assert full.size == 1 + 3 + 9
+    assert [len(c) for c in full.layout.children[:4]] == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("paths, message", [
+    ([[0, 0]], "prefix"),
+    ([], "at least one"),
+    ([[0], [0]], "repeat"),
+    ([[0], [-1]], "ranks"),
+    ("abc", "list"),
+])
+def test_bad_static_trees(paths, message):
+    with pytest.raises(SpecHeadsError, match=message):
+        static_tree(paths)
+
+
+def test_layout_rejects_children_before_parents():
+    with pytest.raises(ValueError):
+        TreeLayout((-1, 2, 0))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_select_dynamic_keeps_a_connected_top_set(seed):
+    rng = random.Random(seed)
+    parents, scores = [], []
+    for i in range(rng.randint(1, 40)):
+        p = rng.randrange(-1, i)
+        base = 0.0 if p == -1 else scores[p]
+        # include exact ties (log-prob 0) to check the tie rule keeps parents
+        parents.append(p)
+        scores.append(base + (0.0 if rng.random() < 0.2 else -rng.random()))
+    total = rng.randint(0, len(parents))
+    kept, layout = select_dynamic(parents, scores, total)
+    assert len(kept) == total and kept == sorted(kept)
+    # exactly the `total` best scores (as a multiset)
+    assert sorted((scores[c] for c in kept), reverse=True) == sorted(scores, reverse=True)[:total]
+    for j, c in enumerate(kept, start=1):
+        p = parents[c]
+        assert layout.parents[j] == (0 if p == -1 else kept.index(p) + 1)
+
+
+def test_select_dynamic_prefers_shallow_high_value_nodes():
+    # root children a (-0.1), b (-2.0); a's child c (-0.2 total) beats b.
+    kept, layout = select_dynamic([-1, -1, 0], [-0.1, -2.0, -0.2], 2)
+    assert kept == [0, 2]
+    assert layout.parents == (-1, 0, 1)

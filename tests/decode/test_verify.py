@@ -1,0 +1,207 @@
+"""Acceptance rules. The statistical tests run the rules against a synthetic target whose
+next-token distribution is a fixed random function of the context, so they are fast and exact."""
+
+import functools
+import random
+import zlib
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specheads.decode.tree import TreeLayout, static_tree
+from specheads.decode.verify import greedy_accept, sampling_probs, speculative_accept, typical_accept
+
+V = 6  # synthetic vocabulary
+
+
+@functools.lru_cache(maxsize=None)
+def synthetic_logits(context: tuple) -> torch.Tensor:
+    """A peaked-but-not-degenerate random distribution, a fixed function of the context."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr(context).encode()))
+    return torch.randn(V, generator=g) * 1.5
+
+
+TREE = static_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]).layout
+
+
+@functools.lru_cache(maxsize=None)
+def probs(context: tuple, temperature: float, top_p: float) -> torch.Tensor:
+    return sampling_probs(synthetic_logits(context), temperature, top_p)
+
+
+@functools.lru_cache(maxsize=None)
+def draft_q(context: tuple) -> tuple:
+    """The draft's distribution: a *different* synthetic function of the context."""
+    return tuple(torch.softmax(synthetic_logits(("draft",) + context), -1).tolist())
+
+
+def tree_for(context: tuple, sampled: bool, rng: random.Random):
+    """Drafts are the draft's top ranks (deterministic), or sampled from it without replacement."""
+    tokens, qrows = [context[-1]], [None]
+    for i in range(1, TREE.size):
+        parent = TREE.parents[i]
+        q = list(draft_q(context + tuple(tokens[n] for n in TREE.path_to(parent)[1:])))
+        siblings = [s for s in TREE.children[parent] if s < i]
+        for s in siblings:
+            q[tokens[s]] = 0.0
+        if sampled:
+            total = sum(q)
+            q = [x / total for x in q]
+            tokens.append(rng.choices(range(V), weights=q)[0])
+            qrows.append(q)
+        else:
+            tokens.append(max(range(V), key=lambda t: q[t]))
+    if not sampled:
+        return tokens, None
+    qrows[0] = [0.0] * V
+    return tokens, torch.tensor(qrows)
+
+
+@functools.lru_cache(maxsize=None)
+def fixed_tree(context: tuple):
+    return tree_for(context, False, None)
+
+
+def target_probs_for(context, tokens, temperature, top_p):
+    return torch.stack([probs(context + tuple(tokens[n] for n in TREE.path_to(i)[1:]), temperature, top_p)
+                        for i in range(TREE.size)])
+
+
+def sample_two_tokens(temperature, top_p, sampled_drafts, gen, rng):
+    """Speculative sampling until two tokens follow the root token 0; returns them."""
+    context, out = (0,), []
+    while len(out) < 2:
+        tokens, q = tree_for(context, True, rng) if sampled_drafts else fixed_tree(context)
+        p = target_probs_for(context, tokens, temperature, top_p)
+        acc = speculative_accept(tokens, TREE, p, q, gen)
+        new = [tokens[i] for i in acc.path[1:]] + [acc.bonus]
+        out += new
+        context = context + tuple(new)
+    return tuple(out[:2])
+
+
+def exact_two_token_distribution(temperature, top_p):
+    p1 = probs((0,), temperature, top_p)
+    return {(a, b): float(p1[a]) * float(probs((0, a), temperature, top_p)[b])
+            for a in range(V) for b in range(V)}
+
+
+def chi_square_p(counts: Counter, expected: dict, n: int) -> float:
+    obs, exp, small_o, small_e = [], [], 0, 0.0
+    for key, prob in expected.items():
+        if prob == 0:
+            assert counts[key] == 0, f"{key} has probability 0 but was drawn"
+            continue
+        if prob * n < 5:  # merge sparse cells
+            small_o += counts[key]
+            small_e += prob * n
+        else:
+            obs.append(counts[key])
+            exp.append(prob * n)
+    if small_e > 0:
+        obs.append(small_o)
+        exp.append(small_e)
+    exp = np.array(exp) * (sum(obs) / sum(exp))
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("temperature, top_p, sampled_drafts", [
+    (1.0, 1.0, False),
+    (0.7, 0.8, False),
+    (0.7, 0.8, True),
+])
+def test_speculative_sampling_matches_target_distribution(temperature, top_p, sampled_drafts):
+    n = 10_000
+    gen = torch.Generator().manual_seed(1234)
+    rng = random.Random(99)
+    counts = Counter()
+    for _ in range(n):
+        counts[sample_two_tokens(temperature, top_p, sampled_drafts, gen, rng)] += 1
+    expected = exact_two_token_distribution(temperature, top_p)
+    assert chi_square_p(counts, expected, n) > 0.01
+
+
+def test_a_biased_rule_fails_the_same_check():
+    """The check has power: always accepting the first child is visibly wrong."""
+    n = 5_000
+    gen = torch.Generator().manual_seed(0)
+    counts = Counter()
+    for _ in range(n):
+        tokens, _ = fixed_tree((0,))
+        p = target_probs_for((0,), tokens, 1.0, 1.0)
+        bad = tokens[1] if torch.rand((), generator=gen) < 0.5 else int(torch.multinomial(p[0], 1, generator=gen))
+        counts[(bad,)] += 1
+    p1 = sampling_probs(synthetic_logits((0,)), 1.0, 1.0)
+    assert chi_square_p(counts, {(a,): float(p1[a]) for a in range(V)}, n) < 0.01
+
+
+def test_sampling_probs_matches_transformers_warpers():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    for temperature, top_p, top_k in [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 0.5, 0), (0.8, 1.0, 5), (0.6, 0.7, 10)]:
+        scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        if top_p < 1:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        assert torch.allclose(sampling_probs(logits, temperature, top_p, top_k), scores.softmax(-1), atol=1e-6)
+
+
+def cumprod_greedy(tokens, layout, logits):
+    """The Medusa/EAGLE formulation: per retrieve row, cumprod of matches; best row wins."""
+    best = logits.argmax(-1)
+    rows = layout.retrieve
+    candidates = torch.tensor(tokens + [-1])[rows]  # -1 pads map to a dummy token
+    matches = (candidates[:, 1:] == best[rows[:, :-1].clamp(min=0)]) & (rows[:, 1:] >= 0)
+    lengths = torch.cumprod(matches.long(), dim=1).sum(1)
+    row = int(lengths.argmax())
+    n = int(lengths[row])
+    path = rows[row, : n + 1].tolist()
+    return path, int(best[path[-1]])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_walk_agrees_with_retrieve_cumprod(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 25)
+    layout = TreeLayout(tuple([-1] + [rng.randrange(i) for i in range(1, n)]))
+    logits = torch.randn(n, 5, generator=torch.Generator().manual_seed(seed))
+    best = logits.argmax(-1).tolist()
+    tokens = [0]
+    for i in range(1, n):
+        # siblings are distinct; often the parent's argmax so that paths get accepted
+        used = {tokens[s] for s in layout.children[layout.parents[i]] if s < i}
+        choices = [t for t in range(5) if t not in used] or [0]
+        want = best[layout.parents[i]]
+        tokens.append(want if want in choices and rng.random() < 0.7 else rng.choice(choices))
+    acc = greedy_accept(tokens, layout, logits)
+    path, bonus = cumprod_greedy(tokens, layout, logits)
+    assert len(acc.path) == len(path) and acc.bonus == bonus
+    # the accepted tokens are the target's argmax chain
+    for parent, child in zip(acc.path, acc.path[1:]):
+        assert tokens[child] == best[parent]
+    assert all(tokens[c] != best[acc.path[-1]] for c in layout.children[acc.path[-1]])
+
+
+def test_typical_acceptance_is_lenient_and_labelled_lossy():
+    tree = static_tree([[0], [0, 0]])
+    logits = torch.full((3, 4), -10.0)
+    logits[0, 1] = 5.0  # confident: token 1 after the root
+    logits[1, 2] = 0.0
+    logits[1, 3] = 0.1  # unsure between 2 and 3 after node 1
+    # drafting 2 at depth 2 is accepted although it is not the argmax (3): lossy leniency
+    acc = typical_accept([0, 1, 2], tree.layout, logits, temperature=0.7, epsilon=0.3, alpha=0.5,
+                         generator=torch.Generator().manual_seed(0))
+    assert acc.path == (0, 1, 2)
+    acc = typical_accept([0, 3, 2], tree.layout, logits, temperature=0.7,
+                         generator=torch.Generator().manual_seed(0))
+    assert acc.path == (0,)
+    assert "LOSSY" in typical_accept.__doc__

@@ -1,0 +1,301 @@
+"""Export round trips: head -> engine format -> our loader gives the same drafts, for every format
+and head family it applies to; the CLI; what export refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from specheads.config.train import HeadConfig, ModelConfig
+from specheads.errors import SpecHeadsError
+from specheads.export import check_directory, export_head, load_exported, open_head, source_head_config
+from specheads.heads import build_head, load_head, save_head
+from specheads.target import load_target
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = [{"input_ids": list(range(40, 200)), "loss_mask": [1] * 160}]
+EAGLE3 = dict(layer_ids=[1, 3, 5], draft_vocab_size=96)
+
+
+# -- helpers (also used by the other test_export_* files) -----------------------------------------
+
+def make_head_dir(target, directory: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A head with every weight nudged off its initialisation (zero-initialised ResBlocks too)."""
+    torch.manual_seed(seed)
+    head = build_head(HeadConfig(family=family, **{"num_heads": 3, **overrides}), target, train_rows=ROWS)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    head.default_tree = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    save_head(head, directory, training={"steps": 7, "data": "toy"})
+    return directory
+
+
+def draft_outputs(head, target, input_ids: torch.Tensor) -> torch.Tensor:
+    """What the head drafts from a prompt: Medusa logits, or two chained EAGLE draft steps."""
+    s = target.states(input_ids, layer_ids=head.target_layer_ids(), final=True)
+    if head.family == "medusa":
+        return head.medusa_logits(s.final)
+    states = {**s.hidden, "final": s.final}
+    cache = head.new_cache()
+    pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    hidden, logits = head.draft_step(input_ids, head.input_features(states), pos, cache)
+    nxt = head.draft_to_target(logits[:, -1:].argmax(-1))
+    _, logits2 = head.draft_step(nxt, hidden[:, -1:], pos[:, -1:] + 1, cache)
+    return torch.cat([logits, logits2], dim=1)
+
+
+def edit_config(directory: Path, change) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+
+
+def edit_tensors(directory: Path, filename: str, change) -> None:
+    tensors = load_file(str(directory / filename))
+    change(tensors)
+    save_file(tensors, str(directory / filename))
+
+
+PROMPT = torch.tensor([[258, 5, 77, 140, 33, 201, 12, 90, 64, 3, 111, 250]])
+
+# (family, head overrides, format, engine)
+ROUND_TRIPS = [
+    ("medusa", {}, "vllm-medusa", "auto"),
+    ("medusa", {}, "medusa", "auto"),
+    ("medusa", {"shared_lm_head": True, "num_layers": 2}, "vllm-medusa", "auto"),
+    ("medusa", {"shared_lm_head": True, "num_layers": 2}, "medusa", "auto"),
+    ("eagle", {"fc_bias": False, "num_decoder_layers": 2}, "eagle", "auto"),
+    ("eagle", {"fc_bias": True}, "eagle", "sglang"),
+    ("eagle3", EAGLE3, "eagle3", "vllm"),
+    ("eagle3", EAGLE3, "eagle3", "sglang"),
+    ("eagle3", EAGLE3, "speculators", "auto"),
+    ("eagle3", {"layer_ids": [1, 3, 5], "draft_vocab_size": 320, "num_decoder_layers": 2}, "speculators", "auto"),
+    ("eagle3", {"layer_ids": [1, 3, 5], "draft_vocab_size": 320, "num_decoder_layers": 2}, "eagle3", "vllm"),
+]
+
+
+@pytest.mark.parametrize("family,overrides,fmt,engine", ROUND_TRIPS,
+                         ids=[f"{f}-{fmt}-{e}-{i}" for i, (f, _, fmt, e) in enumerate(ROUND_TRIPS)])
+def test_round_trip_gives_identical_drafts(tiny_target, tmp_path, family, overrides, fmt, engine):
+    src = make_head_dir(tiny_target, tmp_path / "head", family, **overrides)
+    result = export_head(src, fmt, tmp_path / "out", engine=engine, target=tiny_target)
+    assert result.findings and all(not result.findings[e] for e in result.engines)
+    original = load_head(src, tiny_target)
+    exported = open_head(result.path, tiny_target)  # dispatches to the engine-format reader
+    assert source_head_config(result.path)["target"]["name"] == "tiny-random"
+    assert type(exported) is type(original)
+    assert exported.target_layer_ids() == original.target_layer_ids()
+    assert exported.default_tree == original.default_tree
+    assert torch.equal(draft_outputs(exported, tiny_target, PROMPT), draft_outputs(original, tiny_target, PROMPT))
+
+
+@pytest.mark.parametrize("fmt,engine,overrides", [
+    ("eagle3", "vllm", EAGLE3), ("eagle3", "sglang", EAGLE3), ("speculators", "auto", EAGLE3),
+    ("vllm-medusa", "auto", {"shared_lm_head": True}), ("medusa", "auto", {}), ("eagle", "auto", {}),
+])
+def test_engine_fields_alone_are_enough(tiny_target, tmp_path, fmt, engine, overrides):
+    """A checkpoint someone else wrote has no provenance block: the engine fields must carry
+    everything (layer numbering, norms, vocab maps, shared LM head)."""
+    family = {"eagle3": "eagle3", "speculators": "eagle3", "eagle": "eagle"}.get(fmt, "medusa")
+    src = make_head_dir(tiny_target, tmp_path / "head", family, **overrides)
+    out = export_head(src, fmt, tmp_path / "out", engine=engine, target=tiny_target).path
+    edit_config(out, lambda c: c.pop("specheads"))
+    assert source_head_config(out) is None
+    original, exported = load_head(src, tiny_target), load_exported(out, tiny_target)
+    assert exported.target_layer_ids() == original.target_layer_ids()
+    if family == "medusa":
+        assert exported.spec.shared_lm_head == original.spec.shared_lm_head
+    assert torch.equal(draft_outputs(exported, tiny_target, PROMPT), draft_outputs(original, tiny_target, PROMPT))
+
+
+def test_default_layer_ids_are_left_to_both_engines(tmp_path):
+    """A head on [2, L//2, L-3] is written without explicit ids: vLLM and SGLang agree on the default."""
+    target = load_target(ModelConfig(name="tiny-8", path="tiny:llama", tiny={"num_hidden_layers": 8}),
+                         device=torch.device("cpu"))
+    src = make_head_dir(target, tmp_path / "head", "eagle3", draft_vocab_size=128)
+    result = export_head(src, "eagle3", tmp_path / "out")
+    config = json.loads((result.path / "config.json").read_text())
+    assert sorted(result.engines) == ["sglang", "vllm"]
+    assert "eagle_aux_hidden_state_layer_ids" not in config
+    assert "eagle_aux_hidden_state_layer_ids" not in config["eagle_config"]
+    assert config["eagle_config"]["use_aux_hidden_state"] is True
+    edit_config(result.path, lambda c: c.pop("specheads"))
+    assert load_exported(result.path, target).target_layer_ids() == [2, 4, 5]
+
+
+def test_layer_numbering_per_engine(tiny_target, tmp_path):
+    src = make_head_dir(tiny_target, tmp_path / "head", "eagle3", **EAGLE3)
+    vllm = json.loads((export_head(src, "eagle3", tmp_path / "v", engine="vllm").path / "config.json").read_text())
+    sglang = json.loads((export_head(src, "eagle3", tmp_path / "s", engine="sglang").path / "config.json").read_text())
+    spec = json.loads((export_head(src, "speculators", tmp_path / "p").path / "config.json").read_text())
+    assert vllm["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]           # entering layer k
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # output of layer k
+    assert "eagle_aux_hidden_state_layer_ids" not in sglang
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert spec["norm_before_residual"] is False and vllm["norm_before_residual"] is False
+
+
+def test_file_layouts_match_the_engines(tiny_target, tmp_path):
+    e3 = export_head(make_head_dir(tiny_target, tmp_path / "e3", "eagle3", **EAGLE3), "eagle3",
+                     tmp_path / "o3", engine="vllm").path
+    keys = set(safe_open(str(e3 / "model.safetensors"), "pt").keys())
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= keys
+    assert not any(k.startswith("layers.") for k in keys)
+    cfg = json.loads((e3 / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 96
+    assert cfg["rope_theta"] == 10000.0 and "rope_scaling" in cfg
+
+    med = export_head(make_head_dir(tiny_target, tmp_path / "m", "medusa"), "medusa", tmp_path / "om").path
+    mcfg = json.loads((med / "config.json").read_text())
+    assert (mcfg["medusa_num_heads"], mcfg["medusa_num_layers"]) == (3, 1)
+    mkeys = set(safe_open(str(med / "medusa_lm_head.safetensors"), "pt").keys())
+    assert {"0.0.linear.weight", "0.0.linear.bias", "0.1.weight", "2.1.weight"} <= mkeys
+
+    vm = export_head(tmp_path / "m", "vllm-medusa", tmp_path / "ov").path
+    vcfg = json.loads((vm / "config.json").read_text())
+    assert vcfg["medusa_fc_bias"] is True and vcfg["model_type"] == "medusa"
+    assert "blocks.2.layers.0.bias" in set(safe_open(str(vm / "model.safetensors"), "pt").keys())
+
+
+def test_bfloat16_export(tiny_target, tmp_path):
+    src = make_head_dir(tiny_target, tmp_path / "head", "eagle3", **EAGLE3)
+    out = export_head(src, "speculators", tmp_path / "out", dtype="bfloat16", embeddings=True,
+                      target=tiny_target).path
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_slice("fc.weight").get_dtype() == "BF16"
+        assert f.get_slice("d2t").get_dtype() == "I64"
+        assert f.get_slice("embed_tokens.weight").get_dtype() == "BF16"
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    original = load_file(str(src / "model.safetensors"))["fc.weight"]
+    back = load_exported(out, tiny_target)
+    assert torch.equal(back.fc.weight, original.to(torch.bfloat16).float())
+
+
+# -- what export refuses ------------------------------------------------------------------------------
+
+def test_refusals(tiny_target, tmp_path):
+    medusa = make_head_dir(tiny_target, tmp_path / "m", "medusa")
+    with pytest.raises(SpecHeadsError, match="holds eagle3 heads"):
+        export_head(medusa, "eagle3", tmp_path / "x")
+    two_layers = make_head_dir(tiny_target, tmp_path / "two", "eagle3", layer_ids=[2, 3], draft_vocab_size=96)
+    with pytest.raises(SpecHeadsError, match="exactly 3 target layers"):
+        export_head(two_layers, "eagle3", tmp_path / "x", engine="vllm")
+    e3 = make_head_dir(tiny_target, tmp_path / "e3", "eagle3", **EAGLE3)
+    with pytest.raises(SpecHeadsError, match="choose engine=vllm or engine=sglang"):
+        export_head(e3, "eagle3", tmp_path / "x")
+    biased = make_head_dir(tiny_target, tmp_path / "b", "eagle", fc_bias=True)
+    with pytest.raises(SpecHeadsError, match="cannot be exported for vllm"):
+        export_head(biased, "eagle", tmp_path / "x", engine="vllm", target=tiny_target)
+    with pytest.raises(SpecHeadsError, match="needs the target's LM head"):
+        export_head(make_head_dir(tiny_target, tmp_path / "s", "medusa", shared_lm_head=True), "medusa", tmp_path / "x")
+    with pytest.raises(SpecHeadsError, match="unknown export format"):
+        export_head(medusa, "gguf", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_failed_contract_leaves_nothing_behind(tiny_target, tmp_path, monkeypatch):
+    from specheads.export import vllm_medusa
+
+    src = make_head_dir(tiny_target, tmp_path / "m", "medusa")
+    good = export_head(src, "vllm-medusa", tmp_path / "out").path
+    before = (good / "model.safetensors").read_bytes()
+    build = vllm_medusa.build
+
+    def drop_bias_flag(*args):
+        exported = build(*args)
+        exported.config["medusa_fc_bias"] = False  # the classic trap: vLLM would drop the biases
+        return exported
+
+    monkeypatch.setattr(vllm_medusa, "build", drop_bias_flag)
+    with pytest.raises(SpecHeadsError, match="incomplete vllm-medusa export.*medusa_fc_bias"):
+        export_head(src, "vllm-medusa", tmp_path / "out")
+    assert (good / "model.safetensors").read_bytes() == before  # the previous export is untouched
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_refuses_to_replace_a_foreign_directory(tiny_target, tmp_path):
+    src = make_head_dir(tiny_target, tmp_path / "m", "medusa")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.txt").write_text("keep me")
+    with pytest.raises(SpecHeadsError, match="refusing to replace"):
+        export_head(src, "medusa", tmp_path / "docs")
+    assert (tmp_path / "docs" / "notes.txt").read_text() == "keep me"
+
+
+def test_loader_rejects_a_head_for_another_target(tiny_target, tmp_path):
+    out = export_head(make_head_dir(tiny_target, tmp_path / "h", "eagle3", **EAGLE3), "speculators",
+                      tmp_path / "o").path
+    wide = load_target(ModelConfig(name="wide", path="tiny:llama", tiny={"hidden_size": 96}),
+                       device=torch.device("cpu"))
+    with pytest.raises(SpecHeadsError, match="hidden size 64.*96"):
+        load_exported(out, wide)
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+def run_cli(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", "specheads.export", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_exports_and_rejects_a_typo_in_one_line(tiny_target, tmp_path):
+    src = make_head_dir(tiny_target, tmp_path / "head", "medusa", shared_lm_head=True)
+    ok = run_cli(f"head={src}", "format=medusa", f"out={tmp_path / 'out'}", "model=tiny-random", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip().splitlines()[-1] == str(tmp_path / "out")
+    assert "trtllm: ok" in ok.stdout and "tgi: ok" in ok.stdout
+    assert check_directory(tmp_path / "out", "medusa") == {"trtllm": [], "tgi": []}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head", "out"]  # no Hydra outputs or logs
+    typo = run_cli(f"head={src}", "format=medusa", "outt=x", cwd=tmp_path)
+    assert typo.returncode == 2 and typo.stderr.strip().count("\n") == 0, typo.stderr
+    assert "outt" in typo.stderr
+
+
+def compose_export(overrides):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from specheads.config.export import register_export_configs
+
+    register_export_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+            return compose("export", overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def test_export_job_checks_its_input(tiny_target, tmp_path, capsys):
+    from specheads.export.job import run_export
+
+    src = make_head_dir(tiny_target, tmp_path / "head", "eagle", fc_bias=False)
+    with pytest.raises(SpecHeadsError, match="does not hold eagle heads.*use one of eagle"):
+        run_export(compose_export([f"head_path={src}", "format=vllm-medusa", f"out={tmp_path / 'x'}"]))
+    with pytest.raises(SpecHeadsError, match="out=DIR is required"):
+        run_export(compose_export([f"head_path={src}", "format=eagle"]))
+    with pytest.raises(SpecHeadsError, match="push_to_hub=true needs repo_id"):
+        run_export(compose_export([f"head_path={src}", "format=eagle", "push_to_hub=true"]))
+    with pytest.raises(SpecHeadsError, match="does not exist"):
+        run_export(compose_export([f"head_path={tmp_path / 'nope'}", "format=eagle", f"out={tmp_path / 'x'}"]))
+    # the target is found through the head's own target name (conf/model/tiny-random.yaml)
+    result = run_export(compose_export([f"head_path={src}", "format=eagle", f"out={tmp_path / 'out'}",
+                                        "dtype=bfloat16"]))
+    assert sorted(result.engines) == ["sglang", "vllm"]
+    assert "embed_tokens.weight" in safe_open(str(tmp_path / "out" / "model.safetensors"), "pt").keys()
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "out")
+    assert not (tmp_path / "x").exists()

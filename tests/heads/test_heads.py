@@ -1,0 +1,210 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import batch_rows, head_states
+from specheads.config.train import HeadConfig, ModelConfig
+from specheads.errors import SpecHeadsError
+from specheads.heads import HEADS, build_head, load_head, save_head
+from specheads.heads.base import shifted
+from specheads.heads.spec import default_layer_ids
+from specheads.heads.vocab import vocab_from_counts
+from specheads.target import load_target
+
+FAMILIES = ["medusa", "eagle", "eagle3"]
+
+
+def make_head(family, target, batch, seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = HeadConfig(family=family, draft_vocab_size=96, num_heads=3, ttt_steps=4, **overrides)
+    return build_head(cfg, target, train_rows=batch_rows(batch))
+
+
+def test_registry_has_every_family():
+    assert sorted(HEADS) == sorted(FAMILIES)
+
+
+def test_eagle3_default_layers_match_vllm_convention():
+    assert default_layer_ids("eagle3", 32) == [2, 16, 29]
+    assert default_layer_ids("eagle3", 80) == [2, 40, 77]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shapes(family, tiny_target, toy_batch):
+    head = make_head(family, tiny_target, toy_batch)
+    states = head_states(tiny_target, head, toy_batch)
+    b, t = toy_batch["input_ids"].shape
+    info = tiny_target.info
+    if family == "medusa":
+        logits = head.medusa_logits(states["final"])
+        assert logits.shape == (3, b, t, info.vocab_size)
+    else:
+        feats = head.input_features(states)
+        assert feats.shape == (b, t, info.hidden_size)
+        pos = torch.arange(t).expand(b, t)
+        h, logits = head.draft_step(toy_batch["input_ids"], feats, pos, head.new_cache())
+        assert h.shape == (b, t, info.hidden_size)
+        assert logits.shape[-1] == head.spec.draft_vocab_size
+    ev = head.evaluate(toy_batch, states)
+    depth = head.spec.eval_depth
+    assert ev["correct"].shape == (depth,) and ev["total"].shape == (depth,)
+    assert int(ev["accept_lengths"].max()) <= depth
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_falls_over_20_fixed_seed_steps(family, tiny_target, toy_batch):
+    head = make_head(family, tiny_target, toy_batch).train()
+    states = head_states(tiny_target, head, toy_batch)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(20):
+        loss, metrics = head.loss(toy_batch, states)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_frozen_target_parts_are_not_head_parameters(tiny_target, toy_batch):
+    for family in FAMILIES:
+        head = make_head(family, tiny_target, toy_batch)
+        target_params = {id(p) for p in tiny_target.model.parameters()}
+        assert not any(id(p) in target_params for p in head.parameters())
+        assert all(p.requires_grad for p in head.parameters())
+
+
+def test_medusa_blocks_are_distinct_modules(tiny_target, toy_batch):
+    head = make_head("medusa", tiny_target, toy_batch, num_layers=2)
+    blocks = [blk for seq in head.blocks for blk in seq]
+    assert len({id(b) for b in blocks}) == len(blocks) == 6
+
+
+def slow_unrolled_reference(head, input_ids, features, steps):
+    """Recompute every (position, step) from scratch the way inference drafts a chain."""
+    b, t = input_ids.shape
+    out = [torch.zeros(b, t, head.info.hidden_size) for _ in range(steps)]
+    for pos in range(t):
+        cache = head.new_cache()
+        ids0 = shifted(input_ids, 1)[:, : pos + 1]
+        positions = torch.arange(pos + 1).expand(b, pos + 1)
+        h, _ = head.draft_step(ids0, features[:, : pos + 1], positions, cache)
+        out[0][:, pos] = h[:, pos]
+        feat = h[:, pos: pos + 1]
+        for j in range(1, steps):
+            tok = shifted(input_ids, 1 + j)[:, pos: pos + 1]
+            h, _ = head.draft_step(tok, feat, torch.full((b, 1), pos + j), cache)
+            out[j][:, pos] = h[:, 0]
+            feat = h
+    return out
+
+
+@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+def test_unrolled_attention_matches_slow_reference(family, tiny_target, toy_batch):
+    head = make_head(family, tiny_target, toy_batch, num_decoder_layers=2).eval()
+    # random non-identity norms and weights so that a wrong mask cannot hide
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    states = head_states(tiny_target, head, toy_batch)
+    ids = toy_batch["input_ids"][:, :24]
+    feats = head.input_features(states)[:, :24]
+    with torch.no_grad():
+        fast = head.unrolled(ids, feats, 4)
+        slow = slow_unrolled_reference(head, ids, feats, 4)
+    for j in range(4):
+        torch.testing.assert_close(fast[j], slow[j], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_load_gives_identical_logits(family, tiny_target, toy_batch, tmp_path):
+    head = make_head(family, tiny_target, toy_batch)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    head.eval()
+    save_head(head, tmp_path / "head", training={"steps": 0})
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["schema_version"] == 1 and config["family"] == family
+    assert config["layer_convention"] == "residual_stream_entering_layer_k"
+    loaded = load_head(tmp_path / "head", tiny_target)
+    states = head_states(tiny_target, head, toy_batch)
+    if family == "medusa":
+        torch.testing.assert_close(head.medusa_logits(states["final"]), loaded.medusa_logits(states["final"]),
+                                   rtol=0, atol=0)
+    else:
+        b, t = toy_batch["input_ids"].shape
+        pos = torch.arange(t).expand(b, t)
+        with torch.no_grad():
+            a = head.draft_step(toy_batch["input_ids"], head.input_features(states), pos, head.new_cache())[1]
+            c = loaded.draft_step(toy_batch["input_ids"], loaded.input_features(states), pos,
+                                  loaded.new_cache())[1]
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+    if family == "eagle3":
+        assert torch.equal(head.d2t, loaded.d2t) and torch.equal(head.t2d, loaded.t2d)
+
+
+def test_mismatched_target_is_refused(tiny_target, toy_batch, tmp_path):
+    head = make_head("eagle", tiny_target, toy_batch)
+    save_head(head, tmp_path / "head")
+    other = load_target(ModelConfig(name="wider", path="tiny:llama", tiny={"hidden_size": 96}))
+    with pytest.raises(SpecHeadsError, match="hidden_size 64 != 96"):
+        load_head(tmp_path / "head", other)
+
+
+def test_corrupt_or_foreign_weights_are_refused(tiny_target, toy_batch, tmp_path):
+    head = make_head("medusa", tiny_target, toy_batch)
+    save_head(head, tmp_path / "head")
+    (tmp_path / "head" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(SpecHeadsError, match="not a readable safetensors"):
+        load_head(tmp_path / "head", tiny_target)
+    save_file({"wrong": torch.zeros(2)}, str(tmp_path / "head" / "model.safetensors"))
+    with pytest.raises(SpecHeadsError, match="does not match a medusa head"):
+        load_head(tmp_path / "head", tiny_target)
+    (tmp_path / "head" / "config.json").write_text("{")
+    with pytest.raises(SpecHeadsError, match="not valid JSON"):
+        load_head(tmp_path / "head", tiny_target)
+
+
+def test_save_is_atomic_on_failure(tiny_target, toy_batch, tmp_path, monkeypatch):
+    head = make_head("eagle", tiny_target, toy_batch)
+    save_head(head, tmp_path / "head")
+    before = (tmp_path / "head" / "model.safetensors").read_bytes()
+    import specheads.heads.io as io
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(io, "save_file", boom)
+    with pytest.raises(OSError):
+        save_head(head, tmp_path / "head")
+    assert (tmp_path / "head" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
+
+
+def test_draft_vocab_maps():
+    counts = torch.tensor([0, 5, 0, 9, 1, 9, 0, 2])
+    d2t, t2d = vocab_from_counts(counts, 4)
+    used = torch.arange(4) + d2t
+    assert used.tolist() == [1, 3, 5, 7]
+    assert t2d.tolist() == [False, True, False, True, False, True, False, True]
+    # fewer seen tokens than slots: unseen ids fill deterministically instead of crashing
+    d2t, t2d = vocab_from_counts(torch.tensor([0, 3, 0, 0]), 3)
+    assert (torch.arange(3) + d2t).tolist() == [0, 1, 2]
+
+
+def test_eagle3_vocab_covers_training_tokens(tiny_target, toy_batch):
+    head = make_head("eagle3", tiny_target, toy_batch)
+    assistant = toy_batch["input_ids"][toy_batch["loss_mask"].bool()].unique()
+    assert head.t2d[assistant].float().mean() > 0.9 or head.t2d.sum() == head.spec.draft_vocab_size
+    mapped = head.draft_to_target(torch.arange(head.spec.draft_vocab_size))
+    assert head.t2d[mapped].all()
+
+
+def test_unknown_family_is_refused(tiny_target):
+    with pytest.raises(SpecHeadsError, match="unknown head family"):
+        build_head(HeadConfig(family="hydra9"), tiny_target)

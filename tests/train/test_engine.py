@@ -1,0 +1,207 @@
+"""The engine on the tiny target in this process (a world of one, gloo): batches, schedule,
+DeepSpeed config, and every head's loss falling through deepspeed.initialize."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from specheads.train.batches import TrainBatches, eval_batches
+from specheads.config.train import TrainJobConfig
+from specheads.train.engine import Trainer, deepspeed_config, open_state_source, setup_distributed
+from specheads.errors import SpecHeadsError
+from specheads.train.schedule import WarmupCosine
+from specheads.train.state_source import OnlineStates
+from test_train import write_conversations
+
+
+def test_warmup_cosine_shape():
+    f = WarmupCosine(warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    warm = [f(s) for s in range(11)]
+    assert all(a < b for a, b in zip(warm, warm[1:])) and warm[-1] == pytest.approx(1.0)
+    decay = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    assert f(60) == pytest.approx(0.55)  # half way down the cosine
+
+
+def test_train_batches_shard_like_a_distributed_sampler():
+    lengths = [(7 * i) % 50 + 1 for i in range(40)]
+    ranks = [TrainBatches(lengths, batch_size=3, rank=r, world_size=2, seed=1) for r in range(2)]
+    assert ranks[0].batches_per_epoch == 40 // 6
+    for i in range(ranks[0].batches_per_epoch):
+        a, b = ranks[0][i], ranks[1][i]
+        assert len(a) == len(b) == 3 and not set(a) & set(b)
+    epoch0 = [row for i in range(6) for r in ranks for row in r[i]]
+    assert len(set(epoch0)) == 36  # an epoch reads each row at most once
+    again = TrainBatches(lengths, batch_size=3, rank=1, world_size=2, seed=1)
+    assert [again[i] for i in (9, 3, 0)] == [ranks[1][i] for i in (9, 3, 0)]  # random access = resume
+    assert [ranks[0][i] for i in range(6)] != [ranks[0][i] for i in range(6, 12)]  # epochs reshuffle
+
+
+def test_group_by_length_pads_less():
+    lengths = [int(x) for x in torch.randint(1, 500, (256,), generator=torch.Generator().manual_seed(0))]
+
+    def padded(group):
+        b = TrainBatches(lengths, batch_size=8, seed=0, group_by_length=group)
+        return sum(max(lengths[i] for i in b[k]) * 8 for k in range(b.batches_per_epoch))
+
+    assert padded(True) < 0.8 * padded(False)
+
+
+def test_too_little_data_is_a_clear_error():
+    with pytest.raises(SpecHeadsError, match="cannot fill one batch"):
+        TrainBatches([5, 6, 7], batch_size=2, world_size=2)
+
+
+def test_eval_batches_give_every_rank_the_same_count():
+    lengths = list(range(1, 24))
+    per_rank = [eval_batches(lengths, 4, rank=r, world_size=3) for r in range(3)]
+    assert len({len(b) for b in per_rank}) == 1
+    rows = [i for b in per_rank for batch in b for i in batch]
+    assert len(rows) == len(set(rows)) == 21
+    assert len(eval_batches(lengths, 4, max_batches=2)) == 2
+
+
+def test_deepspeed_config_follows_the_job():
+    cfg = OmegaConf.structured(TrainJobConfig)
+    cfg.train.batch_size, cfg.train.grad_accum, cfg.deepspeed.zero_stage = 3, 2, 3
+    cfg.deepspeed.extra = {"checkpoint": {"tag_validation": "Fail"}}
+    ds = deepspeed_config(cfg, world_size=4, device=torch.device("cpu"), head_dtype=torch.float32)
+    assert ds["train_batch_size"] == 24 and ds["gradient_accumulation_steps"] == 2
+    assert ds["zero_optimization"]["stage"] == 3 and not ds["bf16"]["enabled"]
+    assert ds["checkpoint"] == {"tag_validation": "Fail"}
+    assert deepspeed_config(cfg, 1, torch.device("cpu"), torch.bfloat16)["bf16"]["enabled"]
+    cfg.deepspeed.zero_stage, cfg.deepspeed.offload_param = 2, True
+    with pytest.raises(SpecHeadsError, match="zero_stage=3"):
+        deepspeed_config(cfg, 1, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def world():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny target's matrices are too small to gain from threads
+    yield setup_distributed("cpu")
+    torch.set_num_threads(threads)
+
+
+def job(family, data, out, **train):
+    cfg = OmegaConf.structured(TrainJobConfig)
+    cfg.model.name, cfg.model.path = "tiny-random", "tiny:llama"
+    cfg.head.family = family
+    cfg.data.path, cfg.data.max_length, cfg.data.eval_fraction = str(data), 96, 0.25
+    cfg.output_dir, cfg.wandb.mode = str(out), "disabled"
+    cfg.train.merge_with(dict(lr=3e-3, warmup_steps=2, batch_size=4, **train))
+    return cfg
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
+def test_loss_falls_through_the_engine(family, world, tiny_target, tmp_path):
+    from specheads.heads import build_head
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    cfg = job(family, data, tmp_path / "run", max_steps=20)
+    torch.manual_seed(0)
+    source = open_state_source(cfg, tiny_target, world)
+    head = build_head(cfg.head, tiny_target, train_rows=source.rows("train"))
+    target_before = {k: v.clone() for k, v in tiny_target.model.state_dict().items()}
+    trainer = Trainer(cfg, head, source, world, tmp_path / "run")
+    # only the head is wrapped: its parameters are exactly the engine's
+    assert {id(p) for p in trainer.engine.module.parameters()} == {id(p) for p in head.parameters()}
+    before = trainer.evaluate()
+    losses = [trainer.train_step()["loss"] for _ in range(20)]
+    after = trainer.evaluate()
+    assert after["eval/loss"] < 0.95 * before["eval/loss"], (before, after)
+    assert sum(losses[-5:]) < sum(losses[:5])
+    depth = head.spec.eval_depth if family != "eagle" else len([k for k in after if k.startswith("eval/acc_")])
+    assert [k for k in after if k.startswith("eval/acc_")] == [f"eval/acc_{i}" for i in range(depth)]
+    assert 1.0 <= after["eval/sim_tau"] <= 1.0 + depth
+    assert all(torch.equal(v, target_before[k]) for k, v in tiny_target.model.state_dict().items())
+
+
+def test_row_lengths_of_a_shuffled_dataset():
+    import datasets
+
+    from specheads.train.state_source import row_lengths
+
+    ds = datasets.Dataset.from_list([{"input_ids": [1] * n, "loss_mask": [0] * n} for n in range(1, 20)])
+    view = ds.shuffle(seed=3).select(range(5))
+    assert row_lengths(view) == [len(r["input_ids"]) for r in view]
+    assert row_lengths([{"input_ids": [4, 5]}]) == [2]
+
+
+def test_resume_continues_the_same_run_and_refuses_another(world, tiny_target, tmp_path):
+    from specheads.heads import build_head
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    out = tmp_path / "run"
+
+    def trainer(family, **train):
+        cfg = job(family, data, out, max_steps=4, **train)
+        torch.manual_seed(0)
+        source = open_state_source(cfg, tiny_target, world)
+        return Trainer(cfg, build_head(cfg.head, tiny_target, train_rows=source.rows("train")), source, world, out)
+
+    first = trainer("medusa")
+    for _ in range(2):
+        first.train_step()
+    first.save()
+    second = trainer("medusa")
+    assert second.resume() == 2
+    assert all(torch.equal(a, b) for a, b in zip(first.head.parameters(), second.head.parameters()))
+    with pytest.raises(SpecHeadsError, match="different run.*grad_accum 1 -> 2"):
+        trainer("medusa", grad_accum=2).resume()
+
+
+def test_offline_features_feed_the_same_trainer(world, tiny_target, tmp_path):
+    """data.features swaps the online target forwards for a feature cache: same batches, same states."""
+    from specheads.data.conversations import build_datasets
+    from specheads.data.features import ensure_split_features
+    from specheads.heads import build_head
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    cfg = job("eagle3", data, tmp_path / "run", max_steps=10)
+    train_rows, eval_rows = build_datasets(cfg.data, tiny_target.tokenizer)
+    torch.manual_seed(0)
+    head = build_head(cfg.head, tiny_target, train_rows=train_rows)
+    layer_ids, final = head.training_states()
+    ensure_split_features(tiny_target, {"train": train_rows, "eval": eval_rows}, layer_ids, final,
+                          tmp_path / "features", int(cfg.data.max_length), dtype="float32")
+    cfg.data.features = str(tmp_path / "features")
+    offline = open_state_source(cfg, tiny_target, world)
+    online = OnlineStates(tiny_target, {"train": train_rows, "eval": eval_rows}, tiny_target.tokenizer.pad_token_id)
+    online.require(layer_ids, final)
+    offline.require(layer_ids, final)
+    (b1, s1), (b2, s2) = offline.fetch("train", [3, 0]), online.fetch("train", [3, 0])
+    assert all(torch.equal(b1[k], b2[k]) for k in b2)
+    mask = b2["attention_mask"].bool()
+    assert all(torch.allclose(s1[k][mask], s2[k][mask], atol=1e-5) for k in s2)
+    trainer = Trainer(cfg, head, offline, world, tmp_path / "run")
+    before = trainer.evaluate()["eval/loss"]
+    for _ in range(10):
+        trainer.train_step()
+    assert trainer.evaluate()["eval/loss"] < before
+
+
+def test_auto_features_are_cached_once_per_data(world, tiny_target, tmp_path, monkeypatch):
+    """data.features=auto: the first run caches the states under the cache root, the next reuses
+    them, and other data gets a cache of its own."""
+    from specheads import features as features_module
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    writes = []
+    real_write = features_module.write_features
+    monkeypatch.setattr(features_module, "write_features",
+                        lambda *a, **k: writes.append(a[4]) or real_write(*a, **k))
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    cfg = job("eagle3", data, tmp_path / "run", max_steps=2)
+    cfg.data.features = "auto"
+    source = open_state_source(cfg, tiny_target, world)
+    assert len(writes) == 2 and all(str(w).startswith(str(tmp_path / "cache" / "features")) for w in writes)
+    source.require([2], True)
+    batch, states = source.fetch("train", [0, 1])
+    assert states[2].dtype == torch.float32 and states["final"].shape[:2] == batch["input_ids"].shape
+    open_state_source(cfg, tiny_target, world)
+    assert len(writes) == 2  # reused
+    cfg.data.max_examples = 20
+    open_state_source(cfg, tiny_target, world)
+    assert len(writes) == 4 and writes[2].parent != writes[0].parent
