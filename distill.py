@@ -14,10 +14,10 @@ import hydra
 from omegaconf import DictConfig
 
 from specheads.cli import job, run_hydra_main
-from specheads.config.distill import register_distill_configs
+from specheads.config import register_configs, typed
 from specheads.errors import one_line_errors
 
-register_distill_configs()
+register_configs()
 
 
 @hydra.main(config_path="conf", config_name="distill", version_base=None)
@@ -26,7 +26,7 @@ register_distill_configs()
 def main(cfg: DictConfig) -> None:
     from specheads.distill.run import distill
 
-    print(distill(cfg), flush=True)
+    print(distill(typed(cfg)), flush=True)
 
 
 if __name__ == "__main__":

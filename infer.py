@@ -5,7 +5,7 @@
     python infer.py head=DIR tree=auto        # calibrate the tree for this machine, store it in DIR
 
 The demo prints the answer with the drafted-and-accepted tokens marked and a stats line (tau,
-tokens/s, speedup); the benchmark writes OUT.jsonl, OUT.summary.json and plots (DESIGN.md 4).
+tokens/s, speedup); the benchmark writes OUT.jsonl, OUT.summary.json and plots (docs/contracts.md).
 """
 
 import re
@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specheads.cli import job, run_hydra_main
-from specheads.config.train import register_configs
+from specheads.config import register_configs, typed
 from specheads.errors import one_line_errors
 
 register_configs()
@@ -34,7 +34,7 @@ def quoted(value: str) -> str:
 
 def plain_values(argv: list[str]) -> list[str]:
     """`head` is a config group of train.py (conf/head/); for infer.py head=PATH is a value
-    (head_path). Prompts are free text, not Hydra override syntax."""
+    (head_path of the schema). Prompts are free text, not Hydra override syntax."""
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
@@ -49,8 +49,9 @@ def plain_values(argv: list[str]) -> list[str]:
 def main(cfg: DictConfig) -> None:
     from specheads.config.infer import validate
 
-    settings = validate(cfg)  # before torch is imported: bad input fails at once
-    from specheads.bench.session import load_session, run_demo
+    settings = validate(typed(cfg))  # before torch is imported: bad input fails at once
+    from specheads.bench.demo import run_demo
+    from specheads.bench.session import load_session
 
     session = load_session(settings, CONF_DIR)
     if settings.tree.kind == "auto":

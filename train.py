@@ -13,7 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specheads.cli import job, run_hydra_main
-from specheads.config.train import register_configs
+from specheads.config import register_configs, typed
 from specheads.errors import one_line_errors
 
 register_configs()
@@ -23,9 +23,9 @@ register_configs()
 @job
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from specheads.train.engine import train
+    from specheads.train.run import train
 
-    head_dir = train(cfg)
+    head_dir = train(typed(cfg))
     if head_dir is not None:  # rank 0
         print(head_dir, flush=True)
 

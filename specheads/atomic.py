@@ -13,8 +13,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 
 def _umask() -> int:
@@ -69,8 +70,9 @@ def save_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> Path:
     return Path(path)
 
 
-def write_directory(out: str | os.PathLike, fill: Callable[[Path], None],
-                    check: Callable[[Path], None] | None = None) -> Path:
+def write_directory(
+    out: str | os.PathLike, fill: Callable[[Path], None], check: Callable[[Path], None] | None = None
+) -> Path:
     """Build a directory with `fill(tmp)` (then `check(tmp)`), and put it in place of `out`.
 
     An existing `out` is replaced whole; a failure anywhere leaves `out` as it was and no

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -66,7 +66,7 @@ def config_error_line(err: BaseException) -> str:
     for i, line in enumerate(lines):
         if line.startswith("Available options"):
             options = []
-            for option in lines[i + 1:]:
+            for option in lines[i + 1 :]:
                 if not option.startswith("\t"):
                     break
                 if not option.strip().endswith("_schema"):

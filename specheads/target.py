@@ -13,14 +13,15 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .config.train import ModelConfig
+from .config.model import ModelConfig
 from .errors import SpecHeadsError
 
 EMBEDDED_PREFIX = "embedded:"
@@ -47,10 +48,10 @@ class TargetInfo:
     rms_norm_eps: float
     max_position_embeddings: int
     rope_parameters: dict = field(default_factory=dict)
-    revision: Optional[str] = None
+    revision: str | None = None
 
     @classmethod
-    def from_hf_config(cls, config, name: str, revision: Optional[str] = None) -> "TargetInfo":
+    def from_hf_config(cls, config, name: str, revision: str | None = None) -> TargetInfo:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         rope = getattr(text, "rope_parameters", None) or {}
@@ -81,8 +82,8 @@ class TargetStates:
     """Captured states of one target forward. hidden[k] follows the layer-id convention above."""
 
     hidden: dict[int, torch.Tensor]
-    final: Optional[torch.Tensor] = None
-    logits: Optional[torch.Tensor] = None
+    final: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
     past_key_values: Any = None
 
 
@@ -90,8 +91,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[name]
+        return {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+        }[name]
     except KeyError:
         raise SpecHeadsError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16") from None
 
@@ -104,10 +111,16 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock reading covers it (CUDA runs async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class FrozenTarget:
     """A frozen causal LM plus hooks that capture residual-stream states at chosen layer ids."""
 
-    def __init__(self, model, tokenizer, name: str, revision: Optional[str] = None):
+    def __init__(self, model, tokenizer, name: str, revision: str | None = None):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -158,14 +171,17 @@ class FrozenTarget:
         def grab(key):
             def hook(module, args, kwargs):
                 store[key] = args[0] if args else kwargs["hidden_states"]
+
             return hook
 
         for k in ids:
             module = self.layers[k] if k < self.info.num_layers else self.final_norm
             handles.append(module.register_forward_pre_hook(grab(k), with_kwargs=True))
         if final:
+
             def grab_final(module, args, output):
                 store["final"] = output
+
             handles.append(self.final_norm.register_forward_hook(grab_final))
         try:
             yield store
@@ -177,7 +193,7 @@ class FrozenTarget:
     def states(
         self,
         input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
         layer_ids: Iterable[int] = (),
         final: bool = True,
         logits: bool = False,
@@ -189,12 +205,10 @@ class FrozenTarget:
                 out = self.model(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
                 out_logits, past = out.logits, getattr(out, "past_key_values", None)
             else:
-                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                               **forward_kwargs)
+                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
                 out_logits, past = None, getattr(out, "past_key_values", None)
         hidden = {k: v for k, v in store.items() if k != "final"}
-        return TargetStates(hidden=hidden, final=store.get("final"), logits=out_logits,
-                            past_key_values=past)
+        return TargetStates(hidden=hidden, final=store.get("final"), logits=out_logits, past_key_values=past)
 
 
 def embedded_gguf(key: str) -> tuple[Path, str, str]:
@@ -246,7 +260,7 @@ def _dequantized_embedded(key: str) -> Path:
     return out
 
 
-def load_target(cfg: ModelConfig, device: Optional[torch.device] = None) -> FrozenTarget:
+def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenTarget:
     """Load the frozen target described by a ModelConfig."""
     device = device or resolve_device("auto")
     dtype = resolve_dtype(cfg.dtype, device)
@@ -256,11 +270,11 @@ def load_target(cfg: ModelConfig, device: Optional[torch.device] = None) -> Froz
 
         tiny = dict(cfg.tiny)
         seed = int(tiny.pop("seed", 0))
-        model, tokenizer = tiny_target(path[len(TINY_PREFIX):], seed=seed, **tiny)
+        model, tokenizer = tiny_target(path[len(TINY_PREFIX) :], seed=seed, **tiny)
         return FrozenTarget(model.to(device=device, dtype=dtype), tokenizer, name=cfg.name)
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if path.startswith(EMBEDDED_PREFIX):
-        source = _dequantized_embedded(path[len(EMBEDDED_PREFIX):])
+        source = _dequantized_embedded(path[len(EMBEDDED_PREFIX) :])
         kwargs.pop("revision")
     else:
         source = path

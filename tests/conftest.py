@@ -39,8 +39,7 @@ def toy_batch():
 
 
 def batch_rows(batch):
-    return [{"input_ids": i.tolist(), "loss_mask": m.tolist()}
-            for i, m in zip(batch["input_ids"], batch["loss_mask"])]
+    return [{"input_ids": i.tolist(), "loss_mask": m.tolist()} for i, m in zip(batch["input_ids"], batch["loss_mask"])]
 
 
 def head_states(target, head, batch):
@@ -57,11 +56,15 @@ def quick_head(target, family, sequences=None, steps=0):
     torch.manual_seed(0)
     rows = [{"input_ids": list(range(320)), "loss_mask": [1] * 320}]
     # eagle3 with a reduced draft vocab: the d2t mapping is exercised
-    head = build_head(HeadConfig(family=family, draft_vocab_size=200, ttt_steps=2, num_heads=4),
-                      target, train_rows=rows)
+    head = build_head(
+        HeadConfig(family=family, draft_vocab_size=200, ttt_steps=2, num_heads=4), target, train_rows=rows
+    )
     if steps:
-        batch = {"input_ids": sequences, "attention_mask": torch.ones_like(sequences),
-                 "loss_mask": torch.ones_like(sequences)}
+        batch = {
+            "input_ids": sequences,
+            "attention_mask": torch.ones_like(sequences),
+            "loss_mask": torch.ones_like(sequences),
+        }
         layer_ids, final = head.training_states()
         s = target.states(sequences, batch["attention_mask"], layer_ids=layer_ids, final=final)
         states = {**s.hidden, "final": s.final}

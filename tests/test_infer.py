@@ -1,4 +1,4 @@
-"""infer.py: the command-line contract (DESIGN.md section 4) and the pieces around it."""
+"""infer.py: the command-line contract (docs/contracts.md) and the pieces around it."""
 
 import io
 import json
@@ -10,13 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specheads.config.train import HeadConfig, ModelConfig, register_configs
+from specheads.config import register_configs, typed
+from specheads.config.train import ModelConfig
 from specheads.errors import SpecHeadsError
-from specheads.heads import build_head, save_head
-from specheads.config.infer import TreeConfig
-from specheads.bench.session import TokenPrinter, model_config_for_head, tree_policy_for
 from specheads.target import load_target
-from specheads.decode.tree import StaticTree
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -42,13 +39,39 @@ def head_dir(tmp_path_factory, target):
     out = tmp_path_factory.mktemp("train")
     chats = out / "chats.jsonl"
     words = "the cat sat on a warm mat and the dog ran to the red barn near a river".split()
-    chats.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": " ".join(words[i % 7: i % 7 + 4])},
-        {"role": "assistant", "content": " ".join(words[i % 5: i % 5 + 10])}]}) + "\n" for i in range(16)))
-    proc = subprocess.run([sys.executable, "train.py", "model=tiny-random", "head=eagle3", "train.max_steps=3",
-                           f"output_dir={out / 'run'}", f"data.path={chats}", "data.max_length=96",
-                           "data.eval_fraction=0.25", "wandb.mode=disabled"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    chats.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": " ".join(words[i % 7 : i % 7 + 4])},
+                        {"role": "assistant", "content": " ".join(words[i % 5 : i % 5 + 10])},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(16)
+        )
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "model=tiny-random",
+            "head=eagle3",
+            "train.max_steps=3",
+            f"output_dir={out / 'run'}",
+            f"data.path={chats}",
+            "data.max_length=96",
+            "data.eval_fraction=0.25",
+            "wandb.mode=disabled",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     path = Path(proc.stdout.strip().splitlines()[-1])
     assert (path / "config.json").is_file()
@@ -56,17 +79,20 @@ def head_dir(tmp_path_factory, target):
 
 
 def run_infer(*args, timeout=300):
-    return subprocess.run([sys.executable, "infer.py", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "infer.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_demo_prints_marked_answer_and_stats(head_dir):
     """The demo mode in-process (the command line itself is exercised by the benchmark test)."""
-    from specheads.bench.session import load_session, run_demo
+    from specheads.bench.demo import run_demo
+    from specheads.bench.session import load_session
     from specheads.config.infer import InferJobConfig
 
-    settings = InferJobConfig(head_path=str(head_dir), prompt="Hi, what's [1, 2] + {3}?", max_new_tokens=12,
-                              mark="brackets")
+    settings = InferJobConfig(
+        head_path=str(head_dir), prompt="Hi, what's [1, 2] + {3}?", max_new_tokens=12, mark="brackets"
+    )
     session = load_session(settings, CONF)
     assert session.target.info.name == "tiny-random"  # the target named in the head's config.json
     out = io.StringIO()
@@ -79,11 +105,21 @@ def test_demo_prints_marked_answer_and_stats(head_dir):
 
 def test_bench_writes_the_contract_fields(head_dir, tmp_path):
     questions = tmp_path / "question.jsonl"
-    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"Tell me about {c}, please."]})
-                                 + "\n" for i, c in [(1, "writing"), (2, "math")]))
+    questions.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": c, "turns": [f"Tell me about {c}, please."]}) + "\n"
+            for i, c in [(1, "writing"), (2, "math")]
+        )
+    )
     out = tmp_path / "bench" / "out.jsonl"
-    proc = run_infer(f"head={head_dir}", f"bench.questions={questions}", f"bench.output={out}",
-                     "bench.max_new_tokens=10", "bench.methods=[baseline,prompt_lookup,spec]", "temperature=0")
+    proc = run_infer(
+        f"head={head_dir}",
+        f"bench.questions={questions}",
+        f"bench.output={out}",
+        "bench.max_new_tokens=10",
+        "bench.methods=[baseline,prompt_lookup,spec]",
+        "temperature=0",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6
@@ -96,10 +132,13 @@ def test_bench_writes_the_contract_fields(head_dir, tmp_path):
     assert out.with_name("out.tau.png").is_file() and out.with_name("out.acceptance.png").is_file()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["head=/nonexistent/head", "prompt=hi"], "does not exist"),  # found while running
-    (["head=/tmp", "prompt=hi", "no_such_key=1"], "no_such_key"),  # found while composing
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["head=/nonexistent/head", "prompt=hi"], "does not exist"),  # found while running
+        (["head=/tmp", "prompt=hi", "no_such_key=1"], "no_such_key"),  # found while composing
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, message):
     proc = run_infer(*args, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -107,28 +146,30 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["prompt=hi"], "head="),
-    (["head_path=/tmp"], "prompt"),
-    (["head_path=/tmp", "bench.output=o.jsonl"], "bench.questions"),
-    (["head_path=/tmp", "prompt=hi", "tree.kind=weird"], "tree.kind"),
-    (["head_path=/tmp", "prompt=hi", "max_new_tokens=many"], "max_new_tokens"),
-    (["head_path=/tmp", "prompt=hi", "bench.methods=[spec,eagle]"], "bench.methods"),
-    (["head_path=/tmp", "prompt=hi", "acceptance=typical"], "temperature > 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["prompt=hi"], "head="),
+        (["head_path=/tmp"], "prompt"),
+        (["head_path=/tmp", "bench.output=o.jsonl"], "bench.questions"),
+        (["head_path=/tmp", "prompt=hi", "tree.kind=weird"], "tree.kind"),
+        (["head_path=/tmp", "prompt=hi", "bench.methods=[spec,eagle]"], "bench.methods"),
+        (["head_path=/tmp", "prompt=hi", "acceptance=typical"], "temperature > 0"),
+    ],
+)
 def test_settings_are_checked(overrides, message):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from specheads.config.infer import validate
 
-    register_configs()  # the tree group's schema (infer.py registers it when imported)
+    register_configs()  # the infer and tree schemas (infer.py registers them when imported)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base=None):
             cfg = compose("infer", overrides)
         with pytest.raises(SpecHeadsError, match=message.replace("(", "\\(")):
-            validate(cfg)
+            validate(typed(cfg))
     finally:
         GlobalHydra.instance().clear()
 
@@ -146,7 +187,7 @@ def test_bench_output_defaults_next_to_the_runs(tmp_path):
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base=None):
             cfg = compose("infer", ["head_path=/tmp", f"bench.questions={questions}"])
-        assert validate(cfg).bench.output == "runs/bench/mt_bench_question.jsonl"
+        assert validate(typed(cfg)).bench.output == "runs/bench/mt_bench_question.jsonl"
     finally:
         GlobalHydra.instance().clear()
 
@@ -165,42 +206,3 @@ def test_free_text_arguments_stay_literal():
             cfg = compose("infer", argv[1:])
             assert cfg.prompt == text and cfg.head_path == "/some/dir,x"
     GlobalHydra.instance().clear()
-
-
-def test_model_config_from_the_head():
-    cfg = model_config_for_head({"target": {"name": "tiny-random"}}, CONF)
-    assert (cfg.name, cfg.path, cfg.tiny) == ("tiny-random", "tiny:llama", {"seed": 0})
-    cfg = model_config_for_head({"target": {"name": "org/some-model", "revision": "abc"}}, CONF)
-    assert (cfg.path, cfg.revision) == ("org/some-model", "abc")
-    recorded = {"training": {"model": {"name": "x", "path": "tiny:qwen2"}}, "target": {"name": "x"}}
-    assert model_config_for_head(recorded, CONF).path == "tiny:qwen2"
-    with pytest.raises(SpecHeadsError):
-        model_config_for_head({"target": {}}, CONF)
-
-
-def test_tree_policies(target):
-    medusa = build_head(HeadConfig(family="medusa", num_heads=2), target)
-    policy = tree_policy_for(medusa, TreeConfig(kind="default"))
-    assert isinstance(policy, StaticTree) and policy.layout.max_depth == 2
-    with pytest.raises(SpecHeadsError, match="Medusa head has 2 heads"):
-        tree_policy_for(medusa, TreeConfig(kind="chain", depth=3))
-    eagle = build_head(HeadConfig(family="eagle"), target)
-    assert tree_policy_for(eagle, TreeConfig(kind="dynamic", total_tokens=7)).total_tokens == 7
-    eagle.default_tree = [[0], [1], [0, 0]]
-    assert tree_policy_for(eagle, TreeConfig(kind="default")).size == 4
-    with pytest.raises(SpecHeadsError, match="paths"):
-        tree_policy_for(eagle, TreeConfig(kind="static"))
-
-
-def test_token_printer_marks_accepted_drafts(target):
-    tok = target.tokenizer
-    out = io.StringIO()
-    printer = TokenPrinter(tok, "brackets", out)
-    ids = tok("Hello wonderful world")["input_ids"]
-    printer(ids[:1], [False])
-    printer(ids[1:6], [True, True, True, True, False])
-    printer(ids[6:], [False] * (len(ids) - 6))
-    printer.finish()
-    text = out.getvalue()
-    assert text.replace("«", "").replace("»", "") == "Hello wonderful world\n"
-    assert text.startswith("H«ello»") and text.count("«") == 1

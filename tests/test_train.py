@@ -21,8 +21,12 @@ def write_conversations(path: Path, n: int = 24, seed: int = 0) -> Path:
         for _ in range(n):
             question = " ".join(rng.choice(words) for _ in range(rng.randint(3, 6)))
             answer = " ".join(rng.choice(words) for _ in range(rng.randint(8, 16)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": question},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+                )
+                + "\n"
+            )
     return path
 
 
@@ -34,8 +38,15 @@ def clean_env() -> dict:
 
 
 def tiny_args(data: Path, out: Path, *extra: str) -> list[str]:
-    return ["model=tiny-random", f"data.path={data}", "data.max_length=96", "data.eval_fraction=0.25",
-            f"output_dir={out}", "wandb.mode=disabled", *extra]
+    return [
+        "model=tiny-random",
+        f"data.path={data}",
+        "data.max_length=96",
+        "data.eval_fraction=0.25",
+        f"output_dir={out}",
+        "wandb.mode=disabled",
+        *extra,
+    ]
 
 
 def run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
@@ -54,8 +65,10 @@ def assert_head_written(proc: subprocess.CompletedProcess, out: Path) -> None:
 def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
     data = write_conversations(tmp_path / "chats.jsonl")
     out = tmp_path / "run"
-    proc = run([sys.executable, "train.py", f"head={family}", "train.max_steps=3", *tiny_args(data, out)[:-1]]
-               + (["wandb.mode=offline"] if family == "eagle3" else ["wandb.mode=disabled"]))
+    proc = run(
+        [sys.executable, "train.py", f"head={family}", "train.max_steps=3", *tiny_args(data, out)[:-1]]
+        + (["wandb.mode=offline"] if family == "eagle3" else ["wandb.mode=disabled"])
+    )
     assert_head_written(proc, out)
     assert json.loads((out / "head" / "config.json").read_text())["family"] == family
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -76,9 +89,22 @@ def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
 def test_two_ranks_zero2_on_cpu(tmp_path):
     data = write_conversations(tmp_path / "chats.jsonl", n=32)
     out = tmp_path / "run"
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "train.py", "head=eagle", "deepspeed=zero2", "train.max_steps=3", "train.batch_size=2",
-                *tiny_args(data, out)])
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "train.py",
+            "head=eagle",
+            "deepspeed=zero2",
+            "train.max_steps=3",
+            "train.batch_size=2",
+            *tiny_args(data, out),
+        ]
+    )
     assert_head_written(proc, out)
     files = {p.name for p in (out / "checkpoints" / "step-3").iterdir()}
     # ZeRO-2 partitions the optimizer state: one shard per rank

@@ -19,17 +19,23 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import TextIO
 
 import torch
 from tqdm import tqdm
 
-from ..decode.drafters import make_drafter
-from ..errors import SpecHeadsError
 from ..config.infer import InferJobConfig, TreeConfig
-from ..decode.kv import new_cache, tree_attention_bias
-from ..decode.tree import static_tree
+from ..decode.baselines import hf_generate
+from ..decode.drafters import make_drafter
+from ..decode.kv import new_cache, verify_tree
+from ..decode.tree import TreeLayout, static_tree
+from ..errors import SpecHeadsError
+from ..heads import read_head_config, save_head
+from ..target import synchronize
+from .inputs import encode_prompt, eos_token_ids, sampling_config
+from .questions import read_questions
 
 BUILTIN_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -47,42 +53,29 @@ SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64, 80, 96, 12
 MISS = 1 << 30
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def rank_vectors(target, head, ids: Sequence[int], answer_start: int, depth: int) -> list[tuple[int, ...]]:
     """For each answer position, the rank (0 = top-1) of each true next token at depths 1..depth."""
     seq = torch.tensor([list(ids)], device=target.device)
     with target.capture(head.target_layer_ids(), final=head.reads_final) as store:
         target.model(seq)
-    states = dict(store)
     full = list(ids)
-    if head.family == "medusa":
-        logits = head.medusa_logits(states["final"])[:, 0]  # [K, T, V]: head k at t predicts t+k+2
-        per_depth = [logits[k] for k in range(min(depth, logits.shape[0]))]
-        to_draft = None
-    else:
-        outs = head.unrolled(seq, head.input_features(states), depth)  # step j at t predicts t+2+j
-        per_depth = [head.draft_logits(h)[0].float() for h in outs]
-        vd = per_depth[0].shape[-1]
-        to_draft = torch.full((target.info.vocab_size,), -1, dtype=torch.long, device=seq.device)
-        draft_ids = torch.arange(vd, device=seq.device)
-        to_draft[head.draft_to_target(draft_ids)] = draft_ids
+    # per depth d: [T, Vd], position t drafting token t+1+d along the true sequence
+    per_depth = [x[0] for x in head.teacher_forced_logits(seq, dict(store), depth)]
+    # target ids -> draft ids (-1: outside a reduced draft vocabulary)
+    to_draft = torch.full((target.info.vocab_size,), -1, dtype=torch.long, device=seq.device)
+    draft_ids = torch.arange(per_depth[0].shape[-1], device=seq.device)
+    to_draft[head.draft_to_target(draft_ids)] = draft_ids
     vectors = []
     for t in range(answer_start - 1, len(full) - 2):  # tree rooted at token t+1
         ranks = []
         for d, logits in enumerate(per_depth, start=1):
             if t + 1 + d >= len(full):
                 break
-            true = full[t + 1 + d]
-            if to_draft is not None:
-                true = int(to_draft[true])
-                if true < 0:
-                    ranks.append(MISS)
-                    break
+            true = int(to_draft[full[t + 1 + d]])
+            if true < 0:
+                ranks.append(MISS)
+                break
             rank = int((logits[t] > logits[t, true]).sum())
             ranks.append(rank)
         vectors.append(tuple(ranks))
@@ -119,16 +112,14 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
     prefix = len(context)
     out = {}
     for n in sizes:
-        layout_mask = torch.ones(n, n, dtype=torch.bool).tril()
-        bias = tree_attention_bias(layout_mask, prefix, target.dtype, device)
-        ids = torch.tensor([[context[i % len(context)] for i in range(n)]], device=device)
-        pos = torch.arange(prefix, prefix + n, device=device)[None]
+        chain = TreeLayout(tuple(range(-1, n - 1)))  # n query tokens, each attending to the ones before
+        tokens = [context[i % len(context)] for i in range(n)]
         times = []
         for r in range(repeats + 1):
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
-            model(input_ids=ids, attention_mask=bias, position_ids=pos, past_key_values=cache, use_cache=True)
-            _sync(device)
+            verify_tree(target, tokens, chain, prefix, cache)
+            synchronize(device)
             if r:  # the first call warms up
                 times.append(time.perf_counter() - t0)
             cache.crop(-n)
@@ -140,8 +131,9 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
 
 
 @torch.no_grad()
-def time_draft(target, head, paths: list[list[int]], prompt: Sequence[int], repeats: int = 5,
-               accepted: int = 3) -> float:
+def time_draft(
+    target, head, paths: list[list[int]], prompt: Sequence[int], repeats: int = 5, accepted: int = 3
+) -> float:
     """Seconds the real drafter spends on one step with this tree (catch-up of `accepted` tokens included)."""
     device = target.device
     drafter = make_drafter(head, static_tree(paths))
@@ -154,34 +146,32 @@ def time_draft(target, head, paths: list[list[int]], prompt: Sequence[int], repe
     times = []
     for r in range(repeats + 1):
         drafter.rewind(accepted)
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         drafter.draft(root, len(prompt), 1 << 30)
-        _sync(device)
+        synchronize(device)
         if r:
             times.append(time.perf_counter() - t0)
     return min(times)
 
 
 def calibration_prompts(settings: InferJobConfig, tokenizer) -> list[list[int]]:
-    from .runner import read_questions
-    from .session import encode_prompt
-
     t = settings.tree
-    texts = ([q["prompt"] for q in read_questions(t.calibration_questions)] if t.calibration_questions
-             else BUILTIN_PROMPTS)
+    texts = (
+        [q["prompt"] for q in read_questions(t.calibration_questions)] if t.calibration_questions else BUILTIN_PROMPTS
+    )
     return [encode_prompt(tokenizer, x, settings.system, settings.chat) for x in texts[: t.calibration_prompts]]
 
 
 def store_default_tree(head, head_dir: Path, paths: list[list[int]]) -> bool:
     """Save the tree as the head directory's default tree (only our own, writable head format)."""
-    from ..heads import read_head_config, save_head
-
     try:
         config = read_head_config(head_dir)
     except SpecHeadsError:
         return False  # an engine-format directory: not ours to rewrite
-    if not os.access(head_dir, os.W_OK) or Path(head_dir).resolve().is_relative_to(Path.home() / ".cache" / "huggingface"):
+    if not os.access(head_dir, os.W_OK) or Path(head_dir).resolve().is_relative_to(
+        Path.home() / ".cache" / "huggingface"
+    ):
         return False
     head.default_tree = paths
     save_head(head, head_dir, training=config.get("training"))
@@ -190,12 +180,10 @@ def store_default_tree(head, head_dir: Path, paths: list[list[int]]) -> bool:
 
 def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> TreeConfig:
     """Measure, choose, (store), and return the chosen tree as a static TreeConfig."""
-    from .runner import hf_generate
-    from .session import eos_token_ids, sampling_config
-
     t = settings.tree
     target, head = session.target, session.head
-    depth = min(t.depth, head.spec.num_heads) if head.family == "medusa" else t.depth
+    limit = head.max_draft_depth(head.spec)
+    depth = min(t.depth, limit) if limit is not None else t.depth
     prompts = calibration_prompts(settings, target.tokenizer)
     if not prompts:
         raise SpecHeadsError("tree=auto needs at least one calibration prompt")
@@ -219,25 +207,39 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         accepted = sum(freq[tuple(p)] for p in paths) / n_pos
         draft_s = time_draft(target, head, paths, context[: max(len(context) // 2, 1)])
         step = target_s[n + 1] + draft_s
-        rows.append({"nodes": n, "depth": max(len(p) for p in paths), "tau": 1 + accepted,
-                     "target_ms": 1e3 * target_s[n + 1], "draft_ms": 1e3 * draft_s,
-                     "tokens_per_s": (1 + accepted) / step, "paths": paths})
+        rows.append(
+            {
+                "nodes": n,
+                "depth": max(len(p) for p in paths),
+                "tau": 1 + accepted,
+                "target_ms": 1e3 * target_s[n + 1],
+                "draft_ms": 1e3 * draft_s,
+                "tokens_per_s": (1 + accepted) / step,
+                "paths": paths,
+            }
+        )
     best = max(rows, key=lambda r: r["tokens_per_s"])
     plain = 1 / target_s[1]
-    out.write(f"tree calibration on {target.device} ({n_pos} positions, {len(prompts)} prompts); "
-              f"plain decoding ~{plain:.1f} tokens/s\n")
+    out.write(
+        f"tree calibration on {target.device} ({n_pos} positions, {len(prompts)} prompts); "
+        f"plain decoding ~{plain:.1f} tokens/s\n"
+    )
     out.write(f"{'nodes':>5} {'depth':>5} {'tau':>6} {'target ms':>9} {'draft ms':>8} {'tok/s':>7}\n")
     for r in rows:
         mark = "  <- chosen" if r is best else ""
-        out.write(f"{r['nodes']:>5} {r['depth']:>5} {r['tau']:>6.2f} {r['target_ms']:>9.1f} {r['draft_ms']:>8.1f} "
-                  f"{r['tokens_per_s']:>7.1f}{mark}\n")
+        out.write(
+            f"{r['nodes']:>5} {r['depth']:>5} {r['tau']:>6.2f} {r['target_ms']:>9.1f} {r['draft_ms']:>8.1f} "
+            f"{r['tokens_per_s']:>7.1f}{mark}\n"
+        )
     out.write(f"expected speedup {best['tokens_per_s'] / plain:.2f}x; tree paths: {json.dumps(best['paths'])}\n")
     if best["tokens_per_s"] < plain:
         # the smallest tree already costs more than its acceptance buys: say which term limits it
         one = rows[0]
-        out.write(f"no tree beats plain decoding here: verifying even {one['nodes'] + 1} tokens costs "
-                  f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
-                  f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n")
+        out.write(
+            f"no tree beats plain decoding here: verifying even {one['nodes'] + 1} tokens costs "
+            f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
+            f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n"
+        )
     if t.save and session.head_dir is not None:
         if store_default_tree(head, Path(session.head_dir), best["paths"]):
             out.write(f"stored as the default tree of {session.head_dir}\n")

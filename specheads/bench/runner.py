@@ -1,4 +1,4 @@
-"""Benchmark harness (DESIGN.md section 4): FastChat questions, methods interleaved per question in
+"""Benchmark harness (docs/contracts.md): FastChat questions, methods interleaved per question in
 one process, one JSON row per (question, method), a summary per method and category.
 
 Methods: baseline = the target's own decoding with transformers `generate`; prompt_lookup =
@@ -13,115 +13,53 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig
 
 from ..atomic import write_json
-from ..errors import SpecHeadsError
-from ..decode.generate import SamplingConfig, speculative_generate
 from ..config.infer import InferJobConfig
+from ..decode.baselines import hf_generate
+from ..decode.drafters import make_drafter
+from ..decode.generate import SamplingConfig, speculative_generate, tau_of
+from ..decode.policy import describe_policy, tree_policy_for
+from .inputs import encode_prompt, eos_token_ids, sampling_config
+from .questions import read_questions
 
 SPEC_FIELDS = ("accept_lengths", "accepted_drafts", "tree_depths", "tree_sizes")
 
 
-def read_questions(path: str | os.PathLike, limit: Optional[int] = None,
-                   per_category: Optional[int] = None) -> list[dict]:
-    """FastChat question.jsonl rows: question_id, category, turns (the first turn is used).
-
-    per_category keeps the first N questions of every category (a quick run that still covers all).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise SpecHeadsError(f"questions file {path} does not exist")
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise SpecHeadsError(f"{path}:{n} is not valid JSON: {err.msg}") from None
-            turns = row.get("turns") if isinstance(row, dict) else None
-            if not turns or not isinstance(turns, list) or "question_id" not in row:
-                raise SpecHeadsError(f"{path}:{n} needs question_id and a non-empty turns list (FastChat format)")
-            category = row.get("category", "all") or "all"
-            if per_category is not None and sum(r["category"] == category for r in rows) >= per_category:
-                continue
-            rows.append({"question_id": row["question_id"], "category": category, "prompt": str(turns[0])})
-            if limit is not None and len(rows) >= limit:
-                break
-    if not rows:
-        raise SpecHeadsError(f"{path} holds no questions")
-    return rows
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def hf_generate(target, prompt: torch.Tensor, cfg: SamplingConfig, prompt_lookup: Optional[tuple[int, int]] = None) -> dict:
-    """transformers `generate` (plain, or prompt lookup decoding); forwards counted with a hook."""
-    model = target.model
-    calls = [0]
-    handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    eos = list(cfg.eos_token_ids)
-    pad = getattr(target.tokenizer, "pad_token_id", None)
-    kwargs: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos or None,
-                                  pad_token_id=pad if pad is not None else (eos[0] if eos else None))
-    if cfg.temperature > 0:
-        kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    if prompt_lookup:
-        kwargs.update(prompt_lookup_num_tokens=prompt_lookup[0], max_matching_ngram_size=prompt_lookup[1])
-    gen_cfg = GenerationConfig(**kwargs)
-    try:
-        _sync(target.device)
-        t0 = time.perf_counter()
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_cfg)
-        _sync(target.device)
-        wall = time.perf_counter() - t0
-    finally:
-        handle.remove()
-    ids = out[0, prompt.shape[1]:].tolist()
-    # a multi-token step may carry tokens past EOS: the answer ends at the first EOS
-    for i, t in enumerate(ids):
-        if t in eos:
-            ids = ids[: i + 1]
-            break
-    return {"output_ids": ids, "target_forwards": max(calls[0] - 1, 0), "wall_s": wall}
-
-
 def run_spec(target, drafter, prompt: torch.Tensor, cfg: SamplingConfig, generator=None) -> dict:
     res = speculative_generate(target, drafter, prompt, cfg, generator=generator)
-    row = {"output_ids": res.output_ids, "target_forwards": res.target_forwards, "wall_s": res.wall_s,
-           "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s,
-           "stopped_by": res.stopped_by}
+    row = {
+        "output_ids": res.output_ids,
+        "target_forwards": res.target_forwards,
+        "wall_s": res.wall_s,
+        "prefill_s": res.prefill_s,
+        "draft_s": res.draft_s,
+        "verify_s": res.verify_s,
+        "stopped_by": res.stopped_by,
+    }
     row.update({k: getattr(res, k) for k in SPEC_FIELDS})
     return row
-
-
-def tau_of(new_tokens: int, forwards: int) -> float:
-    """Tokens made by decode forwards (all but the prefill's) per decode forward."""
-    return (new_tokens - 1) / forwards if forwards else 1.0
 
 
 def _stats(rows: Sequence[dict]) -> dict:
     tokens = sum(r["new_tokens"] for r in rows)
     forwards = sum(r["target_forwards"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
-    made = sum(max(r["new_tokens"] - 1, 0) for r in rows)
-    return {"questions": len(rows), "new_tokens": tokens, "target_forwards": forwards, "wall_s": wall,
-            "tau": made / forwards if forwards else 1.0, "tokens_per_s": tokens / wall if wall else 0.0}
+    return {
+        "questions": len(rows),
+        "new_tokens": tokens,
+        "target_forwards": forwards,
+        "wall_s": wall,
+        "tau": tau_of(tokens, forwards, answers=len(rows)),
+        "tokens_per_s": tokens / wall if wall else 0.0,
+    }
 
 
 def summarize(rows: Sequence[dict], methods: Sequence[str]) -> dict:
@@ -160,7 +98,7 @@ def acceptance_per_depth(rows: Sequence[dict]) -> list[float]:
     return [accepted[d] / reached[d] for d in sorted(reached) if reached[d]]
 
 
-def cost_breakdown(rows: Sequence[dict]) -> Optional[dict]:
+def cost_breakdown(rows: Sequence[dict]) -> dict | None:
     """Where a speculative step's time goes, against one plain decoding step.
 
     speedup = tau * base_step / (draft + verify), so the three terms are the head's acceptance
@@ -178,28 +116,41 @@ def cost_breakdown(rows: Sequence[dict]) -> Optional[dict]:
     # a plain step: everything after the prefill, per decode forward (the prefill is timed apart
     # for spec; for the baseline its share is removed using spec's prefill of the same prompts)
     prefill = {r["question_id"]: r["prefill_s"] for r in spec}
-    base_step = sum(r["wall_s"] - prefill.get(r["question_id"], 0.0) for r in base) / \
-        sum(r["target_forwards"] for r in base)
+    base_step = sum(r["wall_s"] - prefill.get(r["question_id"], 0.0) for r in base) / sum(
+        r["target_forwards"] for r in base
+    )
     sizes = [n for r in spec for n in r.get("tree_sizes", [])]
-    return {"plain_step_ms": 1e3 * base_step, "draft_ms": 1e3 * draft, "verify_ms": 1e3 * verify,
-            "mean_tree_nodes": sum(sizes) / len(sizes) if sizes else None,
-            "verify_over_plain": verify / base_step, "draft_over_plain": draft / base_step,
-            "tau": stats["tau"], "break_even_tau": (draft + verify) / base_step}
+    return {
+        "plain_step_ms": 1e3 * base_step,
+        "draft_ms": 1e3 * draft,
+        "verify_ms": 1e3 * verify,
+        "mean_tree_nodes": sum(sizes) / len(sizes) if sizes else None,
+        "verify_over_plain": verify / base_step,
+        "draft_over_plain": draft / base_step,
+        "tau": stats["tau"],
+        "break_even_tau": (draft + verify) / base_step,
+    }
 
 
 def format_costs(c: dict) -> str:
-    return (f"spec step: draft {c['draft_ms']:.1f} ms + verify {c['verify_ms']:.1f} ms "
-            f"({c['mean_tree_nodes']:.1f} tree nodes) vs plain step {c['plain_step_ms']:.1f} ms; "
-            f"tau {c['tau']:.2f}, break-even tau {c['break_even_tau']:.2f}")
+    return (
+        f"spec step: draft {c['draft_ms']:.1f} ms + verify {c['verify_ms']:.1f} ms "
+        f"({c['mean_tree_nodes']:.1f} tree nodes) vs plain step {c['plain_step_ms']:.1f} ms; "
+        f"tau {c['tau']:.2f}, break-even tau {c['break_even_tau']:.2f}"
+    )
 
 
-def first_divergence(target, prompt_ids: list[int], base: list[int], other: list[int]) -> Optional[dict]:
+def first_divergence(target, prompt_ids: list[int], base: list[int], other: list[int]) -> dict | None:
     """Where `other` leaves the baseline, and the target's top-2 logit margin there."""
     if base == other:
         return None
     i = next((k for k, (a, b) in enumerate(zip(base, other)) if a != b), min(len(base), len(other)))
-    info = {"index": i, "baseline_token": base[i] if i < len(base) else None,
-            "other_token": other[i] if i < len(other) else None, "top2_margin": None}
+    info = {
+        "index": i,
+        "baseline_token": base[i] if i < len(base) else None,
+        "other_token": other[i] if i < len(other) else None,
+        "top2_margin": None,
+    }
     with torch.no_grad():
         ids = torch.tensor([prompt_ids + base[:i]], device=target.device)
         logits = target.model(ids, logits_to_keep=1).logits[0, -1].float()
@@ -209,7 +160,10 @@ def first_divergence(target, prompt_ids: list[int], base: list[int], other: list
 
 
 def format_table(summary: dict) -> str:
-    head = f"{'method':<14} {'category':<12} {'n':>4} {'tokens':>7} {'tau':>6} {'tok/s':>8} {'vs base':>8} {'vs pld':>8} {'c':>7}"
+    head = (
+        f"{'method':<14} {'category':<12} {'n':>4} {'tokens':>7} {'tau':>6} {'tok/s':>8} "
+        f"{'vs base':>8} {'vs pld':>8} {'c':>7}"
+    )
     lines = [head, "-" * len(head)]
 
     def num(x, fmt):
@@ -217,23 +171,26 @@ def format_table(summary: dict) -> str:
 
     for m, cats in summary.items():
         for c, s in cats.items():
-            lines.append(f"{m:<14} {c[:12]:<12} {s['questions']:>4} {s['new_tokens']:>7} {s['tau']:>6.2f} "
-                         f"{s['tokens_per_s']:>8.1f} {num(s['speedup_vs_baseline'], '>7.2f')}x "
-                         f"{num(s['speedup_vs_prompt_lookup'], '>7.2f')}x {num(s['overhead_c'], '>7.2f')}")
+            lines.append(
+                f"{m:<14} {c[:12]:<12} {s['questions']:>4} {s['new_tokens']:>7} {s['tau']:>6.2f} "
+                f"{s['tokens_per_s']:>8.1f} {num(s['speedup_vs_baseline'], '>7.2f')}x "
+                f"{num(s['speedup_vs_prompt_lookup'], '>7.2f')}x {num(s['overhead_c'], '>7.2f')}"
+            )
     return "\n".join(lines)
 
 
 def output_paths(output: str | os.PathLike) -> dict[str, Path]:
     out = Path(output)
     stem = out.with_suffix("") if out.suffix == ".jsonl" else out
-    return {"rows": out, "summary": Path(f"{stem}.summary.json"), "tau_png": Path(f"{stem}.tau.png"),
-            "acceptance_png": Path(f"{stem}.acceptance.png")}
+    return {
+        "rows": out,
+        "summary": Path(f"{stem}.summary.json"),
+        "tau_png": Path(f"{stem}.tau.png"),
+        "acceptance_png": Path(f"{stem}.acceptance.png"),
+    }
 
 
 def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dict:
-    from ..decode.drafters import make_drafter
-    from .session import describe_policy, encode_prompt, eos_token_ids, sampling_config, tree_policy_for
-
     b = settings.bench
     target = session.target
     questions = read_questions(b.questions, b.limit, b.per_category)
@@ -264,15 +221,28 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     tmp = paths["rows"].with_name(f".{paths['rows'].name}.tmp-{os.getpid()}")
     try:
         with tmp.open("w", encoding="utf-8") as f:
-            for qi, (q, ids) in enumerate(tqdm(list(zip(questions, prompts)), desc="benchmark", unit="question",
-                                                file=sys.stderr, dynamic_ncols=True)):
+            for qi, (q, ids) in enumerate(
+                tqdm(
+                    list(zip(questions, prompts)),
+                    desc="benchmark",
+                    unit="question",
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                )
+            ):
                 prompt = torch.tensor([ids], device=target.device)
                 # rotate the order so that no method always runs first (caches, clocks)
-                order = list(b.methods[qi % len(b.methods):]) + list(b.methods[: qi % len(b.methods)])
+                order = list(b.methods[qi % len(b.methods) :]) + list(b.methods[: qi % len(b.methods)])
                 for m in order:
                     r = run(m, prompt, cfg)
-                    row = {"question_id": q["question_id"], "category": q["category"], "method": m,
-                           "prompt_tokens": len(ids), "new_tokens": len(r["output_ids"]), **r}
+                    row = {
+                        "question_id": q["question_id"],
+                        "category": q["category"],
+                        "method": m,
+                        "prompt_tokens": len(ids),
+                        "new_tokens": len(r["output_ids"]),
+                        **r,
+                    }
                     row["tau"] = tau_of(row["new_tokens"], row["target_forwards"])
                     row["tokens_per_s"] = row["new_tokens"] / row["wall_s"] if row["wall_s"] else 0.0
                     rows.append(row)
@@ -285,19 +255,25 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
 
     summary = summarize(rows, b.methods)
     report: dict[str, Any] = {
-        "target": target.info.name, "head": str(session.head_dir) if session.head_dir else None,
+        "target": target.info.name,
+        "head": str(session.head_dir) if session.head_dir else None,
         "family": session.head.family if session.head is not None else None,
         "tree": describe_policy(policy) if policy is not None else None,
-        "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-        "temperature": settings.temperature, "top_p": settings.top_p, "max_new_tokens": b.max_new_tokens,
-        "questions": len(questions), "methods": summary,
+        "device": str(target.device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "max_new_tokens": b.max_new_tokens,
+        "questions": len(questions),
+        "methods": summary,
     }
     if "spec" in b.methods:
         report["acceptance_per_depth"] = acceptance_per_depth([r for r in rows if r["method"] == "spec"])
         report["costs"] = cost_breakdown(rows)
     if "baseline" in b.methods:
-        report["identical_to_baseline"] = compare_to_baseline(target, rows, prompts, questions, b.methods,
-                                                              greedy=settings.temperature <= 0)
+        report["identical_to_baseline"] = compare_to_baseline(
+            target, rows, prompts, questions, b.methods, greedy=settings.temperature <= 0
+        )
     write_json(paths["summary"], report)
     if b.plots:
         from .plots import plot_acceptance_per_depth, plot_tau_per_category
@@ -309,8 +285,10 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     for m, cmp in report.get("identical_to_baseline", {}).items():
         out.write(f"{m}: {cmp['equal']}/{cmp['total']} outputs identical to baseline\n")
         for d in cmp["divergences"]:
-            out.write(f"  question {d['question_id']}: first differs at token {d['index']} "
-                      f"(target top-2 logit margin there {d['top2_margin']:.4f})\n")
+            out.write(
+                f"  question {d['question_id']}: first differs at token {d['index']} "
+                f"(target top-2 logit margin there {d['top2_margin']:.4f})\n"
+            )
     if report.get("costs"):
         out.write(format_costs(report["costs"]) + "\n")
     out.write(f"rows: {paths['rows']}\nsummary: {paths['summary']}\n")

@@ -1,14 +1,10 @@
-"""Structured config of distill.py (registered in Hydra's ConfigStore, so unknown keys fail)."""
+"""The schema of distill.py (conf/distill.yaml)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
-from hydra.core.config_store import ConfigStore
-
-from .train import ModelConfig, register_configs
-from ..data.decontaminate import DEFAULT_EVAL_GLOB
+from .model import ModelConfig
 
 
 @dataclass
@@ -37,10 +33,10 @@ class FeaturesConfig:
     """Offline hidden-state caching after regeneration (off by default)."""
 
     enabled: bool = False
-    output: Optional[str] = None  # default: <distill.output>/features
+    output: str | None = None  # default: <distill.output>/features
     # Which states to cache (our convention); null = the EAGLE-3 default [2, L//2, L-3]. The
     # post-norm final state is cached too, so one cache serves Medusa, EAGLE-1 and EAGLE-3.
-    layer_ids: Optional[list[int]] = None
+    layer_ids: list[int] | None = None
     final: bool = True
     dtype: str = "bfloat16"
     # Must equal train.py's data.max_length / eval_fraction / shuffle_seed for the same split.
@@ -56,7 +52,7 @@ class DistillConfig:
     prompts: str = "magpie"
     prompts_format: str = "auto"
     prompts_split: str = "train"
-    num_prompts: Optional[int] = 256
+    num_prompts: int | None = 256
     max_prompt_tokens: int = 1024
     # Answers: greedy by default (the benchmark is greedy).
     max_new_tokens: int = 256
@@ -67,8 +63,9 @@ class DistillConfig:
     batch_size: int = 32
     shard_size: int = 256
     output: str = "runs/distill-${model.name}"
-    # Evaluation prompt files/globs to keep out of the data (a glob matching nothing is skipped).
-    decontaminate: list[str] = field(default_factory=lambda: [DEFAULT_EVAL_GLOB])
+    # Evaluation prompt files/globs to keep out of the data, besides the shipped dev prompts
+    # (always kept out); a glob matching nothing is skipped.
+    decontaminate: list[str] = field(default_factory=list)
     ngram: int = 13
     magpie: MagpieConfig = field(default_factory=MagpieConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -81,8 +78,3 @@ class DistillJobConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     debug: bool = False
-
-
-def register_distill_configs() -> None:
-    register_configs()
-    ConfigStore.instance().store(name="distill_schema", node=DistillJobConfig)

@@ -1,20 +1,17 @@
-"""The settings of infer.py, typed. conf/infer.yaml is composed by Hydra, then checked here.
+"""The schema of infer.py (conf/infer.yaml) and its tree group, and the checks a type cannot say.
 
-(infer.yaml carries no structured schema of its own because `head` names a config group of
-train.py; infer.py passes `head=PATH` on as `head_path` and validation happens in `validate`.)
+On infer.py's command line `head=PATH` is a value, not train.py's head config group: infer.py
+passes it on as `head_path` before Hydra composes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from .train import ModelConfig
 from ..errors import SpecHeadsError
+from .model import ModelConfig
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
 METHODS = ("baseline", "prompt_lookup", "spec")
@@ -27,12 +24,12 @@ class TreeConfig:
     # static: `paths`; dynamic: EAGLE-2 (depth, top_k, total_tokens); chain: top-1 chain of depth
     # auto: calibrate on this machine (target cost per tree size x head acceptance per rank)
     kind: str = "default"
-    paths: Optional[list[Any]] = None
+    paths: list[Any] | None = None
     depth: int = 5
     top_k: int = 8
     total_tokens: int = 32
     # auto calibration
-    calibration_questions: Optional[str] = None  # question.jsonl; None = built-in prompts
+    calibration_questions: str | None = None  # question.jsonl; None = built-in prompts
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     max_nodes: int = 64
@@ -41,26 +38,26 @@ class TreeConfig:
 
 @dataclass
 class BenchConfig:
-    questions: Optional[str] = None
-    output: Optional[str] = None  # None = runs/bench/<questions file stem>.jsonl
+    questions: str | None = None
+    output: str | None = None  # None = runs/bench/<questions file stem>.jsonl
     max_new_tokens: int = 256
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     prompt_lookup_num_tokens: int = 10
     prompt_lookup_max_ngram: int = 2
-    limit: Optional[int] = None
-    per_category: Optional[int] = None
+    limit: int | None = None
+    per_category: int | None = None
     warmup: int = 1
     plots: bool = True
 
 
 @dataclass
 class InferJobConfig:
-    head_path: Optional[str] = None
-    model: Optional[ModelConfig] = None
+    head_path: str | None = None  # head=DIR_OR_HUB_ID on the command line
+    model: ModelConfig | None = None
     tree: TreeConfig = field(default_factory=TreeConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
-    prompt: Optional[str] = None
-    system: Optional[str] = None
+    prompt: str | None = None
+    system: str | None = None
     chat: bool = True
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -76,15 +73,8 @@ class InferJobConfig:
     debug: bool = False
 
 
-def validate(cfg: DictConfig) -> InferJobConfig:
-    """Typed settings, or SpecHeadsError naming the bad key."""
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(InferJobConfig), cfg)
-        settings: InferJobConfig = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        first = str(err).strip().splitlines()[0]
-        key = getattr(err, "full_key", None)
-        raise SpecHeadsError(f"{first}" + (f" ({key})" if key and key not in first else "")) from None
+def validate(settings: InferJobConfig) -> InferJobConfig:
+    """The settings, checked (SpecHeadsError naming the bad key), with bench.output defaulted."""
     t, b = settings.tree, settings.bench
     if t.kind not in TREE_KINDS:
         raise SpecHeadsError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {t.kind!r}")

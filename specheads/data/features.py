@@ -17,9 +17,10 @@ import os
 import shutil
 import tempfile
 from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -39,8 +40,7 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def feature_cache_key(target: FrozenTarget, layer_ids: Iterable[int], final: bool,
-                      max_length: int) -> dict[str, Any]:
+def feature_cache_key(target: FrozenTarget, layer_ids: Iterable[int], final: bool, max_length: int) -> dict[str, Any]:
     """Everything the cached tensors depend on, besides the rows themselves."""
     tok = target.tokenizer
     vocab = json.dumps(sorted(tok.get_vocab().items())) if tok is not None else ""
@@ -63,8 +63,16 @@ def state_names(layer_ids: Iterable[int], final: bool) -> list[str]:
     return names + (["final"] if final else [])
 
 
-def write_features(target: FrozenTarget, rows, layer_ids: Iterable[int], final: bool, out_dir,
-                   max_length: int, dtype: str = "bfloat16", shard_tokens: int = 262144) -> dict:
+def write_features(
+    target: FrozenTarget,
+    rows,
+    layer_ids: Iterable[int],
+    final: bool,
+    out_dir,
+    max_length: int,
+    dtype: str = "bfloat16",
+    shard_tokens: int = 262144,
+) -> dict:
     """Run the target once over `rows` (dicts with input_ids, loss_mask) and cache its states.
 
     Rows run one at a time (no padding), so a cached row is bit-identical to a fresh forward of it.
@@ -94,8 +102,15 @@ def write_features(target: FrozenTarget, rows, layer_ids: Iterable[int], final: 
         if buf.rows:
             shards.append(buf.flush(tmp, len(shards)))
         bytes_per_token = len(names) * target.info.hidden_size * torch.tensor([], dtype=DTYPES[dtype]).element_size()
-        index = {"key": key, "dtype": dtype, "names": names, "rows": n_rows, "tokens": n_tokens,
-                 "bytes_per_token": bytes_per_token, "shards": shards}
+        index = {
+            "key": key,
+            "dtype": dtype,
+            "names": names,
+            "rows": n_rows,
+            "tokens": n_tokens,
+            "bytes_per_token": bytes_per_token,
+            "shards": shards,
+        }
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -103,8 +118,10 @@ def write_features(target: FrozenTarget, rows, layer_ids: Iterable[int], final: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"cached {n_rows} rows / {n_tokens} tokens of {', '.join(names)} ({dtype}): "
-          f"{bytes_per_token} bytes per token, {bytes_per_token * n_tokens / 2**20:.1f} MiB")
+    print(
+        f"cached {n_rows} rows / {n_tokens} tokens of {', '.join(names)} ({dtype}): "
+        f"{bytes_per_token} bytes per token, {bytes_per_token * n_tokens / 2**20:.1f} MiB"
+    )
     return index
 
 
@@ -133,8 +150,11 @@ class _ShardBuffer:
         name = f"shard-{number:05d}.safetensors"
         offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.long)
         offsets[1:] = torch.tensor(self.lengths).cumsum(0)
-        tensors = {"input_ids": torch.cat(self.ids), "loss_mask": torch.cat(self.masks).to(torch.int8),
-                   "offsets": offsets}
+        tensors = {
+            "input_ids": torch.cat(self.ids),
+            "loss_mask": torch.cat(self.masks).to(torch.int8),
+            "offsets": offsets,
+        }
         tensors.update({n: torch.cat(self.states[n]).contiguous() for n in self.names})
         save_file(tensors, str(directory / name))
         entry = {"file": name, "rows": self.rows, "tokens": self.tokens}
@@ -152,7 +172,7 @@ class FeatureRow:
 class FeatureCache:
     """Random access to cached rows; refuses a cache made for something else."""
 
-    def __init__(self, directory, expected_key: Optional[dict] = None):
+    def __init__(self, directory, expected_key: dict | None = None):
         self.directory = Path(directory)
         path = self.directory / INDEX_NAME
         if not path.is_file():
@@ -189,7 +209,7 @@ class FeatureCache:
         s = bisect_right(self._starts, r) - 1
         shard = self._shard(s)
         local = r - self._starts[s]
-        offsets = shard.get_slice("offsets")[local: local + 2]
+        offsets = shard.get_slice("offsets")[local : local + 2]
         a, b = int(offsets[0]), int(offsets[1])
         states = {}
         for n in self.names:
@@ -201,8 +221,10 @@ class FeatureCache:
 def check_key(found: dict, expected: dict, where) -> None:
     diffs = [f"{k}: cached {found.get(k)!r}, needed {v!r}" for k, v in expected.items() if found.get(k) != v]
     if diffs:
-        raise SpecHeadsError(f"stale feature cache {where} ({'; '.join(diffs)}): "
-                             "rebuild it with distill.py or point data.features elsewhere")
+        raise SpecHeadsError(
+            f"stale feature cache {where} ({'; '.join(diffs)}): "
+            "rebuild it with distill.py or point data.features elsewhere"
+        )
 
 
 def collate_features(rows: list[FeatureRow], pad_id: int, dtype: torch.dtype) -> tuple[dict, dict]:
@@ -225,17 +247,27 @@ def split_dir(directory, split: str) -> Path:
     return Path(directory) / split
 
 
-def ensure_split_features(target: FrozenTarget, splits: dict, layer_ids, final: bool, directory,
-                          max_length: int, dtype: str = "bfloat16",
-                          data_fingerprint: Optional[str] = None) -> None:
+def ensure_split_features(
+    target: FrozenTarget,
+    splits: dict,
+    layer_ids,
+    final: bool,
+    directory,
+    max_length: int,
+    dtype: str = "bfloat16",
+    data_fingerprint: str | None = None,
+) -> None:
     """Cache every split under directory/<split>/ unless an up-to-date cache is already there."""
     expected = feature_cache_key(target, layer_ids, final, max_length)
     for split, rows in splits.items():
         where = split_dir(directory, split)
         if (where / INDEX_NAME).is_file():
             index = json.loads((where / INDEX_NAME).read_text())
-            if index.get("key") == expected and index.get("data") == data_fingerprint \
-                    and index.get("rows") == len(rows):
+            if (
+                index.get("key") == expected
+                and index.get("data") == data_fingerprint
+                and index.get("rows") == len(rows)
+            ):
                 continue
         write_features(target, rows, layer_ids, final, where, max_length, dtype=dtype)
         index = json.loads((where / INDEX_NAME).read_text())
@@ -243,11 +275,11 @@ def ensure_split_features(target: FrozenTarget, splits: dict, layer_ids, final: 
         write_json(where / INDEX_NAME, index)
 
 
-def auto_features_dir(target: FrozenTarget, splits: dict, layer_ids, final: bool, max_length: int,
-                      dtype: str) -> Path:
+def auto_features_dir(target: FrozenTarget, splits: dict, layer_ids, final: bool, max_length: int, dtype: str) -> Path:
     """Where data.features=auto keeps a cache: named by the key and a digest of every row."""
-    h = hashlib.sha256(json.dumps([feature_cache_key(target, layer_ids, final, max_length), dtype],
-                                  sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps([feature_cache_key(target, layer_ids, final, max_length), dtype], sort_keys=True).encode()
+    )
     for split in sorted(splits):
         h.update(split.encode())
         for row in splits[split]:
@@ -256,56 +288,3 @@ def auto_features_dir(target: FrozenTarget, splits: dict, layer_ids, final: bool
     from ..target import cache_root
 
     return cache_root() / "features" / f"{target.info.name}-{h.hexdigest()[:16]}"
-
-
-class OfflineStates:
-    """A trainer state source reading cached features instead of running the target.
-
-    Fits the StateSource protocol of specheads.train.state_source; the cache must hold (at least) the
-    states the head needs and match the target, tokenizer, template and max_length.
-    """
-
-    def __init__(self, directory, target: FrozenTarget, max_length: int, pad_id: int,
-                 device: torch.device, dtype: torch.dtype, splits=("train", "eval")):
-        self.directory, self.pad_id, self.device, self.dtype = Path(directory), pad_id, device, dtype
-        self.caches: dict[str, FeatureCache] = {}
-        for split in splits:
-            where = split_dir(directory, split)
-            if not (where / INDEX_NAME).is_file():
-                if split == "train":
-                    raise SpecHeadsError(f"no feature cache at {where}; write one with distill.py "
-                                         "distill.features=true or point data.features elsewhere")
-                continue
-            cache = FeatureCache(where)
-            found = cache.index.get("key", {})
-            wanted = feature_cache_key(target, found.get("layer_ids", []),
-                                       found.get("final_post_norm", False), max_length)
-            check_key(found, wanted, where)
-            self.caches[split] = cache
-        self._rows: dict[str, list[dict]] = {}
-
-    def rows(self, split: str):
-        if split not in self.caches:
-            return []
-        if split not in self._rows:
-            cache = self.caches[split]
-            self._rows[split] = [{"input_ids": r.input_ids.tolist(), "loss_mask": r.loss_mask.tolist()}
-                                 for r in (cache[i] for i in range(len(cache)))]
-        return self._rows[split]
-
-    def require(self, layer_ids, final: bool) -> None:
-        have = set(self.caches["train"].names)
-        missing = [n for n in state_names(layer_ids, final) if n not in have]
-        if missing:
-            raise SpecHeadsError(f"feature cache {self.directory} lacks {missing} (has {sorted(have)}); "
-                                 "rebuild it for this head's layers")
-        self.wanted = set(int(k) for k in layer_ids) | ({"final"} if final else set())
-
-    def fetch(self, split: str, indices):
-        cache = self.caches[split]
-        rows = [cache[int(i)] for i in indices]
-        for r in rows:
-            r.states = {k: v for k, v in r.states.items() if k in self.wanted}
-        batch, states = collate_features(rows, self.pad_id, self.dtype)
-        return ({k: v.to(self.device) for k, v in batch.items()},
-                {k: v.to(self.device) for k, v in states.items()})

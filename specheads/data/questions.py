@@ -1,7 +1,7 @@
 """The project's own development prompt set (FastChat question.jsonl format), shipped with the package.
 
-It is what `make demo` benchmarks and what tree calibration reads when no question file is given,
-so it is never trained on: decontamination always includes it.
+It is what `make demo` benchmarks (`bench.questions=specheads/data/dev_questions.jsonl`), so it is
+never trained on: decontamination always includes it.
 """
 
 from pathlib import Path

@@ -17,30 +17,14 @@ of a node's children; the policy is a static tree of rank paths or an EAGLE-2 dy
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from ..errors import SpecHeadsError
+from .policy import DynamicTreeSpec, TreePolicy, check_depth
 from .tree import StaticTree, TreeLayout, select_dynamic, static_tree
-
-
-@dataclass(frozen=True)
-class DynamicTreeSpec:
-    """EAGLE-2: `depth` drafted tokens at most per path, `top_k` children per expanded node,
-    `total_tokens` drafted nodes kept (the root is extra)."""
-
-    depth: int = 5
-    top_k: int = 8
-    total_tokens: int = 48
-
-    def __post_init__(self):
-        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
-            raise SpecHeadsError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {self}")
-
-
-TreePolicy = Union[StaticTree, DynamicTreeSpec]
 
 
 @dataclass
@@ -72,8 +56,9 @@ def prune_static(tree: StaticTree, max_depth: int) -> StaticTree:
     return static_tree([p for p in tree.paths if len(p) <= max_depth] or [[0]])
 
 
-def grow_tree(root: int, child_logp: ChildLogp, to_target: ToTarget, policy: TreePolicy,
-              max_depth: int) -> tuple[list[int], TreeLayout]:
+def grow_tree(
+    root: int, child_logp: ChildLogp, to_target: ToTarget, policy: TreePolicy, max_depth: int
+) -> tuple[list[int], TreeLayout]:
     """Draft a tree below `root` (never deeper than max_depth); returns (tokens, layout)."""
     table = DraftTable()
     table.add(root, -1, 0.0)
@@ -84,8 +69,9 @@ def grow_tree(root: int, child_logp: ChildLogp, to_target: ToTarget, policy: Tre
     return _grow_dynamic(table, child_logp, to_target, policy, max_depth)
 
 
-def _grow_static(table: DraftTable, child_logp: ChildLogp, to_target: ToTarget,
-                 tree: StaticTree) -> tuple[list[int], TreeLayout]:
+def _grow_static(
+    table: DraftTable, child_logp: ChildLogp, to_target: ToTarget, tree: StaticTree
+) -> tuple[list[int], TreeLayout]:
     layout = tree.layout
     depths = layout.depths
     for d in range(1, layout.max_depth + 1):
@@ -103,10 +89,11 @@ def _grow_static(table: DraftTable, child_logp: ChildLogp, to_target: ToTarget,
     return table.tokens, layout
 
 
-def _grow_dynamic(table: DraftTable, child_logp: ChildLogp, to_target: ToTarget,
-                  spec: DynamicTreeSpec, max_depth: int) -> tuple[list[int], TreeLayout]:
+def _grow_dynamic(
+    table: DraftTable, child_logp: ChildLogp, to_target: ToTarget, spec: DynamicTreeSpec, max_depth: int
+) -> tuple[list[int], TreeLayout]:
     frontier = [0]
-    for d in range(1, min(spec.depth, max_depth) + 1):
+    for _ in range(min(spec.depth, max_depth)):
         logp = child_logp(frontier, table)
         k = min(spec.top_k, logp.shape[-1])
         top = torch.topk(logp, k, dim=-1)
@@ -118,7 +105,7 @@ def _grow_dynamic(table: DraftTable, child_logp: ChildLogp, to_target: ToTarget,
             for j in range(k):
                 children.append(table.add(tokens[row][j], parent, base + values[row][j]))
         # the next frontier: the top_k children by path score (ties to the earlier node)
-        frontier = sorted(sorted(children, key=lambda c: (-table.scores[c], c))[:spec.top_k])
+        frontier = sorted(sorted(children, key=lambda c: (-table.scores[c], c))[: spec.top_k])
     cand_parents = [p - 1 for p in table.parents[1:]]  # candidates are table ids 1.., root -> -1
     kept, layout = select_dynamic(cand_parents, table.scores[1:], spec.total_tokens)
     return [table.tokens[0]] + [table.tokens[c + 1] for c in kept], layout
@@ -132,11 +119,7 @@ class MedusaDrafter:
         self.policy = policy
         self.layer_ids: list[int] = []
         self.reads_final = True
-        self.final: Optional[torch.Tensor] = None  # [1, 1, H] target state at the last accepted token
-        depth = policy.layout.max_depth if isinstance(policy, StaticTree) else policy.depth
-        if depth > head.spec.num_heads:
-            raise SpecHeadsError(
-                f"the tree is {depth} deep but this Medusa head has only {head.spec.num_heads} heads")
+        self.final: torch.Tensor | None = None  # [1, 1, H] target state at the last accepted token
 
     def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
         self.final = states["final"][:, -1:]
@@ -171,8 +154,8 @@ class EagleDrafter:
         self.layer_ids = head.target_layer_ids()
         self.reads_final = head.reads_final
         self.cache = None
-        self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (ids, features) to feed
-        self.last_fed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, features) to feed
+        self.last_fed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _features(self, states: dict) -> torch.Tensor:
         return self.head.input_features(states)
@@ -248,24 +231,12 @@ class EagleDrafter:
             self.cache.crop(stable)
 
 
+# the drafter for each head's draft_kind
+DRAFTERS = {"parallel": MedusaDrafter, "autoregressive": EagleDrafter}
+
+
 def make_drafter(head, policy: TreePolicy):
-    if head.family == "medusa":
-        return MedusaDrafter(head, policy)
-    if head.family in ("eagle", "eagle3"):
-        return EagleDrafter(head, policy)
-    raise SpecHeadsError(f"no drafter for head family {head.family!r}")
-
-
-def tree_policy(kind: str, paths: Optional[Sequence[Sequence[int]]] = None, depth: int = 5,
-                top_k: int = 8, total_tokens: int = 48, default_paths: Optional[Any] = None) -> TreePolicy:
-    """static (paths, or the head's default tree) | dynamic (EAGLE-2) | chain (top-1 chain of depth)."""
-    if kind == "dynamic":
-        return DynamicTreeSpec(depth=depth, top_k=top_k, total_tokens=total_tokens)
-    if kind == "chain":
-        return static_tree([[0] * d for d in range(1, depth + 1)])
-    if kind == "static":
-        chosen = paths or default_paths
-        if not chosen:
-            raise SpecHeadsError("tree.kind=static needs tree.paths (or a head with a default tree)")
-        return static_tree(chosen)
-    raise SpecHeadsError(f"unknown tree kind {kind!r}; use static, dynamic or chain")
+    if head.draft_kind not in DRAFTERS:
+        raise SpecHeadsError(f"no drafter for head family {head.family!r}")
+    check_depth(head, policy)  # a Medusa head drafts one depth per head
+    return DRAFTERS[head.draft_kind](head, policy)

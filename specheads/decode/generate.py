@@ -2,7 +2,7 @@
 
 Batch size 1. The target runs its own (unmodified) transformers forward; a tree is verified by
 passing a 4D attention mask (prefix + tree mask) and explicit position ids, so it works with the
-eager and SDPA attention implementations. Counting conventions (DESIGN.md section 3):
+eager and SDPA attention implementations. Counting conventions (docs/conventions.md):
   target_forwards  decode-phase forwards (the prefill is not counted)
   accept_lengths   tokens each decode forward emitted (accepted drafts + the target's own token)
   tau              mean accept length = (new tokens - the prefill's token) / target_forwards;
@@ -12,13 +12,15 @@ eager and SDPA attention implementations. Counting conventions (DESIGN.md sectio
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
-from .kv import compact_cache, new_cache, tree_attention_bias
-from .verify import Acceptance, greedy_accept, sampling_probs, speculative_accept, typical_accept
+from ..sampling import sampling_probs
+from ..target import synchronize
+from .kv import compact_cache, new_cache, verify_tree
+from .verify import Acceptance, greedy_accept, speculative_accept, typical_accept
 
 ACCEPTANCE_RULES = ("auto", "greedy", "speculative", "typical")
 
@@ -43,6 +45,12 @@ class SamplingConfig:
         return self.acceptance
 
 
+def tau_of(new_tokens: int, target_forwards: int, answers: int = 1) -> float:
+    """Tokens made by decode forwards per decode forward (1.0 without any): the first token of
+    each of `answers` answers comes from its prefill, not from a decode forward."""
+    return max(new_tokens - answers, 0) / target_forwards if target_forwards else 1.0
+
+
 @dataclass
 class GenerationResult:
     output_ids: list[int] = field(default_factory=list)  # generated tokens only
@@ -64,32 +72,29 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        return sum(self.accept_lengths) / self.target_forwards if self.target_forwards else 1.0
+        return tau_of(self.new_tokens, self.target_forwards)
 
 
 StepCallback = Callable[[list[int], list[bool]], None]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def choose_token(logits: torch.Tensor, cfg: SamplingConfig, generator: Optional[torch.Generator]) -> int:
+def choose_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
     if cfg.temperature <= 0:
         return int(logits.argmax())
     probs = sampling_probs(logits, cfg.temperature, cfg.top_p, cfg.top_k)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def accept(tokens: list[int], layout, logits: torch.Tensor, cfg: SamplingConfig,
-           generator: Optional[torch.Generator]) -> Acceptance:
+def accept(
+    tokens: list[int], layout, logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None
+) -> Acceptance:
     rule = cfg.rule()
     if rule == "greedy":
         return greedy_accept(tokens, layout, logits)
     if rule == "typical":
-        return typical_accept(tokens, layout, logits, cfg.temperature, cfg.typical_epsilon,
-                              cfg.typical_alpha, generator)
+        return typical_accept(
+            tokens, layout, logits, cfg.temperature, cfg.typical_epsilon, cfg.typical_alpha, generator
+        )
     probs = sampling_probs(logits, cfg.temperature, cfg.top_p, cfg.top_k)
     return speculative_accept(tokens, layout, probs, None, generator)
 
@@ -104,8 +109,8 @@ def speculative_generate(
     drafter,
     prompt_ids: torch.Tensor,
     cfg: SamplingConfig,
-    on_step: Optional[StepCallback] = None,
-    generator: Optional[torch.Generator] = None,
+    on_step: StepCallback | None = None,
+    generator: torch.Generator | None = None,
 ) -> GenerationResult:
     """Generate up to cfg.max_new_tokens after `prompt_ids` ([1, T] or [T]).
 
@@ -148,7 +153,7 @@ def speculative_generate(
         out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
     root = choose_token(out.logits[0, -1], cfg, generator)
     states = dict(store)
-    _sync(device)
+    synchronize(device)
     res.prefill_s = time.perf_counter() - t0
     done, _ = emit([root], [False])
     prefix_len = prompt.shape[1]
@@ -161,12 +166,8 @@ def speculative_generate(
         if tokens[0] != root:
             raise RuntimeError("a drafter must put the root token first")
         t2 = time.perf_counter()
-        tree_ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        bias = tree_attention_bias(layout.mask, prefix_len, target.dtype, device)
-        positions = (prefix_len + layout.position_offsets(device))[None]
         with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
-            out = model(input_ids=tree_ids, attention_mask=bias, position_ids=positions,
-                        past_key_values=cache, use_cache=True)
+            out = verify_tree(target, tokens, layout, prefix_len, cache)
         res.target_forwards += 1
         acc = accept(tokens, layout, out.logits[0], cfg, generator)
         path = list(acc.path)
@@ -181,7 +182,7 @@ def speculative_generate(
             prefix_len += len(path)
             drafter.advance(_select(dict(store), torch.tensor(path)), [tokens[i] for i in path], acc.bonus)
             root = acc.bonus
-        _sync(device)
+        synchronize(device)
         t3 = time.perf_counter()
         res.draft_s += t2 - t1
         res.verify_s += t3 - t2

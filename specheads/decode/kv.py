@@ -9,12 +9,13 @@ committed sequence, as if it had been decoded one token at a time.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
 
 from ..errors import SpecHeadsError
+from .tree import TreeLayout
 
 
 def new_cache(model) -> DynamicCache:
@@ -37,8 +38,9 @@ def cache_length(cache: DynamicCache) -> int:
     return int(cache.get_seq_length())
 
 
-def tree_attention_bias(tree_mask: torch.Tensor, prefix_len: int, dtype: torch.dtype,
-                        device: torch.device) -> torch.Tensor:
+def tree_attention_bias(
+    tree_mask: torch.Tensor, prefix_len: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """[1, 1, N, prefix + N] additive mask: every node sees the prefix, its ancestors and itself.
 
     Additive (0 / dtype min) rather than bool, because transformers' eager attention adds the
@@ -48,6 +50,22 @@ def tree_attention_bias(tree_mask: torch.Tensor, prefix_len: int, dtype: torch.d
     allowed = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), tree_mask.cpu()], dim=1)
     bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     return bias.to(device)[None, None]
+
+
+def verify_tree(target, tokens: Sequence[int], layout: TreeLayout, prefix_len: int, cache: DynamicCache):
+    """The target's forward over a tree after its `prefix_len` cached tokens; returns its output.
+
+    A 4D mask (prefix + tree mask) and explicit positions: works with the eager and SDPA
+    attention implementations. All nodes are appended to the cache (compact_cache keeps the
+    accepted ones).
+    """
+    device = target.device
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+    bias = tree_attention_bias(layout.mask, prefix_len, target.dtype, device)
+    positions = (prefix_len + layout.position_offsets(device))[None]
+    return target.model(
+        input_ids=ids, attention_mask=bias, position_ids=positions, past_key_values=cache, use_cache=True
+    )
 
 
 def compact_cache(cache: DynamicCache, prefix_len: int, keep: Sequence[int]) -> None:
@@ -62,8 +80,8 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: Sequence[int]) -> 
         src = torch.tensor(keep, dtype=torch.long) + prefix_len
         for layer in cache.layers:
             src_dev = src.to(layer.keys.device)
-            layer.keys[..., prefix_len:prefix_len + n_keep, :] = layer.keys.index_select(-2, src_dev)
-            layer.values[..., prefix_len:prefix_len + n_keep, :] = layer.values.index_select(-2, src_dev)
+            layer.keys[..., prefix_len : prefix_len + n_keep, :] = layer.keys.index_select(-2, src_dev)
+            layer.values[..., prefix_len : prefix_len + n_keep, :] = layer.values.index_select(-2, src_dev)
     drop = total - prefix_len - n_keep
     if drop < 0:
         raise ValueError(f"cache holds {total} tokens, fewer than prefix {prefix_len} + kept {n_keep}")

@@ -15,9 +15,10 @@ All functions here are pure: no model, no randomness.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -103,10 +104,6 @@ class StaticTree:
     def size(self) -> int:
         return self.layout.size
 
-    @cached_property
-    def max_rank(self) -> int:
-        return max(self.ranks[1:], default=-1)
-
 
 def static_tree(paths: Sequence[Sequence[int]]) -> StaticTree:
     """Build a static tree from rank paths; every prefix of a path must be a path too."""
@@ -146,9 +143,7 @@ def full_paths(depth: int, width: int) -> list[list[int]]:
     return out
 
 
-def select_dynamic(
-    parents: Sequence[int], scores: Sequence[float], total_tokens: int
-) -> tuple[list[int], TreeLayout]:
+def select_dynamic(parents: Sequence[int], scores: Sequence[float], total_tokens: int) -> tuple[list[int], TreeLayout]:
     """EAGLE-2 rerank: keep the `total_tokens` best candidates by score as one connected tree.
 
     Candidates are numbered in creation order (a parent before its children); parents[i] is a

@@ -15,11 +15,12 @@ generator they are handed.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
+from ..sampling import sampling_probs
 from .tree import TreeLayout
 
 
@@ -32,31 +33,6 @@ class Acceptance:
     def num_accepted(self) -> int:
         """Drafted tokens accepted (the root is not a draft)."""
         return len(self.path) - 1
-
-
-def sampling_probs(
-    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
-) -> torch.Tensor:
-    """Next-token probabilities after temperature, top-k and top-p, as transformers' warpers do.
-
-    The same function shapes both the target's and (when drafts are sampled) the draft's
-    distribution, so the rejection rule compares like with like.
-    """
-    if temperature <= 0:
-        raise ValueError("sampling_probs needs temperature > 0 (temperature 0 is greedy)")
-    scores = logits.float() / temperature
-    if top_k and top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        # transformers' TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p, keep >= 1.
-        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cum <= (1 - top_p)
-        drop_sorted[..., -1:] = False
-        drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
-    return scores.softmax(dim=-1)
 
 
 def greedy_accept(tokens: Sequence[int], layout: TreeLayout, target_logits: torch.Tensor) -> Acceptance:
@@ -76,8 +52,8 @@ def speculative_accept(
     tokens: Sequence[int],
     layout: TreeLayout,
     target_probs: torch.Tensor,
-    draft_probs: Optional[torch.Tensor] = None,
-    generator: Optional[torch.Generator] = None,
+    draft_probs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
 ) -> Acceptance:
     """Multi-round rejection sampling down the tree; the output follows target_probs exactly.
 
@@ -130,7 +106,7 @@ def typical_accept(
     temperature: float,
     epsilon: float = 0.09,
     alpha: float = 0.3,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
 ) -> Acceptance:
     """Medusa's typical acceptance (LOSSY): accept x after node i when p_i(x) > min(eps, alpha*exp(-H(p_i))).
 

@@ -13,10 +13,12 @@ import json
 import re
 from pathlib import Path
 
+from ..config.distill import DistillConfig, MagpieConfig
+from ..config.train import DataConfig
+from ..data.shards import is_distill_output, read_manifest
 from ..target import cache_root
 from ..tiny import BYTE_VOCAB, CHATML_TEMPLATE, SPECIAL_TOKENS
-from ..config.distill import DistillConfig, MagpieConfig
-from .regenerate import PIPELINE_VERSION, read_manifest, run_distillation, tokenizer_fingerprint
+from .regenerate import PIPELINE_VERSION, run_distillation, tokenizer_fingerprint
 
 BUILTIN_VERSION = 1
 # Conversations per shard: an interrupted first build loses at most one shard of work.
@@ -29,7 +31,7 @@ def is_tiny_random(target) -> bool:
     return len(tok) == BYTE_VOCAB + len(SPECIAL_TOKENS) and tok.chat_template == CHATML_TEMPLATE
 
 
-def builtin_distill_config(data_cfg, output: Path, random_weights: bool = False) -> DistillConfig:
+def builtin_distill_config(data_cfg: DataConfig, output: Path, random_weights: bool = False) -> DistillConfig:
     """The distillation that makes the built-in set (decontamination happens in build_datasets,
     against data.decontaminate, so the cached set does not depend on the eval files).
 
@@ -42,29 +44,29 @@ def builtin_distill_config(data_cfg, output: Path, random_weights: bool = False)
     return DistillConfig(
         magpie=magpie,
         prompts="magpie",
-        num_prompts=int(data_cfg.builtin_examples),
-        max_new_tokens=int(data_cfg.builtin_answer_tokens),
+        num_prompts=data_cfg.builtin_examples,
+        max_new_tokens=data_cfg.builtin_answer_tokens,
         temperature=0.0,
-        turns=int(getattr(data_cfg, "builtin_turns", 1)),
-        batch_size=int(data_cfg.builtin_batch_size),
+        turns=data_cfg.builtin_turns,
+        batch_size=data_cfg.builtin_batch_size,
         shard_size=BUILTIN_SHARD_SIZE,
         output=str(output),
         decontaminate=[],
     )
 
 
-def builtin_key(target, data_cfg) -> str:
+def builtin_key(target, data_cfg: DataConfig) -> str:
     weights = target.embed_tokens.weight
     sample = weights[: min(64, weights.shape[0])].detach().float().cpu().numpy().tobytes()
     parts = {
         "target": target.info.to_dict(),
         "weights": hashlib.sha256(sample).hexdigest()[:16],
         "tokenizer": tokenizer_fingerprint(target.tokenizer),
-        "examples": int(data_cfg.builtin_examples),
-        "answer_tokens": int(data_cfg.builtin_answer_tokens),
-        "turns": int(getattr(data_cfg, "builtin_turns", 1)),
+        "examples": data_cfg.builtin_examples,
+        "answer_tokens": data_cfg.builtin_answer_tokens,
+        "turns": data_cfg.builtin_turns,
         "random_weights": is_tiny_random(target),
-        "seed": int(getattr(data_cfg, "builtin_seed", 0)),
+        "seed": data_cfg.builtin_seed,
         "shard_size": BUILTIN_SHARD_SIZE,
         "builtin_version": BUILTIN_VERSION,
         "pipeline_version": PIPELINE_VERSION,
@@ -72,17 +74,19 @@ def builtin_key(target, data_cfg) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def builtin_dir(target, data_cfg) -> Path:
+def builtin_dir(target, data_cfg: DataConfig) -> Path:
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", target.info.name) or "target"
     return cache_root() / "data" / f"{name}-{builtin_key(target, data_cfg)}"
 
 
-def ensure_builtin_data(target, data_cfg) -> Path:
+def ensure_builtin_data(target, data_cfg: DataConfig) -> Path:
     """The directory of the built-in conversations for this target, built if missing."""
     directory = builtin_dir(target, data_cfg)
-    if (directory / "manifest.json").is_file() and read_manifest(directory).get("complete"):
+    if is_distill_output(directory) and read_manifest(directory).get("complete"):
         return directory
-    print(f"building the built-in data set for {target.info.name} "
-          f"({data_cfg.builtin_examples} conversations, cached in {directory})")
+    print(
+        f"building the built-in data set for {target.info.name} "
+        f"({data_cfg.builtin_examples} conversations, cached in {directory})"
+    )
     cfg = builtin_distill_config(data_cfg, directory, random_weights=is_tiny_random(target))
-    return run_distillation(target, cfg, seed=int(getattr(data_cfg, "builtin_seed", 0)))
+    return run_distillation(target, cfg, seed=data_cfg.builtin_seed)

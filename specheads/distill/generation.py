@@ -9,16 +9,17 @@ very different lengths does not keep paying for its finished rows. Greedy output
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from ..sampling import sample
+
 # Compact the batch once this share of its live rows has finished (a compaction copies the cache).
 EVICT_FRACTION = 0.25
-TOP_P_CANDIDATES = 512
 
 
 @dataclass
@@ -39,7 +40,7 @@ def generate(
     top_p: float = 1.0,
     batch_size: int = 32,
     seed: int = 0,
-    desc: Optional[str] = None,
+    desc: str | None = None,
 ) -> list[Generation]:
     """Continue every prompt (token ids); results in input order.
 
@@ -50,11 +51,12 @@ def generate(
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    results: list[Optional[Generation]] = [None] * len(prompts)
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    results: list[Generation | None] = [None] * len(prompts)
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     for batch in tqdm(batches, desc=desc, leave=False, disable=desc is None):
-        outs = _generate_batch(model, [prompts[i] for i in batch], max_new_tokens, stop.to(device),
-                               pad_id, temperature, top_p, generator)
+        outs = _generate_batch(
+            model, [prompts[i] for i in batch], max_new_tokens, stop.to(device), pad_id, temperature, top_p, generator
+        )
         for i, out in zip(batch, outs):
             results[i] = out
     return results  # type: ignore[return-value]
@@ -67,8 +69,8 @@ def _generate_batch(model, prompts, max_new_tokens, stop, pad_id, temperature, t
     attention = torch.zeros_like(input_ids)
     for b, p in enumerate(prompts):
         if len(p):
-            input_ids[b, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-            attention[b, width - len(p):] = 1
+            input_ids[b, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+            attention[b, width - len(p) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     logits = _last_logits(model, input_ids, attention, positions, cache)
@@ -78,7 +80,7 @@ def _generate_batch(model, prompts, max_new_tokens, stop, pad_id, temperature, t
     finished = [False] * len(prompts)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        nxt = _pick(logits, temperature, top_p, generator)
+        nxt = sample(logits, temperature, top_p, generator)
         is_stop = torch.isin(nxt, stop)
         for row, tok, s, d in zip(alive.tolist(), nxt.tolist(), is_stop.tolist(), done.tolist()):
             if not d:
@@ -93,7 +95,12 @@ def _generate_batch(model, prompts, max_new_tokens, stop, pad_id, temperature, t
             keep = (~done).nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             alive, attention, next_pos, nxt, done = (
-                alive[keep], attention[keep], next_pos[keep], nxt[keep], done[keep])
+                alive[keep],
+                attention[keep],
+                next_pos[keep],
+                nxt[keep],
+                done[keep],
+            )
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         logits = _last_logits(model, nxt[:, None], attention, next_pos[:, None], cache)
         next_pos = next_pos + 1
@@ -101,27 +108,12 @@ def _generate_batch(model, prompts, max_new_tokens, stop, pad_id, temperature, t
 
 
 def _last_logits(model, input_ids, attention, positions, cache) -> torch.Tensor:
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     return out.logits[:, -1].float()
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p >= 1.0:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    # The nucleus almost always lies within the top few hundred tokens: sorting only those is
-    # much cheaper than sorting a 50k vocabulary. A wider nucleus widens the candidates.
-    k = TOP_P_CANDIDATES
-    while True:
-        top_probs, top_ids = probs.topk(min(k, probs.shape[-1]), dim=-1)  # sorted, descending
-        if k >= probs.shape[-1] or bool((top_probs.sum(-1) >= top_p).all()):
-            break
-        k *= 4
-    # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-    outside = top_probs.cumsum(-1) - top_probs >= top_p
-    top_probs = top_probs.masked_fill(outside, 0.0)
-    choice = torch.multinomial(top_probs, 1, generator=generator)
-    return top_ids.gather(-1, choice).squeeze(1)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Optional
 
-from ..data.conversations import first_user_turn, iter_rows, row_to_conversation, special_token_ids
-from ..errors import SpecHeadsError
 from ..config.distill import MagpieConfig
-from ..data.decontaminate import NgramIndex, PROMPT_KEYS, words
+from ..data.chat import special_token_ids
+from ..data.decontaminate import PROMPT_KEYS, NgramIndex, words
+from ..data.formats import first_user_turn, iter_rows, row_to_conversation
+from ..errors import SpecHeadsError
 from .generation import generate
 
 # Written for this project (not taken from any evaluation set): what kind of request to write.
@@ -37,28 +37,116 @@ TASK_TYPES = {
 }
 
 TOPICS = [
-    "cooking", "baking bread", "travel in Japan", "a trip to the mountains", "personal finance",
-    "saving for retirement", "job interviews", "starting a small business", "marketing",
-    "climate change", "renewable energy", "recycling", "gardening", "house plants", "pets",
-    "dog training", "birds", "ocean life", "dinosaurs", "the solar system", "black holes",
-    "space exploration", "the human body", "nutrition", "running", "yoga", "sleep", "mental health",
-    "friendship", "parenting", "wedding planning", "moving to a new city", "public speaking",
-    "learning a language", "studying for exams", "college applications", "ancient Rome",
-    "ancient Egypt", "the Middle Ages", "the industrial revolution", "world war history",
-    "democracy and elections", "economics and inflation", "supply and demand", "philosophy of mind",
-    "ethics", "poetry", "novels and fiction", "movies", "music theory", "playing guitar",
-    "painting", "photography", "architecture", "fashion", "video games", "board games", "chess",
-    "soccer", "basketball", "the Olympics", "smartphones", "the internet", "cybersecurity",
-    "artificial intelligence", "databases", "web development", "Python programming",
-    "JavaScript", "sorting algorithms", "data structures", "spreadsheets", "statistics",
-    "probability", "geometry", "algebra", "fractions and percentages", "chemistry",
-    "physics of motion", "electricity", "genetics", "evolution", "vaccines", "weather",
-    "volcanoes and earthquakes", "rivers and lakes", "forests", "cars and engines", "bicycles",
-    "trains", "airplanes", "cities and urban planning", "law and contracts", "taxes",
-    "customer service", "team management", "time management", "a birthday party",
-    "a science fair project", "a fantasy kingdom", "a detective mystery", "a haunted house",
-    "pirates", "robots", "a small village", "a coffee shop", "a restaurant review",
-    "a product launch", "a hiking accident", "a lost wallet",
+    "cooking",
+    "baking bread",
+    "travel in Japan",
+    "a trip to the mountains",
+    "personal finance",
+    "saving for retirement",
+    "job interviews",
+    "starting a small business",
+    "marketing",
+    "climate change",
+    "renewable energy",
+    "recycling",
+    "gardening",
+    "house plants",
+    "pets",
+    "dog training",
+    "birds",
+    "ocean life",
+    "dinosaurs",
+    "the solar system",
+    "black holes",
+    "space exploration",
+    "the human body",
+    "nutrition",
+    "running",
+    "yoga",
+    "sleep",
+    "mental health",
+    "friendship",
+    "parenting",
+    "wedding planning",
+    "moving to a new city",
+    "public speaking",
+    "learning a language",
+    "studying for exams",
+    "college applications",
+    "ancient Rome",
+    "ancient Egypt",
+    "the Middle Ages",
+    "the industrial revolution",
+    "world war history",
+    "democracy and elections",
+    "economics and inflation",
+    "supply and demand",
+    "philosophy of mind",
+    "ethics",
+    "poetry",
+    "novels and fiction",
+    "movies",
+    "music theory",
+    "playing guitar",
+    "painting",
+    "photography",
+    "architecture",
+    "fashion",
+    "video games",
+    "board games",
+    "chess",
+    "soccer",
+    "basketball",
+    "the Olympics",
+    "smartphones",
+    "the internet",
+    "cybersecurity",
+    "artificial intelligence",
+    "databases",
+    "web development",
+    "Python programming",
+    "JavaScript",
+    "sorting algorithms",
+    "data structures",
+    "spreadsheets",
+    "statistics",
+    "probability",
+    "geometry",
+    "algebra",
+    "fractions and percentages",
+    "chemistry",
+    "physics of motion",
+    "electricity",
+    "genetics",
+    "evolution",
+    "vaccines",
+    "weather",
+    "volcanoes and earthquakes",
+    "rivers and lakes",
+    "forests",
+    "cars and engines",
+    "bicycles",
+    "trains",
+    "airplanes",
+    "cities and urban planning",
+    "law and contracts",
+    "taxes",
+    "customer service",
+    "team management",
+    "time management",
+    "a birthday party",
+    "a science fair project",
+    "a fantasy kingdom",
+    "a detective mystery",
+    "a haunted house",
+    "pirates",
+    "robots",
+    "a small village",
+    "a coffee shop",
+    "a restaurant review",
+    "a product launch",
+    "a hiking accident",
+    "a lost wallet",
 ]
 
 SYSTEM_TEMPLATES = [
@@ -84,8 +172,7 @@ SENTINEL = "\u2063SPECHEADS\u2063"  # invisible separators: never part of a real
 
 def user_turn_prefix(tokenizer, history: list[dict]) -> str:
     """The rendered text up to where the next user message's content would start."""
-    text = tokenizer.apply_chat_template(history + [{"role": "user", "content": SENTINEL}],
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(history + [{"role": "user", "content": SENTINEL}], tokenize=False)
     if SENTINEL not in text:
         raise SpecHeadsError("the chat template drops user content; cannot write Magpie prompts")
     return text[: text.index(SENTINEL)]
@@ -100,7 +187,7 @@ def end_of_turn_ids(tokenizer, model=None) -> set[int]:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update([eos] if isinstance(eos, int) else (eos or []))
     text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
-    after = text[text.index(SENTINEL) + len(SENTINEL):]
+    after = text[text.index(SENTINEL) + len(SENTINEL) :]
     after_ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
     if after_ids and after_ids[0] in special_token_ids(tokenizer):
         ids.add(int(after_ids[0]))
@@ -127,17 +214,23 @@ def conditioning_systems(n: int, rng: random.Random) -> list[tuple[str, str]]:
 class PromptFilter:
     """Quality filter and dedup over normalised text (the seen-set spans a whole run)."""
 
-    def __init__(self, cfg: MagpieConfig, tokenizer, index: Optional[NgramIndex] = None):
+    def __init__(self, cfg: MagpieConfig, tokenizer, index: NgramIndex | None = None):
         self.cfg, self.index = cfg, index
         self.special = [t for t in tokenizer.convert_ids_to_tokens(sorted(special_token_ids(tokenizer))) if t]
         self.seen: set[str] = set()
-        self.counts = {"empty_or_cut": 0, "special": 0, "length": 0, "unprintable": 0,
-                       "duplicate": 0, "contaminated": 0}
+        self.counts = {
+            "empty_or_cut": 0,
+            "special": 0,
+            "length": 0,
+            "unprintable": 0,
+            "duplicate": 0,
+            "contaminated": 0,
+        }
 
     def add_seen(self, text: str) -> None:
         self.seen.add(normalise(text))
 
-    def reason(self, text: str, finished: bool = True, quality: bool = True) -> Optional[str]:
+    def reason(self, text: str, finished: bool = True, quality: bool = True) -> str | None:
         """Why the prompt is rejected (a key of self.counts), or None to keep it.
 
         quality=False checks only emptiness, duplicates and contamination (data set prompts).
@@ -169,8 +262,9 @@ class PromptFilter:
         return False
 
 
-def magpie_prompts(target, n: int, cfg: MagpieConfig, prompt_filter: PromptFilter, seed: int,
-                   batch_size: int, desc: Optional[str] = None) -> list[dict]:
+def magpie_prompts(
+    target, n: int, cfg: MagpieConfig, prompt_filter: PromptFilter, seed: int, batch_size: int, desc: str | None = None
+) -> list[dict]:
     """n new prompts written by the target: [{"prompt", "category"}], deduplicated and filtered.
 
     Generates in rounds of oversampled candidates until n are kept or max_rounds is reached.
@@ -188,15 +282,22 @@ def magpie_prompts(target, n: int, cfg: MagpieConfig, prompt_filter: PromptFilte
             systems = conditioning_systems(count, rng)
         else:
             systems = [("magpie", None)] * count
-        prefixes = [user_turn_prefix(tokenizer, [{"role": "system", "content": s}] if s else [])
-                    for _, s in systems]
+        prefixes = [user_turn_prefix(tokenizer, [{"role": "system", "content": s}] if s else []) for _, s in systems]
         ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes]
         # The few oversampled extras ride in the same batch instead of a small batch of their own.
         batch = count if count <= batch_size * 1.25 else batch_size
-        outs = generate(model, ids, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
-                        pad_id=pad_token_id(tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
-                        batch_size=batch, seed=rng.randrange(2**31),
-                        desc=f"{desc} round {round_ + 1}" if desc else None)
+        outs = generate(
+            model,
+            ids,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_ids=stop,
+            pad_id=pad_token_id(tokenizer),
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            batch_size=batch,
+            seed=rng.randrange(2**31),
+            desc=f"{desc} round {round_ + 1}" if desc else None,
+        )
         for (task, _), out in zip(systems, outs):
             text, finished = _cut(tokenizer.decode(out.tokens, skip_special_tokens=False), out.finished, cfg)
             if len(kept) < n and prompt_filter.accept(text, finished):
@@ -204,18 +305,35 @@ def magpie_prompts(target, n: int, cfg: MagpieConfig, prompt_filter: PromptFilte
     return kept
 
 
-def follow_up_prompts(target, conversations: list[list[dict]], cfg: MagpieConfig,
-                      prompt_filter: PromptFilter, seed: int, batch_size: int,
-                      desc: Optional[str] = None) -> list[Optional[str]]:
+def follow_up_prompts(
+    target,
+    conversations: list[list[dict]],
+    cfg: MagpieConfig,
+    prompt_filter: PromptFilter,
+    seed: int,
+    batch_size: int,
+    desc: str | None = None,
+) -> list[str | None]:
     """A target-written next user turn for each conversation (None where it was rejected)."""
     tokenizer, model = target.tokenizer, target.model
     rng = random.Random(seed)
-    prefixes = [user_turn_prefix(tokenizer, [{"role": "system", "content": rng.choice(FOLLOW_UP_SYSTEMS)}]
-                                 + conversation) for conversation in conversations]
+    prefixes = [
+        user_turn_prefix(tokenizer, [{"role": "system", "content": rng.choice(FOLLOW_UP_SYSTEMS)}] + conversation)
+        for conversation in conversations
+    ]
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes]
-    outs = generate(model, ids, max_new_tokens=cfg.max_new_tokens, stop_ids=end_of_turn_ids(tokenizer, model),
-                    pad_id=pad_token_id(tokenizer), temperature=cfg.temperature, top_p=cfg.top_p,
-                    batch_size=batch_size, seed=rng.randrange(2**31), desc=desc)
+    outs = generate(
+        model,
+        ids,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_ids=end_of_turn_ids(tokenizer, model),
+        pad_id=pad_token_id(tokenizer),
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        batch_size=batch_size,
+        seed=rng.randrange(2**31),
+        desc=desc,
+    )
     result = []
     for out in outs:
         text, finished = _cut(tokenizer.decode(out.tokens, skip_special_tokens=False), out.finished, cfg)

@@ -8,7 +8,7 @@ Output directory:
 Shard k holds the prompts of slot k, and every random choice is seeded by (seed, k), so running
 the same command again skips the completed shards and produces the rest: no duplicates, no gaps.
 Load the result with `datasets.load_dataset("json", data_files="DIR/shards/*.jsonl")` or
-`specheads.data.conversations.load_conversations("DIR")`.
+`specheads.data.formats.load_conversations("DIR")`.
 """
 
 from __future__ import annotations
@@ -20,47 +20,23 @@ import random
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from ..atomic import write_text
-from ..errors import SpecHeadsError
 from ..config.distill import DistillConfig
 from ..data.decontaminate import build_index, resolve_eval_files
+from ..data.shards import MANIFEST, METADATA, SHARDS, is_distill_output, read_manifest
+from ..errors import SpecHeadsError
 from .generation import generate
-from .prompts import (PromptFilter, dataset_prompts, end_of_turn_ids, follow_up_prompts,
-                      magpie_prompts, pad_token_id)
+from .prompts import PromptFilter, dataset_prompts, end_of_turn_ids, follow_up_prompts, magpie_prompts, pad_token_id
 
 PIPELINE_VERSION = 1
-MANIFEST = "manifest.json"
-METADATA = "metadata.json"
-SHARDS = "shards"
 
 
 # ---------------------------------------------------------------------------------------------
-# Output directory
-
-
-def is_distill_output(directory: Path) -> bool:
-    return (Path(directory) / MANIFEST).is_file()
-
-
-def read_manifest(directory: Path) -> dict:
-    try:
-        return json.loads((Path(directory) / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise SpecHeadsError(f"{directory}/{MANIFEST} is unreadable ({err})") from None
-
-
-def completed_shard_files(directory: Path) -> list[Path]:
-    """The shard files of a finished distillation, in order."""
-    manifest = read_manifest(directory)
-    if not manifest.get("complete"):
-        raise SpecHeadsError(
-            f"{directory} is an unfinished distillation ({len(manifest.get('shards', {}))} of "
-            f"{manifest.get('num_shards')} shards); run the same distill.py command to finish it")
-    return [Path(directory) / manifest["shards"][str(k)]["file"] for k in range(manifest["num_shards"])]
+# Output directory (read back by specheads.data.shards)
 
 
 def write_shard(directory: Path, k: int, rows: list[dict]) -> Path:
@@ -91,37 +67,63 @@ def specheads_version() -> str:
 # Answering
 
 
-def answer(target, conversations: list[list[dict]], cfg: DistillConfig, seed: int,
-           desc: Optional[str] = None) -> list[tuple[str, bool]]:
+def answer(
+    target, conversations: list[list[dict]], cfg: DistillConfig, seed: int, desc: str | None = None
+) -> list[tuple[str, bool]]:
     """The target's next assistant message for each conversation: (text, finished)."""
     tokenizer = target.tokenizer
-    ids = [tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                     add_special_tokens=False)["input_ids"] for c in conversations]
-    outs = generate(target.model, ids, max_new_tokens=cfg.max_new_tokens,
-                    stop_ids=end_of_turn_ids(tokenizer, target.model), pad_id=pad_token_id(tokenizer),
-                    temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
-                    seed=seed, desc=desc)
+    ids = [
+        tokenizer(
+            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )["input_ids"]
+        for c in conversations
+    ]
+    outs = generate(
+        target.model,
+        ids,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_ids=end_of_turn_ids(tokenizer, target.model),
+        pad_id=pad_token_id(tokenizer),
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        batch_size=cfg.batch_size,
+        seed=seed,
+        desc=desc,
+    )
     return [(tokenizer.decode(o.tokens, skip_special_tokens=True), o.finished) for o in outs]
 
 
-def converse(target, prompts: list[dict], cfg: DistillConfig, prompt_filter: PromptFilter,
-             seed: int, desc: str = "") -> list[dict]:
+def converse(
+    target, prompts: list[dict], cfg: DistillConfig, prompt_filter: PromptFilter, seed: int, desc: str = ""
+) -> list[dict]:
     """Answer each prompt; for turns > 1 the target also writes follow-up user turns."""
-    rows = [{"category": p["category"], "messages": [{"role": "user", "content": p["prompt"]}],
-             "finished": True} for p in prompts]
+    rows = [
+        {"category": p["category"], "messages": [{"role": "user", "content": p["prompt"]}], "finished": True}
+        for p in prompts
+    ]
     active = list(range(len(rows)))
     for turn in range(cfg.turns):
         if turn > 0:
-            follow = follow_up_prompts(target, [rows[i]["messages"] for i in active], cfg.magpie,
-                                       prompt_filter, seed=_seed(seed, "follow", turn),
-                                       batch_size=cfg.batch_size,
-                                       desc=f"{desc} follow-ups turn {turn + 1}")
+            follow = follow_up_prompts(
+                target,
+                [rows[i]["messages"] for i in active],
+                cfg.magpie,
+                prompt_filter,
+                seed=_seed(seed, "follow", turn),
+                batch_size=cfg.batch_size,
+                desc=f"{desc} follow-ups turn {turn + 1}",
+            )
             pairs = [(i, text) for i, text in zip(active, follow) if text is not None]
             for i, text in pairs:
                 rows[i]["messages"].append({"role": "user", "content": text})
             active = [i for i, _ in pairs]
-        replies = answer(target, [rows[i]["messages"] for i in active], cfg,
-                         seed=_seed(seed, "answer", turn), desc=f"{desc} answers turn {turn + 1}")
+        replies = answer(
+            target,
+            [rows[i]["messages"] for i in active],
+            cfg,
+            seed=_seed(seed, "answer", turn),
+            desc=f"{desc} answers turn {turn + 1}",
+        )
         for i, (text, finished) in zip(active, replies):
             rows[i]["messages"].append({"role": "assistant", "content": text})
             rows[i]["finished"] = rows[i]["finished"] and finished
@@ -157,10 +159,10 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
 
     manifest = read_manifest(out) if is_distill_output(out) else None
     if manifest is not None and manifest["fingerprint"] != fingerprint["hash"]:
-        changed = sorted(k for k, v in fingerprint["settings"].items()
-                         if manifest.get("settings", {}).get(k) != v)
-        raise SpecHeadsError(f"{out} holds a different distillation (changed: {', '.join(changed)}); "
-                             "use another distill.output")
+        changed = sorted(k for k, v in fingerprint["settings"].items() if manifest.get("settings", {}).get(k) != v)
+        raise SpecHeadsError(
+            f"{out} holds a different distillation (changed: {', '.join(changed)}); use another distill.output"
+        )
     if manifest is not None and manifest.get("complete"):
         print(f"{out}: distillation already complete ({manifest['conversations']} conversations)")
         return out
@@ -168,8 +170,13 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
     num_shards = max(1, math.ceil(total / cfg.shard_size))
     if manifest is None:
         # Written with the first shard: a run that fails before it leaves nothing behind.
-        manifest = {"fingerprint": fingerprint["hash"], "settings": fingerprint["settings"],
-                    "num_shards": num_shards, "shards": {}, "complete": False}
+        manifest = {
+            "fingerprint": fingerprint["hash"],
+            "settings": fingerprint["settings"],
+            "num_shards": num_shards,
+            "shards": {},
+            "complete": False,
+        }
 
     def done(k: int) -> bool:
         entry = manifest["shards"].get(str(k))
@@ -192,15 +199,23 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
         size = min(cfg.shard_size, total - k * cfg.shard_size)
         before = dict(prompt_filter.counts)
         if magpie:
-            prompts = magpie_prompts(target, size, cfg.magpie, prompt_filter, seed=_seed(seed, "magpie", k),
-                                     batch_size=cfg.batch_size, desc=f"shard {k} prompts")
+            prompts = magpie_prompts(
+                target,
+                size,
+                cfg.magpie,
+                prompt_filter,
+                seed=_seed(seed, "magpie", k),
+                batch_size=cfg.batch_size,
+                desc=f"shard {k} prompts",
+            )
             if not prompts:
                 raise SpecHeadsError(
                     f"the target wrote no usable prompt in {cfg.magpie.max_rounds} rounds "
                     f"(rejected: {_nonzero(prompt_filter.counts)}); relax distill.magpie filters "
-                    "or give distill.prompts=FILE")
+                    "or give distill.prompts=FILE"
+                )
         else:
-            prompts = source[k * cfg.shard_size:(k + 1) * cfg.shard_size]
+            prompts = source[k * cfg.shard_size : (k + 1) * cfg.shard_size]
         rows = converse(target, prompts, cfg, prompt_filter, seed=_seed(seed, "shard", k), desc=f"shard {k}")
         for i, row in enumerate(rows):
             row["id"] = f"{k:05d}-{i:05d}"
@@ -208,8 +223,7 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
             _write_metadata(out, target, cfg, seed, target_path, eval_files, fingerprint)
         path = write_shard(out, k, rows)
         rejected = {key: prompt_filter.counts[key] - before[key] for key in before}
-        manifest["shards"][str(k)] = {"file": str(path.relative_to(out)), "rows": len(rows),
-                                      "rejected": rejected}
+        manifest["shards"][str(k)] = {"file": str(path.relative_to(out)), "rows": len(rows), "rejected": rejected}
         write_text(out / MANIFEST, json.dumps(manifest, indent=1))
         bar.update(size)
     bar.close()
@@ -222,9 +236,11 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
     manifest.update(complete=True, conversations=rows_total, rejected=rejected_total)
     write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     _update_metadata(out, conversations=rows_total, rejected=rejected_total, complete=True)
-    print(f"{out}: {rows_total} conversations in {num_shards} shard(s) "
-          f"({time.time() - start:.0f} s this run); rejected prompts: {_nonzero(rejected_total)}; "
-          f"decontamination dropped {rejected_total.get('contaminated', 0)}")
+    print(
+        f"{out}: {rows_total} conversations in {num_shards} shard(s) "
+        f"({time.time() - start:.0f} s this run); rejected prompts: {_nonzero(rejected_total)}; "
+        f"decontamination dropped {rejected_total.get('contaminated', 0)}"
+    )
     return out
 
 
@@ -253,14 +269,17 @@ def _dataset_prompt_list(target, cfg: DistillConfig, prompt_filter: PromptFilter
         # Data set prompts are only deduplicated and checked for emptiness and contamination.
         if prompt_filter.accept(p["prompt"], quality=False):
             kept.append(p)
-    kept = [p for p in kept if len(tokenizer(p["prompt"], add_special_tokens=False)["input_ids"])
-            <= cfg.max_prompt_tokens]
+    kept = [
+        p for p in kept if len(tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]) <= cfg.max_prompt_tokens
+    ]
     random.Random(seed).shuffle(kept)
     if cfg.num_prompts is not None:
         kept = kept[: cfg.num_prompts]
     counts = prompt_filter.counts
-    print(f"prompts from {cfg.prompts}: {len(prompts)} read, {counts['duplicate']} duplicates, "
-          f"{counts['contaminated']} dropped by decontamination, {len(kept)} used")
+    print(
+        f"prompts from {cfg.prompts}: {len(prompts)} read, {counts['duplicate']} duplicates, "
+        f"{counts['contaminated']} dropped by decontamination, {len(kept)} used"
+    )
     # Those counts describe the source, not a shard: reset so shards report their own.
     prompt_filter.counts = {k: 0 for k in counts}
     if not kept:
@@ -297,19 +316,28 @@ def _fingerprint(target, cfg: DistillConfig, seed: int, eval_files, source) -> d
     return {"hash": digest, "settings": settings}
 
 
-def _write_metadata(out: Path, target, cfg: DistillConfig, seed: int, target_path: str,
-                    eval_files, fingerprint: dict) -> None:
+def _write_metadata(
+    out: Path, target, cfg: DistillConfig, seed: int, target_path: str, eval_files, fingerprint: dict
+) -> None:
     metadata = {
         "format": "openai-messages-jsonl",
         "data_files": f"{SHARDS}/*.jsonl",
         "specheads_version": specheads_version(),
         "pipeline_version": PIPELINE_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "target": {"name": target.info.name, "path": target_path, "revision": target.info.revision,
-                   "tokenizer": fingerprint["settings"]["tokenizer"]},
+        "target": {
+            "name": target.info.name,
+            "path": target_path,
+            "revision": target.info.revision,
+            "tokenizer": fingerprint["settings"]["tokenizer"],
+        },
         "prompts": cfg.prompts,
-        "answers": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-                    "top_p": cfg.top_p, "turns": cfg.turns},
+        "answers": {
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "turns": cfg.turns,
+        },
         "magpie": asdict(cfg.magpie),
         "seed": seed,
         "decontaminate": [str(f.resolve()) for f in eval_files],

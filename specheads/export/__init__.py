@@ -17,12 +17,21 @@ from importlib import import_module
 
 _EXPORTS = {
     "HeadSource": "common",
-    "FORMATS": "exporter", "ExportResult": "exporter", "detect_format": "exporter",
-    "export_head": "exporter", "formats_for": "exporter", "is_exported_dir": "exporter",
-    "load_exported": "exporter", "read_exported": "exporter", "source_head_config": "exporter",
-    "push_to_hub": "hub", "resolve_head_path": "hub",
-    "model_card": "model_card", "open_head": "load",
-    "CONTRACTS": "validate", "check_directory": "validate",
+    "FORMATS": "exporter",
+    "ExportResult": "exporter",
+    "detect_format": "exporter",
+    "export_head": "exporter",
+    "formats_for": "exporter",
+    "is_exported_dir": "exporter",
+    "load_exported": "exporter",
+    "read_exported": "exporter",
+    "source_head_config": "exporter",
+    "push_to_hub": "hub",
+    "resolve_head_path": "hub",
+    "model_card": "model_card",
+    "open_head": "load",
+    "CONTRACTS": "validate",
+    "check_directory": "validate",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -15,17 +15,17 @@ import hydra
 from omegaconf import DictConfig
 
 from specheads.cli import job, run_hydra_main
+from specheads.config import register_configs, typed
 from specheads.errors import one_line_errors
-from specheads.config.export import register_export_configs
 
-register_export_configs()
+register_configs()
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def head_alias(argv: list[str]) -> list[str]:
     """`head=X` -> `head_path=X`: `head` is a config group of train.py in the same conf/ tree, so
     Hydra would read `head=X` as a group choice."""
-    return [("head_path=" + a[len("head="):]) if a.startswith("head=") else a for a in argv]
+    return [("head_path=" + a[len("head=") :]) if a.startswith("head=") else a for a in argv]
 
 
 @hydra.main(config_path=CONF_DIR, config_name="export", version_base=None)
@@ -34,7 +34,7 @@ def head_alias(argv: list[str]) -> list[str]:
 def main(cfg: DictConfig) -> None:
     from specheads.export.job import run_export
 
-    run_export(cfg)
+    run_export(typed(cfg))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,7 +35,7 @@ class HeadSource:
     tensors: dict[str, torch.Tensor]
 
     @classmethod
-    def read(cls, directory: str | os.PathLike) -> "HeadSource":
+    def read(cls, directory: str | os.PathLike) -> HeadSource:
         directory = Path(directory)
         config = read_head_config(directory)
         weights = directory / WEIGHTS_NAME
@@ -56,15 +57,14 @@ class HeadSource:
 
     @property
     def info(self) -> TargetInfo:
-        return TargetInfo(**{k: v for k, v in self.config["target"].items()
-                             if k in TargetInfo.__dataclass_fields__})
+        return TargetInfo(**{k: v for k, v in self.config["target"].items() if k in TargetInfo.__dataclass_fields__})
 
     @property
     def layer_ids(self) -> list[int]:
         return list(self.config.get("layer_ids") or self.spec.layer_ids)
 
     @property
-    def default_tree(self) -> Optional[list]:
+    def default_tree(self) -> list | None:
         return self.config.get("default_tree")
 
 
@@ -75,7 +75,7 @@ class TargetParts:
     `load` returns a FrozenTarget; it runs only when a format needs one of its tensors.
     """
 
-    load: Optional[Callable[[], Any]] = None
+    load: Callable[[], Any] | None = None
     _target: Any = field(default=None, repr=False)
 
     def _get(self, what: str):
@@ -83,7 +83,8 @@ class TargetParts:
             if self.load is None:
                 raise SpecHeadsError(
                     f"this export needs the target's {what}: pass model=NAME (a conf/model option) "
-                    "or model.path=HUB_ID_OR_DIR")
+                    "or model.path=HUB_ID_OR_DIR"
+                )
             self._target = self.load()
         return self._target
 
@@ -100,10 +101,10 @@ class ExportOptions:
 
     engine: str = "auto"
     dtype: str = "auto"
-    embeddings: Optional[bool] = None  # None: the format's reference layout decides
-    base_model: Optional[str] = None   # Hub id written where engines load the target from
-    verifier_architectures: Optional[list[str]] = None
-    num_speculative_tokens: Optional[int] = None
+    embeddings: bool | None = None  # None: the format's reference layout decides
+    base_model: str | None = None  # Hub id written where engines load the target from
+    verifier_architectures: list[str] | None = None
+    num_speculative_tokens: int | None = None
     target: TargetParts = field(default_factory=TargetParts)
 
 
@@ -113,7 +114,7 @@ class Exported:
 
     config: dict[str, Any]
     files: dict[str, dict[str, torch.Tensor]]
-    engines: list[str]              # engines this layout is written for
+    engines: list[str]  # engines this layout is written for
     notes: list[str] = field(default_factory=list)
 
 
@@ -122,13 +123,14 @@ class ReadBack:
     """A format read back into our own terms (no target needed)."""
 
     family: str
-    spec: dict[str, Any]             # HeadSpec fields
-    draft_fields: dict[str, Any]     # TargetInfo fields the draft layer takes from the exported config
+    spec: dict[str, Any]  # HeadSpec fields
+    draft_fields: dict[str, Any]  # TargetInfo fields the draft layer takes from the exported config
     tensors: dict[str, torch.Tensor]  # our own state-dict names
     provenance: dict[str, Any] = field(default_factory=dict)
 
 
 # -- dtypes --------------------------------------------------------------------------------------
+
 
 def resolve_export_dtype(name: str, tensors: dict[str, torch.Tensor]) -> torch.dtype:
     """The float dtype of the exported weights: 'auto' keeps the head's own."""
@@ -143,11 +145,13 @@ def resolve_export_dtype(name: str, tensors: dict[str, torch.Tensor]) -> torch.d
 
 def cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Float tensors to `dtype`; integer / bool maps (d2t, t2d) keep theirs."""
-    return {k: (v.to(dtype) if v.is_floating_point() else v).detach().to("cpu").contiguous()
-            for k, v in tensors.items()}
+    return {
+        k: (v.to(dtype) if v.is_floating_point() else v).detach().to("cpu").contiguous() for k, v in tensors.items()
+    }
 
 
 # -- the draft layer's Llama config, as engines read it --------------------------------------------
+
 
 def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
     """Both RoPE spellings: transformers 5 `rope_parameters` and legacy `rope_theta`/`rope_scaling`.
@@ -159,12 +163,10 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    return {"rope_theta": theta, "rope_scaling": scaling,
-            "rope_parameters": {**rope, "rope_theta": theta}}
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_parameters": {**rope, "rope_theta": theta}}
 
 
-def llama_layer_fields(info: TargetInfo, intermediate_size: int, num_layers: int,
-                       dtype: torch.dtype) -> dict[str, Any]:
+def llama_layer_fields(info: TargetInfo, intermediate_size: int, num_layers: int, dtype: torch.dtype) -> dict[str, Any]:
     """The draft decoder's shape: a Llama layer with the target's width, heads and RoPE."""
     return {
         "model_type": "llama",
@@ -190,9 +192,22 @@ def draft_fields_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """TargetInfo fields the draft layer takes from an exported Llama-style config."""
     from transformers import LlamaConfig
 
-    known = {k: v for k, v in cfg.items() if k in (
-        "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-        "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters")}
+    known = {
+        k: v
+        for k, v in cfg.items()
+        if k
+        in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "rope_theta",
+            "rope_scaling",
+            "rope_parameters",
+        )
+    }
     if not known.get("rope_parameters"):
         known.pop("rope_parameters", None)
     parsed = LlamaConfig(**known)  # turns legacy rope_theta / rope_scaling into rope_parameters
@@ -207,19 +222,25 @@ def draft_fields_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def provenance(src: HeadSource, fmt: str, engines: list[str], layer_ids: Optional[list[int]] = None,
-               numbering: Optional[str] = None) -> dict[str, Any]:
+def provenance(
+    src: HeadSource, fmt: str, engines: list[str], layer_ids: list[int] | None = None, numbering: str | None = None
+) -> dict[str, Any]:
     """What we know that the engine fields cannot say: our layer ids and the source head config."""
-    block: dict[str, Any] = {"format": fmt, "engines": engines, "family": src.family,
-                             "layer_convention": LAYER_CONVENTION,
-                             "layer_ids": layer_ids if layer_ids is not None else src.layer_ids,
-                             "head_config": src.config}
+    block: dict[str, Any] = {
+        "format": fmt,
+        "engines": engines,
+        "family": src.family,
+        "layer_convention": LAYER_CONVENTION,
+        "layer_ids": layer_ids if layer_ids is not None else src.layer_ids,
+        "head_config": src.config,
+    }
     if numbering is not None:
         block["aux_layer_numbering"] = numbering
     return block
 
 
 # -- reading an exported directory ---------------------------------------------------------------
+
 
 def read_json(path: Path) -> dict[str, Any]:
     try:
@@ -255,8 +276,8 @@ def tensor_meta(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 # -- writing ---------------------------------------------------------------------------------------
 
-def write_directory(out: Path, exported: Exported, extra_files: dict[str, str],
-                    check: Callable[[Path], None]) -> Path:
+
+def write_directory(out: Path, exported: Exported, extra_files: dict[str, str], check: Callable[[Path], None]) -> Path:
     """Write to a temp directory beside `out`, run `check` on it, then rename it into place.
 
     A failed check leaves nothing behind; an existing export at `out` is replaced whole.
@@ -265,8 +286,8 @@ def write_directory(out: Path, exported: Exported, extra_files: dict[str, str],
     if out.exists() and not out.is_dir():
         raise SpecHeadsError(f"out={out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / CONFIG_NAME).is_file():
-        raise SpecHeadsError(f"out={out} is a non-empty directory that is not an exported head; "
-                             "refusing to replace it")
+        raise SpecHeadsError(f"out={out} is a non-empty directory that is not an exported head; refusing to replace it")
+
     def fill(tmp: Path) -> None:
         for filename, tensors in exported.files.items():
             save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
@@ -281,9 +302,9 @@ def with_draft_fields(info: TargetInfo, fields: dict[str, Any]) -> TargetInfo:
     return replace(info, **{k: v for k, v in fields.items() if k in TargetInfo.__dataclass_fields__})
 
 
-def layer_index(name: str, prefix: str) -> Optional[tuple[int, str]]:
+def layer_index(name: str, prefix: str) -> tuple[int, str] | None:
     """'layers.3.mlp.up_proj.weight' with prefix 'layers.' -> (3, 'mlp.up_proj.weight')."""
     if not name.startswith(prefix):
         return None
-    head, _, rest = name[len(prefix):].partition(".")
+    head, _, rest = name[len(prefix) :].partition(".")
     return (int(head), rest) if head.isdigit() and rest else None

@@ -14,14 +14,24 @@ no final norm and no lm_head (both engines use the target's LM head).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from ..errors import SpecHeadsError
 from .common import (
-    PROVENANCE_KEY, Exported, ExportOptions, HeadSource, ReadBack, cast, draft_fields_from_config,
-    layer_index, llama_layer_fields, provenance, read_tensors, resolve_export_dtype,
+    PROVENANCE_KEY,
+    Exported,
+    ExportOptions,
+    HeadSource,
+    ReadBack,
+    cast,
+    draft_fields_from_config,
+    layer_index,
+    llama_layer_fields,
+    provenance,
+    read_tensors,
+    resolve_export_dtype,
 )
 
 NAME = "eagle"
@@ -45,8 +55,10 @@ def from_engine_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         idx = layer_index(name, "layers.")
         if idx is not None and idx[1] == "input_layernorm.weight":
             if idx[0] == 0:
-                raise SpecHeadsError("layers.0.input_layernorm in an EAGLE-1 checkpoint: its layer 0 "
-                                     "has no input norm (is this an EAGLE-3 head?)")
+                raise SpecHeadsError(
+                    "layers.0.input_layernorm in an EAGLE-1 checkpoint: its layer 0 "
+                    "has no input norm (is this an EAGLE-3 head?)"
+                )
             out[f"extra_input_norms.{idx[0] - 1}.weight"] = t
         elif name in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
             continue  # the target's own parts
@@ -67,11 +79,18 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
     if embeddings:
         tensors["embed_tokens.weight"] = opts.target.embed_tokens()
     engines = ["sglang"] + ([] if spec.fc_bias and bool(src.tensors["fc.bias"].any()) else ["vllm"])
-    notes = [] if "vllm" in engines else [
-        "fc has a non-zero bias: vLLM's EAGLE-1 fc has none, so only SGLang serves this head "
-        "(train with head.fc_bias=false for vLLM)"]
-    config = {"architectures": ["LlamaForCausalLMEagle", "LlamaForCausalLM"],
-              **llama_layer_fields(info, spec.intermediate_size, spec.num_decoder_layers, dtype)}
+    notes = (
+        []
+        if "vllm" in engines
+        else [
+            "fc has a non-zero bias: vLLM's EAGLE-1 fc has none, so only SGLang serves this head "
+            "(train with head.fc_bias=false for vLLM)"
+        ]
+    )
+    config = {
+        "architectures": ["LlamaForCausalLMEagle", "LlamaForCausalLM"],
+        **llama_layer_fields(info, spec.intermediate_size, spec.num_decoder_layers, dtype),
+    }
     config[PROVENANCE_KEY] = provenance(src, NAME, engines, [])
     return Exported(config, {WEIGHTS: cast(to_engine_names(tensors), dtype)}, engines, notes)
 
@@ -81,17 +100,26 @@ def detect(config: dict[str, Any], directory: Path) -> bool:
     if any(a in ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM") for a in archs):
         return True
     # yuhuili EAGLE-1 uploads say LlamaForCausalLM: recognise them by their fc
-    return archs == ["LlamaForCausalLM"] and config.get("num_hidden_layers", 99) <= 2 \
-        and (directory / WEIGHTS).is_file() and "draft_vocab_size" not in config
+    return (
+        archs == ["LlamaForCausalLM"]
+        and config.get("num_hidden_layers", 99) <= 2
+        and (directory / WEIGHTS).is_file()
+        and "draft_vocab_size" not in config
+    )
 
 
-def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: Optional[str] = None) -> ReadBack:
+def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: str | None = None) -> ReadBack:
     tensors = from_engine_names(read_tensors(directory / WEIGHTS))
     if "fc.weight" not in tensors:
         raise SpecHeadsError(f"{directory} has no fc.weight: not an EAGLE-1 head")
     bias = tensors.get("fc.bias")
     if bias is not None and not bool(bias.any()):
         del tensors["fc.bias"]  # written as zeros for SGLang: the head itself has none
-    spec = {"family": "eagle", "layer_ids": [], "num_decoder_layers": int(config.get("num_hidden_layers", 1)),
-            "intermediate_size": int(config["intermediate_size"]), "fc_bias": "fc.bias" in tensors}
+    spec = {
+        "family": "eagle",
+        "layer_ids": [],
+        "num_decoder_layers": int(config.get("num_hidden_layers", 1)),
+        "intermediate_size": int(config["intermediate_size"]),
+        "fc_bias": "fc.bias" in tensors,
+    }
     return ReadBack("eagle", spec, draft_fields_from_config(config), tensors, config.get(PROVENANCE_KEY) or {})

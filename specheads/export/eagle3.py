@@ -12,14 +12,24 @@ so a head on those layers is written without the field and loads the same in bot
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from ..errors import SpecHeadsError
 from .common import (
-    PROVENANCE_KEY, Exported, ExportOptions, HeadSource, ReadBack, cast, draft_fields_from_config,
-    layer_index, llama_layer_fields, provenance, read_tensors, resolve_export_dtype,
+    PROVENANCE_KEY,
+    Exported,
+    ExportOptions,
+    HeadSource,
+    ReadBack,
+    cast,
+    draft_fields_from_config,
+    layer_index,
+    llama_layer_fields,
+    provenance,
+    read_tensors,
+    resolve_export_dtype,
 )
 
 NAME = "eagle3"
@@ -28,6 +38,7 @@ WEIGHTS = "model.safetensors"
 
 
 # -- layer ids -------------------------------------------------------------------------------------
+
 
 def engine_default_ids(num_layers: int) -> list[int]:
     """vLLM (eagle3_utils get_eagle3_aux_layers_from_config fallback) and SGLang
@@ -40,12 +51,14 @@ def check_capturable(layer_ids: list[int], num_layers: int) -> None:
     if len(layer_ids) != 3:
         raise SpecHeadsError(
             f"vLLM and SGLang fuse exactly 3 target layers (fc reads 3 x hidden); this head fuses "
-            f"{len(layer_ids)} ({layer_ids}): train it with head.layer_ids=[low,mid,high]")
+            f"{len(layer_ids)} ({layer_ids}): train it with head.layer_ids=[low,mid,high]"
+        )
     bad = [k for k in layer_ids if not 1 <= k <= num_layers - 1]
     if bad:
         raise SpecHeadsError(
             f"layer ids {bad} cannot be captured by vLLM/SGLang (they capture the stream entering "
-            f"layers 1..{num_layers - 1} of a {num_layers}-layer target)")
+            f"layers 1..{num_layers - 1} of a {num_layers}-layer target)"
+        )
 
 
 def sglang_ids(layer_ids: list[int]) -> list[int]:
@@ -53,6 +66,7 @@ def sglang_ids(layer_ids: list[int]) -> list[int]:
 
 
 # -- weight names ------------------------------------------------------------------------------------
+
 
 def to_engine_names(tensors: dict[str, torch.Tensor], layer0: str) -> dict[str, torch.Tensor]:
     """Our EAGLE-3 state dict -> engine names; layer 0 under `layer0` ('midlayer' or 'layers.0')."""
@@ -77,13 +91,12 @@ def from_engine_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     out = {}
     for name, t in tensors.items():
         if name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
+            name = "layers.0." + name[len("midlayer.") :]
         if name == "layers.0.input_layernorm.weight":
             out["input_norm.weight"] = t
         elif name == "layers.0.hidden_norm.weight":
             out["hidden_norm.weight"] = t
-        elif (idx := layer_index(name, "layers.")) is not None and idx[0] > 0 \
-                and idx[1] == "input_layernorm.weight":
+        elif (idx := layer_index(name, "layers.")) is not None and idx[0] > 0 and idx[1] == "input_layernorm.weight":
             out[f"extra_input_norms.{idx[0] - 1}.weight"] = t
         elif name == "embed_tokens.weight" or name.endswith("hidden_norm.weight"):
             continue  # the target's embedding; vLLM builds unused hidden_norms for layers >= 1
@@ -109,10 +122,13 @@ def vocab_maps(tensors: dict[str, torch.Tensor], vocab: int, draft_vocab: int) -
 
 # -- export ----------------------------------------------------------------------------------------
 
+
 def eagle3_fields(src: HeadSource, dtype: torch.dtype) -> dict[str, Any]:
     spec, info = src.spec, src.info
-    return {**llama_layer_fields(info, spec.intermediate_size, spec.num_decoder_layers, dtype),
-            "draft_vocab_size": spec.draft_vocab_size}
+    return {
+        **llama_layer_fields(info, spec.intermediate_size, spec.num_decoder_layers, dtype),
+        "draft_vocab_size": spec.draft_vocab_size,
+    }
 
 
 def build(src: HeadSource, opts: ExportOptions) -> Exported:
@@ -127,16 +143,17 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         raise SpecHeadsError(
             f"this head reads target layers {ids} (entering-layer ids), not the engines' default "
             f"{engine_default_ids(info.num_layers)}; vLLM and SGLang number explicit ids differently "
-            "(SGLang adds 1): choose engine=vllm or engine=sglang, or use format=speculators for vLLM")
+            "(SGLang adds 1): choose engine=vllm or engine=sglang, or use format=speculators for vLLM"
+        )
     if spec.fc_bias:
         # vLLM's fc is bias-free; SGLang takes the fc bias from config "bias", which its Llama
         # attention also reads, so no engine loads an EAGLE-3 fc bias without side effects.
-        raise SpecHeadsError("this EAGLE-3 head has an fc bias, which vLLM and SGLang cannot load; "
-                             "train it with head.fc_bias=false")
+        raise SpecHeadsError(
+            "this EAGLE-3 head has an fc bias, which vLLM and SGLang cannot load; train it with head.fc_bias=false"
+        )
     dtype = resolve_export_dtype(opts.dtype, src.tensors)
     eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
-    config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_fields(src, dtype),
-              "norm_before_residual": False}
+    config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_fields(src, dtype), "norm_before_residual": False}
     notes = []
     if default:
         engines, numbering = ["vllm", "sglang"], None
@@ -145,16 +162,21 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         engines, numbering = ["vllm"], "vllm"
         config["eagle_aux_hidden_state_layer_ids"] = list(ids)
         eagle_config["eagle_aux_hidden_state_layer_ids"] = list(ids)
-        notes.append(f"aux layer ids {ids} written in vLLM's numbering (entering layer k); "
-                     "SGLang would capture one layer later")
+        notes.append(
+            f"aux layer ids {ids} written in vLLM's numbering (entering layer k); SGLang would capture one layer later"
+        )
     else:
         engines, numbering = ["sglang"], "sglang"
         eagle_config["eagle_aux_hidden_state_layer_ids"] = sglang_ids(ids)
-        notes.append(f"aux layer ids written in SGLang's numbering ({sglang_ids(ids)}: output of layer k, "
-                     "SGLang adds 1); vLLM would capture one layer earlier")
+        notes.append(
+            f"aux layer ids written in SGLang's numbering ({sglang_ids(ids)}: output of layer k, "
+            "SGLang adds 1); vLLM would capture one layer earlier"
+        )
         if ids[0] != 2:
-            notes.append("SGLang versions that add 1 only when the first id is 1 (sglang PR #25454) "
-                         f"would read these ids one layer early; first id here is {ids[0] - 1}")
+            notes.append(
+                "SGLang versions that add 1 only when the first id is 1 (sglang PR #25454) "
+                f"would read these ids one layer early; first id here is {ids[0] - 1}"
+            )
     config["eagle_config"] = eagle_config
     tensors = dict(src.tensors)
     if opts.embeddings:
@@ -166,13 +188,15 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
 
 # -- read back -------------------------------------------------------------------------------------
 
+
 def detect(config: dict[str, Any], directory: Path) -> bool:
     archs = config.get("architectures") or []
     return "speculators_model_type" not in config and any(
-        a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs)
+        a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs
+    )
 
 
-def our_layer_ids(config: dict[str, Any], num_layers: int, numbering: Optional[str]) -> list[int]:
+def our_layer_ids(config: dict[str, Any], num_layers: int, numbering: str | None) -> list[int]:
     """Entering-layer ids from an EAGLE-3 research config.
 
     Our own exports record the numbering they used. For other checkpoints: no ids means the
@@ -204,7 +228,7 @@ def spec_fields(config: dict[str, Any], tensors: dict[str, torch.Tensor], layer_
     }
 
 
-def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: Optional[str] = None) -> ReadBack:
+def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: str | None = None) -> ReadBack:
     engine_tensors = read_tensors(directory / WEIGHTS)
     tensors = from_engine_names(engine_tensors)
     ids = our_layer_ids(config, num_layers, numbering)

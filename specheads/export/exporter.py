@@ -12,10 +12,11 @@ left behind.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -24,8 +25,16 @@ from ..heads.io import CONFIG_NAME
 from ..heads.spec import HeadSpec
 from . import eagle, eagle3, medusa, speculators, validate, vllm_medusa
 from .common import (
-    PROVENANCE_KEY, ExportOptions, HeadSource, ReadBack, TargetParts, cast, read_json,
-    resolve_export_dtype, with_draft_fields, write_directory,
+    PROVENANCE_KEY,
+    ExportOptions,
+    HeadSource,
+    ReadBack,
+    TargetParts,
+    cast,
+    read_json,
+    resolve_export_dtype,
+    with_draft_fields,
+    write_directory,
 )
 
 FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (eagle3, speculators, eagle, vllm_medusa, medusa)}
@@ -37,8 +46,8 @@ DETECT_ORDER = ("speculators", "eagle3", "vllm-medusa", "medusa", "eagle")
 class ExportResult:
     path: Path
     format: str
-    engines: list[str]                       # engines the directory was written and checked for
-    findings: dict[str, list[str]]           # every engine of the format: [] or its problems
+    engines: list[str]  # engines the directory was written and checked for
+    findings: dict[str, list[str]]  # every engine of the format: [] or its problems
     notes: list[str] = field(default_factory=list)
 
 
@@ -46,12 +55,20 @@ def formats_for(family: str) -> list[str]:
     return [name for name, m in FORMATS.items() if family in m.FAMILIES]
 
 
-def export_head(head: str | os.PathLike | HeadSource, fmt: str, out: str | os.PathLike, *,
-                engine: str = "auto", dtype: str = "auto", embeddings: Optional[bool] = None,
-                base_model: Optional[str] = None, verifier_architectures: Optional[list[str]] = None,
-                num_speculative_tokens: Optional[int] = None,
-                target: Any = None, readme: Optional[Callable[[HeadSource, "ExportResult"], str]] = None,
-                ) -> ExportResult:
+def export_head(
+    head: str | os.PathLike | HeadSource,
+    fmt: str,
+    out: str | os.PathLike,
+    *,
+    engine: str = "auto",
+    dtype: str = "auto",
+    embeddings: bool | None = None,
+    base_model: str | None = None,
+    verifier_architectures: list[str] | None = None,
+    num_speculative_tokens: int | None = None,
+    target: Any = None,
+    readme: Callable[[HeadSource, ExportResult], str] | None = None,
+) -> ExportResult:
     """Write `head` in format `fmt` to `out` (atomically). `target`: a FrozenTarget or a callable
     returning one, needed only when the format stores copies of the target's embedding or LM head.
     `readme(src, result)` may return a README.md (model card) written into the directory."""
@@ -60,17 +77,27 @@ def export_head(head: str | os.PathLike | HeadSource, fmt: str, out: str | os.Pa
         raise SpecHeadsError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
     module = FORMATS[fmt]
     if src.family not in module.FAMILIES:
-        raise SpecHeadsError(f"format {fmt} holds {'/'.join(module.FAMILIES)} heads; this is a {src.family} "
-                             f"head (its formats: {', '.join(formats_for(src.family))})")
+        raise SpecHeadsError(
+            f"format {fmt} holds {'/'.join(module.FAMILIES)} heads; this is a {src.family} "
+            f"head (its formats: {', '.join(formats_for(src.family))})"
+        )
     parts = TargetParts(load=(target if callable(target) else (lambda: target)) if target is not None else None)
-    opts = ExportOptions(engine=engine, dtype=dtype, embeddings=embeddings, base_model=base_model,
-                         verifier_architectures=verifier_architectures,
-                         num_speculative_tokens=num_speculative_tokens, target=parts)
+    opts = ExportOptions(
+        engine=engine,
+        dtype=dtype,
+        embeddings=embeddings,
+        base_model=base_model,
+        verifier_architectures=verifier_architectures,
+        num_speculative_tokens=num_speculative_tokens,
+        target=parts,
+    )
     exported = module.build(src, opts)
     required = exported.engines if engine == "auto" else [engine]
     if engine != "auto" and engine not in exported.engines:
-        raise SpecHeadsError(f"this head cannot be exported for {engine} in format {fmt}: "
-                             + ("; ".join(exported.notes) or f"it is written for {', '.join(exported.engines)}"))
+        raise SpecHeadsError(
+            f"this head cannot be exported for {engine} in format {fmt}: "
+            + ("; ".join(exported.notes) or f"it is written for {', '.join(exported.engines)}")
+        )
     result = ExportResult(Path(out), fmt, list(exported.engines), {}, list(exported.notes))
     expected = cast(src.tensors, resolve_export_dtype(dtype, src.tensors))
 
@@ -78,8 +105,11 @@ def export_head(head: str | os.PathLike | HeadSource, fmt: str, out: str | os.Pa
         findings = validate.require(tmp, fmt, required)
         for name, problems in findings.items():
             if not problems and name not in exported.engines:  # loadable, but not written for it
-                problems.append("written for " + ", ".join(exported.engines)
-                                + (f" ({'; '.join(exported.notes)})" if exported.notes else ""))
+                problems.append(
+                    "written for "
+                    + ", ".join(exported.engines)
+                    + (f" ({'; '.join(exported.notes)})" if exported.notes else "")
+                )
         result.findings = findings
         self_check(module, tmp, src, expected)
 
@@ -109,7 +139,8 @@ def self_check(module: ModuleType, directory: Path, src: HeadSource, expected: d
 
 # -- reading exported formats back --------------------------------------------------------------------
 
-def detect_format(config: dict[str, Any], directory: Path) -> Optional[str]:
+
+def detect_format(config: dict[str, Any], directory: Path) -> str | None:
     block = config.get(PROVENANCE_KEY)
     if isinstance(block, dict) and block.get("format") in FORMATS:
         return block["format"]
@@ -119,18 +150,19 @@ def detect_format(config: dict[str, Any], directory: Path) -> Optional[str]:
     return None
 
 
-def read_exported(directory: str | os.PathLike, num_layers: int, numbering: Optional[str] = None) -> ReadBack:
+def read_exported(directory: str | os.PathLike, num_layers: int, numbering: str | None = None) -> ReadBack:
     """An exported directory in our own terms (spec fields, state-dict names); no target needed."""
     directory = Path(directory)
     config = read_json(directory / CONFIG_NAME)
     fmt = detect_format(config, directory)
     if fmt is None:
-        raise SpecHeadsError(f"{directory} is neither a specheads head nor a known engine format "
-                             f"({', '.join(FORMATS)})")
+        raise SpecHeadsError(
+            f"{directory} is neither a specheads head nor a known engine format ({', '.join(FORMATS)})"
+        )
     return FORMATS[fmt].read(directory, config, num_layers, numbering)
 
 
-def load_exported(directory: str | os.PathLike, target, numbering: Optional[str] = None):
+def load_exported(directory: str | os.PathLike, target, numbering: str | None = None):
     """A DraftHead on `target` from any exported format (vLLM, SGLang, speculators, Medusa layouts).
 
     numbering: how to read explicit EAGLE-3 aux-layer ids of a checkpoint we did not write
@@ -143,16 +175,14 @@ def load_exported(directory: str | os.PathLike, target, numbering: Optional[str]
     config = read_json(directory / CONFIG_NAME)
     hidden = hidden_size_of(config)
     if hidden is not None and hidden != target.info.hidden_size:
-        raise SpecHeadsError(f"{directory} is a head for hidden size {hidden}, the target has "
-                             f"{target.info.hidden_size}")
-    source = (back.provenance.get("head_config") or {})
+        raise SpecHeadsError(
+            f"{directory} is a head for hidden size {hidden}, the target has {target.info.hidden_size}"
+        )
+    source = back.provenance.get("head_config") or {}
     base = dict(source.get("head") or {}) if source.get("family") == back.family else {}
     spec = HeadSpec.from_dict({**base, **back.spec})
     info = with_draft_fields(target.info, back.draft_fields)
-    tensors = dict(back.tensors)
-    if back.family == "medusa" and shares_target_lm_head(tensors, spec.num_heads, target):
-        spec.shared_lm_head = True
-        tensors = {k: v for k, v in tensors.items() if not k.startswith("lm_heads.")}
+    tensors = HEADS[back.family].adopt_exported(spec, dict(back.tensors), target)
     spec.validate(info)
     head = HEADS[back.family](spec, info)
     head.attach(target)
@@ -161,23 +191,18 @@ def load_exported(directory: str | os.PathLike, target, numbering: Optional[str]
     except RuntimeError as err:
         raise SpecHeadsError(f"{directory} does not fit this target: {str(err).splitlines()[-1].strip()}") from None
     if missing or unexpected:
-        raise SpecHeadsError(f"{directory} does not match a {back.family} head: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
+        raise SpecHeadsError(
+            f"{directory} does not match a {back.family} head: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     head.default_tree = source.get("default_tree")
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
-def hidden_size_of(config: dict[str, Any]) -> Optional[int]:
+def hidden_size_of(config: dict[str, Any]) -> int | None:
     layer = config.get("transformer_layer_config")
     value = (layer or {}).get("hidden_size") if isinstance(layer, dict) else config.get("hidden_size")
     return int(value) if isinstance(value, int) else None
-
-
-def shares_target_lm_head(tensors: dict[str, torch.Tensor], num_heads: int, target) -> bool:
-    """Per-head LM heads that are all exact copies of the target's: a shared-LM-head Medusa."""
-    ref = target.lm_head.weight.detach().to("cpu")
-    heads = [tensors.get(f"lm_heads.{k}.weight") for k in range(num_heads)]
-    return all(h is not None and h.shape == ref.shape and torch.equal(h.to(ref.dtype), ref) for h in heads)
 
 
 def is_exported_dir(directory: str | os.PathLike) -> bool:
@@ -189,7 +214,7 @@ def is_exported_dir(directory: str | os.PathLike) -> bool:
     return config.get("format") != "specheads" and detect_format(config, Path(directory)) is not None
 
 
-def source_head_config(directory: str | os.PathLike) -> Optional[dict[str, Any]]:
+def source_head_config(directory: str | os.PathLike) -> dict[str, Any] | None:
     """The specheads head config an export was made from (its target name, layer ids, training),
     or None for a checkpoint written by another tool. Never raises."""
     try:
@@ -198,4 +223,3 @@ def source_head_config(directory: str | os.PathLike) -> Optional[dict[str, Any]]
         return None
     config = block.get("head_config") if isinstance(block, dict) else None
     return config if isinstance(config, dict) and config.get("format") == "specheads" else None
-

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional
 
 from ..errors import SpecHeadsError
 
@@ -20,7 +19,7 @@ def looks_like_hub_id(value: str) -> bool:
     return bool(HUB_ID.match(value)) and not value.startswith((".", "/", "~"))
 
 
-def resolve_head_path(path_or_id: str | os.PathLike, revision: Optional[str] = None) -> Path:
+def resolve_head_path(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     """A local directory for a head: an existing path as is, else a Hub id ("org/name[@rev]")
     fetched with huggingface_hub.snapshot_download (or found in the local cache when offline)."""
     path = Path(path_or_id).expanduser()
@@ -40,12 +39,19 @@ def resolve_head_path(path_or_id: str | os.PathLike, revision: Optional[str] = N
     except Exception as err:  # offline cache miss, unknown repo or revision, HTTP errors
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
-        raise SpecHeadsError(f"cannot get head {text} from the Hugging Face Hub{hint}: "
-                             f"{type(err).__name__}: {first_line(err)}") from None
+        raise SpecHeadsError(
+            f"cannot get head {text} from the Hugging Face Hub{hint}: {type(err).__name__}: {first_line(err)}"
+        ) from None
 
 
-def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
-                commit_message: Optional[str] = None, token: Optional[str] = None) -> str:
+def push_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    commit_message: str | None = None,
+    token: str | None = None,
+) -> str:
     """Create the repo if needed and upload the whole folder in one commit; returns the commit URL."""
     from huggingface_hub import HfApi
 
@@ -54,8 +60,12 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = Fals
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
-                                 commit_message=commit_message or f"Upload draft head ({Path(folder).name})")
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            repo_type="model",
+            commit_message=commit_message or f"Upload draft head ({Path(folder).name})",
+        )
     except Exception as err:
         raise SpecHeadsError(f"upload to {repo_id} failed: {type(err).__name__}: {first_line(err)}") from None
     return str(getattr(info, "commit_url", None) or f"https://huggingface.co/{repo_id}")

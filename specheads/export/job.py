@@ -5,11 +5,11 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from ..config.train import ModelConfig
+from ..config.export import ExportJobConfig
+from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 from ..target import EMBEDDED_PREFIX, EMBEDDED_TARGETS, TargetInfo
 from .common import HeadSource
@@ -20,7 +20,7 @@ from .model_card import model_card, read_bench_summary
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
-def model_config_for_target(name: str, conf_dir: Path = CONF_DIR) -> Optional[ModelConfig]:
+def model_config_for_target(name: str, conf_dir: Path = CONF_DIR) -> ModelConfig | None:
     """The conf/model option whose `name` is the head's target name (what train.py was run with)."""
     for path in sorted((conf_dir / "model").glob("*.yaml")):
         data = OmegaConf.load(path)
@@ -30,13 +30,13 @@ def model_config_for_target(name: str, conf_dir: Path = CONF_DIR) -> Optional[Mo
     return None
 
 
-def hub_id_of(model_cfg: Any, info: TargetInfo) -> str:
+def hub_id_of(model_cfg: ModelConfig | None, info: TargetInfo) -> str:
     """Where engines should load the target from: its Hub id when we know one."""
     if model_cfg is None:
         return info.name
-    path = str(model_cfg.path)
+    path = model_cfg.path
     if path.startswith(EMBEDDED_PREFIX):
-        key = path[len(EMBEDDED_PREFIX):]
+        key = path[len(EMBEDDED_PREFIX) :]
         return EMBEDDED_TARGETS[key][2] if key in EMBEDDED_TARGETS else path
     return path
 
@@ -48,7 +48,7 @@ def causal_lm_architecture(model_type: str) -> list[str]:
     return [name] if isinstance(name, str) else []
 
 
-def target_loader(model_cfg: Any, src: HeadSource, device: str):
+def target_loader(model_cfg: ModelConfig, src: HeadSource, device: str):
     def load():
         from ..heads import check_compatible
         from ..target import load_target, resolve_device
@@ -56,10 +56,11 @@ def target_loader(model_cfg: Any, src: HeadSource, device: str):
         target = load_target(model_cfg, resolve_device(device))
         check_compatible(src.info, target.info)
         return target
+
     return load
 
 
-def run_export(cfg: Any) -> ExportResult:
+def run_export(cfg: ExportJobConfig) -> ExportResult:
     fmt = cfg.format
     if fmt not in FORMATS:
         raise SpecHeadsError(f"unknown format={fmt}; choose from {', '.join(FORMATS)}")
@@ -69,26 +70,42 @@ def run_export(cfg: Any) -> ExportResult:
         raise SpecHeadsError("out=DIR is required (or push_to_hub=true repo_id=org/name)")
     src = HeadSource.read(resolve_head_path(cfg.head_path))
     if src.family not in FORMATS[fmt].FAMILIES:
-        raise SpecHeadsError(f"format={fmt} does not hold {src.family} heads; use one of "
-                             f"{', '.join(formats_for(src.family))}")
+        raise SpecHeadsError(
+            f"format={fmt} does not hold {src.family} heads; use one of {', '.join(formats_for(src.family))}"
+        )
     model_cfg = cfg.model if cfg.model is not None else model_config_for_target(src.info.name)
     base_model = cfg.base_model or hub_id_of(model_cfg, src.info)
     bench = read_bench_summary(cfg.bench.summary)
 
     def readme(source: HeadSource, result: ExportResult) -> str:
-        return model_card(source, fmt, result.engines, repo_id=cfg.repo_id, base_model=base_model,
-                          bench_summary=bench, bench_source=cfg.bench.summary or "",
-                          num_speculative_tokens=cfg.num_speculative_tokens, notes=result.notes)
+        return model_card(
+            source,
+            fmt,
+            result.engines,
+            repo_id=cfg.repo_id,
+            base_model=base_model,
+            bench_summary=bench,
+            bench_source=cfg.bench.summary or "",
+            num_speculative_tokens=cfg.num_speculative_tokens,
+            notes=result.notes,
+        )
 
     scratch = None if cfg.out else Path(tempfile.mkdtemp(prefix="specheads-export-"))
     out = Path(cfg.out) if cfg.out else scratch / "head"
     try:
         result = export_head(
-            src, fmt, out, engine=cfg.engine, dtype=cfg.dtype, embeddings=cfg.embeddings,
-            base_model=base_model, verifier_architectures=causal_lm_architecture(src.info.model_type),
+            src,
+            fmt,
+            out,
+            engine=cfg.engine,
+            dtype=cfg.dtype,
+            embeddings=cfg.embeddings,
+            base_model=base_model,
+            verifier_architectures=causal_lm_architecture(src.info.model_type),
             num_speculative_tokens=cfg.num_speculative_tokens,
             target=target_loader(model_cfg, src, cfg.device) if model_cfg is not None else None,
-            readme=readme)
+            readme=readme,
+        )
         for engine, problems in result.findings.items():
             status = "ok" if not problems else "not loadable: " + "; ".join(problems[:2])
             print(f"{engine}: {status}")
@@ -96,7 +113,7 @@ def run_export(cfg: Any) -> ExportResult:
             print(f"note: {note}")
         url = None
         if cfg.push_to_hub:
-            url = push_to_hub(out, cfg.repo_id, private=bool(cfg.private), commit_message=cfg.commit_message)
+            url = push_to_hub(out, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message)
             print(f"uploaded to {cfg.repo_id}: {url}")
         print(url if scratch is not None else result.path, flush=True)
         return result

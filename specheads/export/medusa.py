@@ -11,14 +11,22 @@ shared_lm_head=true is written with one copy of the target's LM head per Medusa 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from ..errors import SpecHeadsError
 from .common import (
-    DTYPE_NAMES, PROVENANCE_KEY, Exported, ExportOptions, HeadSource, ReadBack, cast, provenance,
-    read_tensors, resolve_export_dtype,
+    DTYPE_NAMES,
+    PROVENANCE_KEY,
+    Exported,
+    ExportOptions,
+    HeadSource,
+    ReadBack,
+    cast,
+    provenance,
+    read_tensors,
+    resolve_export_dtype,
 )
 
 NAME = "medusa"
@@ -38,8 +46,9 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
             out[f"{k}.{l}.linear.weight"] = src.tensors[f"blocks.{k}.{l}.linear.weight"]
             out[f"{k}.{l}.linear.bias"] = src.tensors[f"blocks.{k}.{l}.linear.bias"]
         # safetensors refuses tensors that share storage: each head gets its own copy
-        out[f"{k}.{spec.num_layers}.weight"] = shared.clone() if shared is not None \
-            else src.tensors[f"lm_heads.{k}.weight"]
+        out[f"{k}.{spec.num_layers}.weight"] = (
+            shared.clone() if shared is not None else src.tensors[f"lm_heads.{k}.weight"]
+        )
     notes = [f"shared LM head materialised: {spec.num_heads} copies of the target's"] if shared is not None else []
     config = {
         "medusa_num_heads": spec.num_heads,
@@ -58,7 +67,7 @@ def detect(config: dict[str, Any], directory: Path) -> bool:
     return "medusa_num_heads" in config and (directory / WEIGHTS).is_file()
 
 
-def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: Optional[str] = None) -> ReadBack:
+def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: str | None = None) -> ReadBack:
     engine = read_tensors(directory / WEIGHTS)
     heads, layers = config.get("medusa_num_heads"), config.get("medusa_num_layers")
     if not isinstance(heads, int) or not isinstance(layers, int):
@@ -71,7 +80,9 @@ def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: Op
                 tensors[f"blocks.{k}.{l}.linear.bias"] = engine[f"{k}.{l}.linear.bias"]
             tensors[f"lm_heads.{k}.weight"] = engine[f"{k}.{layers}.weight"]
     except KeyError as err:
-        raise SpecHeadsError(f"{directory}/{WEIGHTS} lacks {err.args[0]} (a Medusa-2 / 'version 2' head "
-                             "without per-head LM heads is not supported)") from None
+        raise SpecHeadsError(
+            f"{directory}/{WEIGHTS} lacks {err.args[0]} (a Medusa-2 / 'version 2' head "
+            "without per-head LM heads is not supported)"
+        ) from None
     spec = {"family": "medusa", "num_heads": heads, "num_layers": layers, "shared_lm_head": False}
     return ReadBack("medusa", spec, {}, tensors, config.get(PROVENANCE_KEY) or {})

@@ -5,25 +5,35 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..decode.tree import chain_paths
+from ..errors import SpecHeadsError
+from ..heads.registry import HEADS
 from .common import HeadSource
 from .hub import looks_like_hub_id
 
-FAMILY_TITLES = {"medusa": "Medusa", "eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
-METRICS = (("tau", "tau"), ("tokens_per_s", "tokens/s"), ("tokens/s", "tokens/s"),
-           ("speedup", "speedup"), ("overhead", "overhead c"), ("overhead_c", "overhead c"))
+METRICS = (
+    ("tau", "tau"),
+    ("tokens_per_s", "tokens/s"),
+    ("tokens/s", "tokens/s"),
+    ("speedup", "speedup"),
+    ("overhead", "overhead c"),
+    ("overhead_c", "overhead c"),
+)
 
 
 # -- serving commands -----------------------------------------------------------------------------
 
-def chain_length(src: HeadSource, override: Optional[int] = None) -> int:
+
+def chain_length(src: HeadSource, override: int | None = None) -> int:
     if override:
         return override
-    if src.family == "medusa":
-        return src.spec.num_heads
+    limit = HEADS[src.family].max_draft_depth(src.spec)
+    if limit is not None:
+        return limit
     tree = src.default_tree
     return max((len(p) for p in tree), default=3) if tree else 3
 
@@ -35,12 +45,15 @@ def sglang_tree_flags(src: HeadSource) -> str:
         return "--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
     steps = max(len(p) for p in tree)
     topk = max(max(p) for p in tree) + 1
-    return (f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} "
-            f"--speculative-num-draft-tokens {len(tree) + 1}")
+    return (
+        f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} "
+        f"--speculative-num-draft-tokens {len(tree) + 1}"
+    )
 
 
-def serve_commands(src: HeadSource, fmt: str, engines: list[str], draft: str, target: str,
-                   tokens: Optional[int] = None) -> list[tuple[str, str]]:
+def serve_commands(
+    src: HeadSource, fmt: str, engines: list[str], draft: str, target: str, tokens: int | None = None
+) -> list[tuple[str, str]]:
     """(engine title, shell command) for every engine the export was written for."""
     k = chain_length(src, tokens)
     out = []
@@ -52,40 +65,57 @@ def serve_commands(src: HeadSource, fmt: str, engines: list[str], draft: str, ta
         out.append(("vLLM", f"vllm serve {target} --speculative-config '{spec_config}'"))
     if "sglang" in engines:
         algo = "EAGLE3" if fmt == "eagle3" else "EAGLE"
-        out.append(("SGLang", f"python -m sglang.launch_server --model-path {target} "
-                              f"--speculative-algorithm {algo} --speculative-draft-model-path {draft} "
-                              f"{sglang_tree_flags(src)}"))
+        out.append(
+            (
+                "SGLang",
+                f"python -m sglang.launch_server --model-path {target} "
+                f"--speculative-algorithm {algo} --speculative-draft-model-path {draft} "
+                f"{sglang_tree_flags(src)}",
+            )
+        )
     if "tgi" in engines:
-        out.append(("Text Generation Inference (loads base_model_name_or_path itself)",
-                    f"text-generation-launcher --model-id {draft} --speculate {k}"))
+        out.append(
+            (
+                "Text Generation Inference (loads base_model_name_or_path itself)",
+                f"text-generation-launcher --model-id {draft} --speculate {k}",
+            )
+        )
     if "trtllm" in engines:
         spec = src.spec
         # without a default tree: one chain through every head's top-1 token
-        choices = json.dumps(src.default_tree or [[0] * d for d in range(1, spec.num_heads + 1)])
-        out.append(("TensorRT-LLM (TRT engine backend)",
-                    f"python examples/medusa/convert_checkpoint.py --model_dir {target} "
-                    f"--medusa_model_dir {draft} --output_dir ./medusa_ckpt --dtype float16 "
-                    f"--num_medusa_heads {spec.num_heads} --num_medusa_layers {spec.num_layers}\n"
-                    "trtllm-build --checkpoint_dir ./medusa_ckpt --output_dir ./medusa_engine "
-                    "--gemm_plugin float16 --speculative_decoding_mode medusa --max_batch_size 4\n"
-                    f"python examples/run.py --engine_dir ./medusa_engine --tokenizer_dir {target} "
-                    f"--medusa_choices '{choices}' --temperature 1.0 --max_output_len 100 "
-                    "--input_text 'Hello'"))
+        choices = json.dumps(src.default_tree or chain_paths(spec.num_heads))
+        out.append(
+            (
+                "TensorRT-LLM (TRT engine backend)",
+                f"python examples/medusa/convert_checkpoint.py --model_dir {target} "
+                f"--medusa_model_dir {draft} --output_dir ./medusa_ckpt --dtype float16 "
+                f"--num_medusa_heads {spec.num_heads} --num_medusa_layers {spec.num_layers}\n"
+                "trtllm-build --checkpoint_dir ./medusa_ckpt --output_dir ./medusa_engine "
+                "--gemm_plugin float16 --speculative_decoding_mode medusa --max_batch_size 4\n"
+                f"python examples/run.py --engine_dir ./medusa_engine --tokenizer_dir {target} "
+                f"--medusa_choices '{choices}' --temperature 1.0 --max_output_len 100 "
+                "--input_text 'Hello'",
+            )
+        )
     if "speculators" in engines:
-        out.append(("speculators (Python)",
-                    f"python -c \"from speculators.models.eagle3 import Eagle3DraftModel; "
-                    f"Eagle3DraftModel.from_pretrained('{draft}')\""))
+        out.append(
+            (
+                "speculators (Python)",
+                f'python -c "from speculators.models.eagle3 import Eagle3DraftModel; '
+                f"Eagle3DraftModel.from_pretrained('{draft}')\"",
+            )
+        )
     return out
 
 
 # -- benchmark table ------------------------------------------------------------------------------
 
+
 def bench_rows(summary: Any, labels: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict[str, float]]]:
     """(label path, metrics) for every object in a benchmark summary that carries tau or speedup."""
     rows = []
     if isinstance(summary, dict):
-        metrics = {title: float(summary[key]) for key, title in METRICS
-                   if isinstance(summary.get(key), (int, float))}
+        metrics = {title: float(summary[key]) for key, title in METRICS if isinstance(summary.get(key), (int, float))}
         if "tau" in metrics or "speedup" in metrics:
             named = tuple(str(summary[k]) for k in ("method", "category") if isinstance(summary.get(k), str))
             rows.append((labels + named, metrics))
@@ -114,11 +144,21 @@ def bench_table(summary: Any) -> str:
 
 # -- the card ----------------------------------------------------------------------------------------
 
-def model_card(src: HeadSource, fmt: str, engines: list[str], *, repo_id: Optional[str] = None,
-               base_model: Optional[str] = None, bench_summary: Any = None, bench_source: str = "",
-               num_speculative_tokens: Optional[int] = None, notes: Optional[list[str]] = None) -> str:
+
+def model_card(
+    src: HeadSource,
+    fmt: str,
+    engines: list[str],
+    *,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    bench_summary: Any = None,
+    bench_source: str = "",
+    num_speculative_tokens: int | None = None,
+    notes: list[str] | None = None,
+) -> str:
     family = src.family
-    title = FAMILY_TITLES.get(family, family)
+    head_class = HEADS[family]
     target = base_model or src.info.name
     draft = repo_id or "PATH/TO/THIS/DIRECTORY"
     tags = ["speculative-decoding", "draft-model", family, f"format-{fmt}", "specheads", *engines]
@@ -129,43 +169,53 @@ def model_card(src: HeadSource, fmt: str, engines: list[str], *, repo_id: Option
         pipeline_tag="text-generation",
     )
     spec, info = src.spec, src.info
-    what = {
-        "medusa": f"{spec.num_heads} Medusa heads ({spec.num_layers} ResBlock each) on the target's final state",
-        "eagle": f"an EAGLE-1 draft ({spec.num_decoder_layers} decoder layer) on the target's final state",
-        "eagle3": (f"an EAGLE-3 draft ({spec.num_decoder_layers} decoder layer) fusing target layers "
-                   f"{src.layer_ids} (residual stream entering layer k), draft vocabulary "
-                   f"{spec.draft_vocab_size} of {info.vocab_size}"),
-    }[family]
-    body = [f"# {title} draft head for {target}", "",
-            f"A speculative-decoding draft head for `{target}`: {what}. Written by specheads in the "
-            f"`{fmt}` layout, checked against the loaders of: {', '.join(engines)}.", ""]
+    what = head_class.describe(spec, info, src.layer_ids)
+    body = [
+        f"# {head_class.title} draft head for {target}",
+        "",
+        f"A speculative-decoding draft head for `{target}`: {what}. Written by specheads in the "
+        f"`{fmt}` layout, checked against the loaders of: {', '.join(engines)}.",
+        "",
+    ]
     body += ["## Serve it", ""]
     for engine, command in serve_commands(src, fmt, engines, draft, target, num_speculative_tokens):
         body += [f"{engine}:", "", "```bash", command, "```", ""]
-    body += ["Load it in specheads (any Hub id or local path):", "", "```bash",
-             f"python infer.py model.path={target} head={draft} prompt=\"Hello\"", "```", ""]
+    body += [
+        "Load it in specheads (any Hub id or local path):",
+        "",
+        "```bash",
+        f'python infer.py model.path={target} head={draft} prompt="Hello"',
+        "```",
+        "",
+    ]
     table = bench_table(bench_summary) if bench_summary is not None else ""
     if table:
-        body += ["## Measured speed", "",
-                 "tau = generated tokens per target forward; speedup vs plain decoding in the same "
-                 f"process; overhead c = tau / speedup - 1.{f' Source: `{bench_source}`.' if bench_source else ''}",
-                 "", table, ""]
+        body += [
+            "## Measured speed",
+            "",
+            "tau = generated tokens per target forward; speedup vs plain decoding in the same "
+            f"process; overhead c = tau / speedup - 1.{f' Source: `{bench_source}`.' if bench_source else ''}",
+            "",
+            table,
+            "",
+        ]
     training = src.config.get("training") or {}
     body += ["## Training", "", "Head config:", "", "```json", json.dumps(spec.to_dict(), indent=2), "```", ""]
     if training:
         body += ["Training run:", "", "```json", json.dumps(training, indent=2, default=str), "```", ""]
-    body += [f"Target: `{info.name}` ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, "
-             f"vocab {info.vocab_size}).", ""]
+    body += [
+        f"Target: `{info.name}` ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, "
+        f"vocab {info.vocab_size}).",
+        "",
+    ]
     if notes:
         body += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)))
 
 
-def read_bench_summary(path: Optional[str]) -> Any:
+def read_bench_summary(path: str | None) -> Any:
     if not path:
         return None
-    from ..errors import SpecHeadsError
-
     p = Path(path)
     try:
         return json.loads(p.read_text())

@@ -15,12 +15,22 @@ a reduced draft vocab (DraftVocabMixin).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import SpecHeadsError
 from .common import (
-    DTYPE_NAMES, PROVENANCE_KEY, Exported, ExportOptions, HeadSource, ReadBack, cast, draft_fields_from_config,
-    llama_layer_fields, provenance, read_tensors, resolve_export_dtype,
+    DTYPE_NAMES,
+    PROVENANCE_KEY,
+    Exported,
+    ExportOptions,
+    HeadSource,
+    ReadBack,
+    cast,
+    draft_fields_from_config,
+    llama_layer_fields,
+    provenance,
+    read_tensors,
+    resolve_export_dtype,
 )
 from .eagle3 import check_capturable, engine_default_ids, from_engine_names, spec_fields, to_engine_names, vocab_maps
 
@@ -38,8 +48,10 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
     if opts.engine not in ("auto", "vllm", "speculators"):
         raise SpecHeadsError(f"format speculators is read by vllm and speculators; engine={opts.engine} is neither")
     if spec.fc_bias:
-        raise SpecHeadsError("the speculators format has no fc bias (Eagle3DraftModel.fc and vLLM's fc are "
-                             "bias-free); this head was trained with head.fc_bias=true")
+        raise SpecHeadsError(
+            "the speculators format has no fc bias (Eagle3DraftModel.fc and vLLM's fc are "
+            "bias-free); this head was trained with head.fc_bias=true"
+        )
     dtype = resolve_export_dtype(opts.dtype, src.tensors)
     tokens = opts.num_speculative_tokens or default_speculative_tokens(src)
     reduced = spec.draft_vocab_size != info.vocab_size
@@ -49,14 +61,21 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": opts.base_model or info.name,
-                         "architectures": opts.verifier_architectures or []},
+            "verifier": {
+                "name_or_path": opts.base_model or info.name,
+                "architectures": opts.verifier_architectures or [],
+            },
         },
-        "transformer_layer_config": llama_layer_fields(info, spec.intermediate_size,
-                                                       spec.num_decoder_layers, dtype),
+        "transformer_layer_config": llama_layer_fields(info, spec.intermediate_size, spec.num_decoder_layers, dtype),
         "draft_vocab_size": spec.draft_vocab_size,
         "norm_before_residual": False,
         "norm_before_fc": False,
@@ -72,8 +91,9 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         tensors["embed_tokens.weight"] = opts.target.embed_tokens()
     engines = ["vllm", "speculators"]
     config[PROVENANCE_KEY] = provenance(src, NAME, engines, ids, "vllm")
-    notes = [f"verifier: {config['speculators_config']['verifier']['name_or_path']}; "
-             f"{tokens} speculative tokens by default"]
+    notes = [
+        f"verifier: {config['speculators_config']['verifier']['name_or_path']}; {tokens} speculative tokens by default"
+    ]
     return Exported(config, {WEIGHTS: cast(to_engine_names(tensors, "layers.0"), dtype)}, engines, notes)
 
 
@@ -87,13 +107,15 @@ def detect(config: dict[str, Any], directory: Path) -> bool:
     return config.get("speculators_model_type") == "eagle3"
 
 
-def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: Optional[str] = None) -> ReadBack:
+def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: str | None = None) -> ReadBack:
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise SpecHeadsError(f"{directory}/config.json: transformer_layer_config must be a dict")
     if config.get("norm_before_residual", True):
-        raise SpecHeadsError(f"{directory}: norm_before_residual is true (or absent, which vLLM reads as "
-                             "true); specheads heads normalise after the residual")
+        raise SpecHeadsError(
+            f"{directory}: norm_before_residual is true (or absent, which vLLM reads as "
+            "true); specheads heads normalise after the residual"
+        )
     tensors = from_engine_names(read_tensors(directory / WEIGHTS))
     block = config.get(PROVENANCE_KEY) or {}
     ids = config.get("eagle_aux_hidden_state_layer_ids") or block.get("layer_ids")

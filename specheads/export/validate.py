@@ -8,9 +8,10 @@ Both are caught here, before a directory is written: the expected key set must m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -24,19 +25,29 @@ Meta = dict[str, tuple[tuple[int, ...], str]]
 Rules = dict[str, tuple[tuple[int, ...], tuple[str, ...]]]
 
 SRC_VLLM_EAGLE3 = "vllm-project/vllm@00bd1493 vllm/model_executor/models/llama_eagle3.py"
-SRC_VLLM_EAGLE = ("vllm-project/vllm@00da9231 (and e1c4a552) vllm/model_executor/models/llama_eagle.py; "
-                  "vllm@23c5aa92 vllm/transformers_utils/configs/eagle.py")
-SRC_VLLM_SPECULATORS = ("vllm-project/vllm@052316ae vllm/transformers_utils/configs/speculators/base.py; "
-                        "vllm@cfb173ab .../speculators/algos.py; " + SRC_VLLM_EAGLE3)
-SRC_SPECULATORS = ("vllm-project/speculators@03a7c149 src/speculators/config.py; @11ecdd33 "
-                   "src/speculators/models/eagle3/config.py; @033c87f2 src/speculators/models/eagle3/core.py")
+SRC_VLLM_EAGLE = (
+    "vllm-project/vllm@00da9231 (and e1c4a552) vllm/model_executor/models/llama_eagle.py; "
+    "vllm@23c5aa92 vllm/transformers_utils/configs/eagle.py"
+)
+SRC_VLLM_SPECULATORS = (
+    "vllm-project/vllm@052316ae vllm/transformers_utils/configs/speculators/base.py; "
+    "vllm@cfb173ab .../speculators/algos.py; " + SRC_VLLM_EAGLE3
+)
+SRC_SPECULATORS = (
+    "vllm-project/speculators@03a7c149 src/speculators/config.py; @11ecdd33 "
+    "src/speculators/models/eagle3/config.py; @033c87f2 src/speculators/models/eagle3/core.py"
+)
 SRC_SGLANG_EAGLE3 = "sgl-project/sglang@03d5a777 python/sglang/srt/models/llama_eagle3.py"
 SRC_SGLANG_EAGLE = "sgl-project/sglang@034b3be8 python/sglang/srt/models/llama_eagle.py"
-SRC_VLLM_MEDUSA = ("vllm-project/vllm@01dbb081 vllm/model_executor/models/medusa.py; "
-                   "vllm@0531c222 vllm/transformers_utils/configs/medusa.py")
+SRC_VLLM_MEDUSA = (
+    "vllm-project/vllm@01dbb081 vllm/model_executor/models/medusa.py; "
+    "vllm@0531c222 vllm/transformers_utils/configs/medusa.py"
+)
 SRC_TRTLLM_MEDUSA = "NVIDIA/TensorRT-LLM@27712aa7 tensorrt_llm/models/medusa/weight.py (load_medusa_hf)"
-SRC_TGI_MEDUSA = ("huggingface/text-generation-inference@91560ed9 server/text_generation_server/layers/"
-                  "medusa.py (MedusaHeadV1); server/text_generation_server/models/__init__.py")
+SRC_TGI_MEDUSA = (
+    "huggingface/text-generation-inference@91560ed9 server/text_generation_server/layers/"
+    "medusa.py (MedusaHeadV1); server/text_generation_server/models/__init__.py"
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,8 @@ class Problems(list):
 
 # -- generic pieces ----------------------------------------------------------------------------------
 
-def check_tensors(meta: Meta, required: Rules, optional: Optional[Rules] = None) -> list[str]:
+
+def check_tensors(meta: Meta, required: Rules, optional: Rules | None = None) -> list[str]:
     """Exact key set: every required key with its shape and dtype, nothing unknown."""
     optional = optional or {}
     out = []
@@ -92,7 +104,8 @@ def llama_sizes(cfg: dict, problems: Problems) -> dict[str, int]:
     h = need_int(cfg, "hidden_size", problems)
     nh = need_int(cfg, "num_attention_heads", problems)
     return {
-        "H": h, "nh": nh,
+        "H": h,
+        "nh": nh,
         "nkv": cfg.get("num_key_value_heads") or nh,
         "hd": cfg.get("head_dim") or h // nh,
         "I": need_int(cfg, "intermediate_size", problems),
@@ -128,29 +141,37 @@ def check_vocab_map(directory: Path, filename: str, meta: Meta, vocab: int, draf
     targets = torch.arange(draft_vocab) + d2t
     out = []
     if bool((targets < 0).any() or (targets >= vocab).any()) or targets.unique().numel() != draft_vocab:
-        out.append("d2t does not hold offsets (draft id + d2t[draft id] must be distinct target ids "
-                   f"in 0..{vocab - 1}); absolute ids instead of offsets?")
+        out.append(
+            "d2t does not hold offsets (draft id + d2t[draft id] must be distinct target ids "
+            f"in 0..{vocab - 1}); absolute ids instead of offsets?"
+        )
     elif "t2d" in meta and meta["t2d"][0] == (vocab,):
         t2d = read_small(directory, filename, "t2d").bool()
         if int(t2d.sum()) != draft_vocab or not bool(t2d[targets].all()):
-            out.append("d2t and t2d disagree: draft id + d2t[draft id] must be exactly the ids t2d marks "
-                       "(d2t written as absolute ids instead of offsets?)")
+            out.append(
+                "d2t and t2d disagree: draft id + d2t[draft id] must be exactly the ids t2d marks "
+                "(d2t written as absolute ids instead of offsets?)"
+            )
     return out
 
 
-def aux_ids(cfg: dict) -> Optional[list]:
+def aux_ids(cfg: dict) -> list | None:
     eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     return cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
 
 
 # -- EAGLE-3: research directory (vLLM, SGLang) and speculators ----------------------------------------
 
+
 def eagle3_rules(cfg: dict, s: dict[str, int], layer0: str, extra_layers: str, fc_bias: bool) -> tuple[Rules, Rules]:
     h, v = s["H"], s["V"]
     ht = cfg.get("target_hidden_size") or h
     vd = cfg.get("draft_vocab_size") or v
-    required: Rules = {"fc.weight": ((h, 3 * ht), FLOAT), "norm.weight": ((h,), FLOAT),
-                       "lm_head.weight": ((vd, h), FLOAT)}
+    required: Rules = {
+        "fc.weight": ((h, 3 * ht), FLOAT),
+        "norm.weight": ((h,), FLOAT),
+        "lm_head.weight": ((vd, h), FLOAT),
+    }
     if fc_bias:
         required["fc.bias"] = ((h,), FLOAT)
     p0 = f"{layer0}."
@@ -169,13 +190,18 @@ def eagle3_rules(cfg: dict, s: dict[str, int], layer0: str, extra_layers: str, f
 def eagle3_common(cfg: dict, problems: Problems) -> dict[str, int]:
     s = llama_sizes(cfg, problems)
     vd = cfg.get("draft_vocab_size")
-    problems.need(isinstance(vd, int) and 0 < vd <= s["V"],
-                  f"draft_vocab_size must be an integer in 1..vocab_size, got {vd!r}")
+    problems.need(
+        isinstance(vd, int) and 0 < vd <= s["V"], f"draft_vocab_size must be an integer in 1..vocab_size, got {vd!r}"
+    )
     ids = aux_ids(cfg)
-    problems.need(ids is None or len(ids) == 3,
-                  f"eagle_aux_hidden_state_layer_ids must list 3 layers (fc reads 3 x hidden), got {ids}")
-    problems.need(not cfg.get("tie_word_embeddings"), "tie_word_embeddings must be false (the draft has "
-                  "its own lm_head; SGLang would tie it to the embedding)")
+    problems.need(
+        ids is None or len(ids) == 3,
+        f"eagle_aux_hidden_state_layer_ids must list 3 layers (fc reads 3 x hidden), got {ids}",
+    )
+    problems.need(
+        not cfg.get("tie_word_embeddings"),
+        "tie_word_embeddings must be false (the draft has its own lm_head; SGLang would tie it to the embedding)",
+    )
     return s
 
 
@@ -183,14 +209,20 @@ def vllm_eagle3(directory: Path, cfg: dict, files: dict) -> list[str]:
     p = Problems()
     archs = cfg.get("architectures") or []
     # configs/eagle.py keeps names that start or end with "Eagle3"; the registry knows these.
-    p.need(any(a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs),
-           f"architectures {archs} name no vLLM EAGLE-3 class (LlamaForCausalLMEagle3)")
+    p.need(
+        any(a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs),
+        f"architectures {archs} name no vLLM EAGLE-3 class (LlamaForCausalLMEagle3)",
+    )
     p.need(cfg.get("model_type") == "llama", "model_type must be 'llama' (EAGLEConfig wraps an AutoConfig)")
     s = eagle3_common(cfg, p)
-    p.need(cfg.get("norm_before_residual") is False,
-           "norm_before_residual must be written as false (EAGLE heads normalise after the residual)")
-    p.need(not cfg.get("bias") and not cfg.get("attention_bias"),
-           "bias / attention_bias must be false (vLLM then builds biased attention projections)")
+    p.need(
+        cfg.get("norm_before_residual") is False,
+        "norm_before_residual must be written as false (EAGLE heads normalise after the residual)",
+    )
+    p.need(
+        not cfg.get("bias") and not cfg.get("attention_bias"),
+        "bias / attention_bias must be false (vLLM then builds biased attention projections)",
+    )
     eagle = cfg.get("eagle_config") or {}
     p.need(eagle.get("use_aux_hidden_state", True) is not False, "eagle_config.use_aux_hidden_state is false")
     meta = files.get("model.safetensors")
@@ -213,8 +245,9 @@ def sglang_eagle3(directory: Path, cfg: dict, files: dict) -> list[str]:
     # spec_utils sizes the target's aux buffer as hidden x len(ids) only when this flag is set
     p.need(eagle.get("use_aux_hidden_state") is True, "eagle_config.use_aux_hidden_state must be true")
     # BasicDecoderLayer (additional_layers) drops the incoming residual: not the layer we trained
-    p.need(s["L"] == 1, f"SGLang's EAGLE-3 draft runs extra layers differently; num_hidden_layers must be 1, "
-                        f"got {s['L']}")
+    p.need(
+        s["L"] == 1, f"SGLang's EAGLE-3 draft runs extra layers differently; num_hidden_layers must be 1, got {s['L']}"
+    )
     meta = files.get("model.safetensors")
     if meta is None:
         return [*p, "missing model.safetensors"]
@@ -226,21 +259,27 @@ def sglang_eagle3(directory: Path, cfg: dict, files: dict) -> list[str]:
 
 def speculators_config_problems(cfg: dict, p: Problems) -> dict:
     """The part vLLM validates (validate_speculators_config) plus update_eagle3's fields."""
-    p.need(cfg.get("speculators_model_type") == "eagle3",
-           f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}")
+    p.need(
+        cfg.get("speculators_model_type") == "eagle3",
+        f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}",
+    )
     spec = cfg.get("speculators_config")
     spec = spec if isinstance(spec, dict) else {}
     methods = spec.get("proposal_methods") or [{}]
     tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
-    p.need(isinstance(tokens, int) and tokens > 0,
-           "speculators_config.proposal_methods[0].speculative_tokens must be a positive integer")
+    p.need(
+        isinstance(tokens, int) and tokens > 0,
+        "speculators_config.proposal_methods[0].speculative_tokens must be a positive integer",
+    )
     verifier = spec.get("verifier") if isinstance(spec.get("verifier"), dict) else {}
     p.need(bool(verifier.get("name_or_path")), "speculators_config.verifier.name_or_path is missing")
     layer = cfg.get("transformer_layer_config")
     p.need(isinstance(layer, dict), "transformer_layer_config must be a dict")
     # algos.update_eagle3: an absent norm_before_residual reads as True
-    p.need(cfg.get("norm_before_residual") is False, "norm_before_residual must be written as false "
-                                                      "(vLLM reads an absent field as true)")
+    p.need(
+        cfg.get("norm_before_residual") is False,
+        "norm_before_residual must be written as false (vLLM reads an absent field as true)",
+    )
     return layer if isinstance(layer, dict) else {}
 
 
@@ -249,9 +288,12 @@ def vllm_speculators(directory: Path, cfg: dict, files: dict) -> list[str]:
     layer = speculators_config_problems(cfg, p)
     if not layer:
         return p
-    merged = {**layer, "draft_vocab_size": cfg.get("draft_vocab_size"),
-              "target_hidden_size": cfg.get("target_hidden_size"),
-              "eagle_aux_hidden_state_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids")}
+    merged = {
+        **layer,
+        "draft_vocab_size": cfg.get("draft_vocab_size"),
+        "target_hidden_size": cfg.get("target_hidden_size"),
+        "eagle_aux_hidden_state_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids"),
+    }
     s = eagle3_common(merged, p)
     p.need(not layer.get("attention_bias") and not layer.get("bias"), "transformer_layer_config has biases")
     meta = files.get("model.safetensors")
@@ -270,17 +312,21 @@ def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
     p.need(cfg.get("architectures") == ["Eagle3Speculator"], "architectures must be ['Eagle3Speculator']")
     p.need(spec.get("algorithm") == "eagle3", "speculators_config.algorithm must be 'eagle3'")
     types = [m.get("proposal_type") for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
-    p.need(spec.get("default_proposal_method") in types,
-           "speculators_config.default_proposal_method must name one of the proposal_methods")
+    p.need(
+        spec.get("default_proposal_method") in types,
+        "speculators_config.default_proposal_method must name one of the proposal_methods",
+    )
     verifier = spec.get("verifier") or {}
-    p.need(isinstance(verifier.get("architectures"), list), "speculators_config.verifier.architectures "
-                                                            "must be a list")
+    p.need(isinstance(verifier.get("architectures"), list), "speculators_config.verifier.architectures must be a list")
     p.need(bool(cfg.get("speculators_version")), "speculators_version is missing")
     p.need(not cfg.get("norm_before_fc"), "norm_before_fc must be false (no input_norm in this head)")
     if not layer:
         return p
-    merged = {**layer, "draft_vocab_size": cfg.get("draft_vocab_size"),
-              "target_hidden_size": cfg.get("target_hidden_size")}
+    merged = {
+        **layer,
+        "draft_vocab_size": cfg.get("draft_vocab_size"),
+        "target_hidden_size": cfg.get("target_hidden_size"),
+    }
     s = eagle3_common(merged, p)
     meta = files.get("model.safetensors")
     if meta is None:
@@ -299,6 +345,7 @@ def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
 
 # -- EAGLE-1 -----------------------------------------------------------------------------------------
 
+
 def eagle1_rules(s: dict[str, int], fc_bias: bool) -> tuple[Rules, Rules]:
     h = s["H"]
     required: Rules = {"fc.weight": ((h, 2 * h), FLOAT)}
@@ -315,8 +362,10 @@ def vllm_eagle(directory: Path, cfg: dict, files: dict) -> list[str]:
     p = Problems()
     archs = cfg.get("architectures") or []
     # configs/eagle.py prefixes "Eagle" to each name: LlamaForCausalLM -> EagleLlamaForCausalLM
-    p.need(any(a in ("LlamaForCausalLM", "EagleLlamaForCausalLM") for a in archs),
-           f"architectures {archs} map to no vLLM EAGLE class (need LlamaForCausalLM or EagleLlamaForCausalLM)")
+    p.need(
+        any(a in ("LlamaForCausalLM", "EagleLlamaForCausalLM") for a in archs),
+        f"architectures {archs} map to no vLLM EAGLE class (need LlamaForCausalLM or EagleLlamaForCausalLM)",
+    )
     p.need(cfg.get("model_type") == "llama", "model_type must be 'llama'")
     s = llama_sizes(cfg, p)
     meta = files.get("model.safetensors")
@@ -327,9 +376,11 @@ def vllm_eagle(directory: Path, cfg: dict, files: dict) -> list[str]:
     p.extend(check_tensors(meta, required, optional))
     if "fc.bias" in meta and meta["fc.bias"][0] == (s["H"],):
         # vLLM's fc has bias=False: a non-zero bias would be lost (00da9231) or refused (e1c4a552)
-        p.need(not bool(read_small(directory, "model.safetensors", "fc.bias").any()),
-               "fc has a non-zero bias, which vLLM's EAGLE-1 draft (fc without bias) drops; "
-               "train with head.fc_bias=false to serve in vLLM")
+        p.need(
+            not bool(read_small(directory, "model.safetensors", "fc.bias").any()),
+            "fc has a non-zero bias, which vLLM's EAGLE-1 draft (fc without bias) drops; "
+            "train with head.fc_bias=false to serve in vLLM",
+        )
     return p
 
 
@@ -348,6 +399,7 @@ def sglang_eagle(directory: Path, cfg: dict, files: dict) -> list[str]:
 
 
 # -- Medusa ------------------------------------------------------------------------------------------
+
 
 def vllm_medusa(directory: Path, cfg: dict, files: dict) -> list[str]:
     p = Problems()
@@ -421,15 +473,23 @@ def tgi_medusa(directory: Path, cfg: dict, files: dict) -> list[str]:
 
 
 CONTRACTS: dict[str, list[Contract]] = {
-    "eagle3": [Contract("vllm", "eagle3", SRC_VLLM_EAGLE3, vllm_eagle3),
-               Contract("sglang", "eagle3", SRC_SGLANG_EAGLE3, sglang_eagle3)],
-    "speculators": [Contract("vllm", "speculators", SRC_VLLM_SPECULATORS, vllm_speculators),
-                    Contract("speculators", "speculators", SRC_SPECULATORS, speculators_library)],
-    "eagle": [Contract("vllm", "eagle", SRC_VLLM_EAGLE, vllm_eagle),
-              Contract("sglang", "eagle", SRC_SGLANG_EAGLE, sglang_eagle)],
+    "eagle3": [
+        Contract("vllm", "eagle3", SRC_VLLM_EAGLE3, vllm_eagle3),
+        Contract("sglang", "eagle3", SRC_SGLANG_EAGLE3, sglang_eagle3),
+    ],
+    "speculators": [
+        Contract("vllm", "speculators", SRC_VLLM_SPECULATORS, vllm_speculators),
+        Contract("speculators", "speculators", SRC_SPECULATORS, speculators_library),
+    ],
+    "eagle": [
+        Contract("vllm", "eagle", SRC_VLLM_EAGLE, vllm_eagle),
+        Contract("sglang", "eagle", SRC_SGLANG_EAGLE, sglang_eagle),
+    ],
     "vllm-medusa": [Contract("vllm", "vllm-medusa", SRC_VLLM_MEDUSA, vllm_medusa)],
-    "medusa": [Contract("trtllm", "medusa", SRC_TRTLLM_MEDUSA, trtllm_medusa),
-               Contract("tgi", "medusa", SRC_TGI_MEDUSA, tgi_medusa)],
+    "medusa": [
+        Contract("trtllm", "medusa", SRC_TRTLLM_MEDUSA, trtllm_medusa),
+        Contract("tgi", "medusa", SRC_TGI_MEDUSA, tgi_medusa),
+    ],
 }
 
 
@@ -437,7 +497,7 @@ def engines_of(fmt: str) -> list[str]:
     return [c.engine for c in CONTRACTS[fmt]]
 
 
-def check_directory(directory: str | Path, fmt: str, engines: Optional[list[str]] = None) -> dict[str, list[str]]:
+def check_directory(directory: str | Path, fmt: str, engines: list[str] | None = None) -> dict[str, list[str]]:
     """{engine: problems} for the written directory (an empty list: that engine can load it)."""
     directory = Path(directory)
     if fmt not in CONTRACTS:
@@ -447,8 +507,9 @@ def check_directory(directory: str | Path, fmt: str, engines: Optional[list[str]
         return {c.engine: [f"missing {CONFIG_NAME}"] for c in CONTRACTS[fmt]}
     cfg = read_json(config_path)
     files = {p.name: tensor_meta(p) for p in sorted(directory.glob("*.safetensors"))}
-    return {c.engine: list(c.check(directory, cfg, files)) for c in CONTRACTS[fmt]
-            if engines is None or c.engine in engines}
+    return {
+        c.engine: list(c.check(directory, cfg, files)) for c in CONTRACTS[fmt] if engines is None or c.engine in engines
+    }
 
 
 def require(directory: str | Path, fmt: str, engines: list[str]) -> dict[str, list[str]]:

@@ -14,14 +14,22 @@ original_lm_head=true and one copy of the target's LM head.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from ..errors import SpecHeadsError
 from .common import (
-    DTYPE_NAMES, PROVENANCE_KEY, Exported, ExportOptions, HeadSource, ReadBack, cast, provenance,
-    read_tensors, resolve_export_dtype,
+    DTYPE_NAMES,
+    PROVENANCE_KEY,
+    Exported,
+    ExportOptions,
+    HeadSource,
+    ReadBack,
+    cast,
+    provenance,
+    read_tensors,
+    resolve_export_dtype,
 )
 
 NAME = "vllm-medusa"
@@ -65,7 +73,7 @@ def detect(config: dict[str, Any], directory: Path) -> bool:
     return config.get("model_type") == "medusa" or "MedusaModel" in (config.get("architectures") or [])
 
 
-def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: Optional[str] = None) -> ReadBack:
+def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: str | None = None) -> ReadBack:
     engine = read_tensors(directory / WEIGHTS)
     engine = {k.removeprefix("medusa_heads."): v for k, v in engine.items()}
     heads = next((config[k] for k in config if "num" in k and "heads" in k), None)
@@ -78,8 +86,11 @@ def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: Op
             for l in range(layers):
                 tensors[f"blocks.{k}.{l}.linear.weight"] = engine[f"blocks.{k}.layers.{l}.weight"]
                 bias = engine.get(f"blocks.{k}.layers.{l}.bias")
-                tensors[f"blocks.{k}.{l}.linear.bias"] = bias if bias is not None and config.get(
-                    "medusa_fc_bias") else torch.zeros(int(config["hidden_size"]))
+                tensors[f"blocks.{k}.{l}.linear.bias"] = (
+                    bias
+                    if bias is not None and config.get("medusa_fc_bias")
+                    else torch.zeros(int(config["hidden_size"]))
+                )
             lm = engine.get(f"lm_heads.{k}.weight")
             if config.get("original_lm_head"):
                 lm = engine.get("lm_head.weight", engine.get("lm_heads.0.weight"))

@@ -10,6 +10,17 @@ from .registry import HEADS, build_head
 from .spec import HeadSpec
 
 __all__ = [
-    "HEADS", "AutoregressiveHead", "DraftCache", "DraftHead", "Eagle3Head", "EagleHead", "HeadSpec",
-    "MedusaHead", "build_head", "check_compatible", "load_head", "read_head_config", "save_head",
+    "HEADS",
+    "AutoregressiveHead",
+    "DraftCache",
+    "DraftHead",
+    "Eagle3Head",
+    "EagleHead",
+    "HeadSpec",
+    "MedusaHead",
+    "build_head",
+    "check_compatible",
+    "load_head",
+    "read_head_config",
+    "save_head",
 ]

@@ -7,7 +7,7 @@ head holds no copy of the target's weights.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -28,16 +28,22 @@ class FrozenParts:
 
 class DraftHead(nn.Module):
     family: ClassVar[str] = ""
+    title: ClassVar[str] = ""  # the family's name in prose (model cards)
+    # How inference drafts a tree: "parallel" (every depth from the last accepted target state)
+    # or "autoregressive" (a draft decoder run level by level); decode picks the drafter by it.
+    draft_kind: ClassVar[str] = ""
+    # The static tree (rank paths) drafted when the head stores no default_tree; None: a dynamic tree.
+    fallback_tree: ClassVar[tuple[tuple[int, ...], ...] | None] = None
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
         super().__init__()
         self.spec = spec
         self.info = info
         self.__dict__["_frozen"] = None  # bypass nn.Module registration on purpose
-        self.default_tree: Optional[list] = None
+        self.default_tree: list | None = None
 
     # -- target wiring -------------------------------------------------------------------
-    def attach(self, target: FrozenTarget) -> "DraftHead":
+    def attach(self, target: FrozenTarget) -> DraftHead:
         check_compatible(self.info, target.info)
         self.__dict__["_frozen"] = FrozenParts(target)
         return self
@@ -81,6 +87,31 @@ class DraftHead(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
+    # -- what the family can draft, and how it describes itself ---------------------------------
+    @classmethod
+    def max_draft_depth(cls, spec: HeadSpec) -> int | None:
+        """The deepest tree a head of this spec can draft (None: no limit)."""
+        return None
+
+    @classmethod
+    def describe(cls, spec: HeadSpec, info: TargetInfo, layer_ids: list[int]) -> str:
+        """One phrase saying what the head is (for model cards)."""
+        raise NotImplementedError
+
+    @classmethod
+    def adopt_exported(
+        cls, spec: HeadSpec, tensors: dict[str, torch.Tensor], target: FrozenTarget
+    ) -> dict[str, torch.Tensor]:
+        """Tensors read back from an engine export, in this head's terms (may adjust spec)."""
+        return tensors
+
+    def teacher_forced_logits(
+        self, input_ids: torch.Tensor, states: dict[Any, torch.Tensor], depth: int
+    ) -> list[torch.Tensor]:
+        """Draft logits [B, T, Vd] (float) for depths 1..depth (fewer if the head drafts less deep):
+        at depth d, position t holds the draft for token t+1+d, drafted along the true sequence."""
+        raise NotImplementedError
+
     # -- training --------------------------------------------------------------------------
     def loss(self, batch: dict[str, torch.Tensor], states: dict[Any, torch.Tensor]):
         raise NotImplementedError
@@ -93,12 +124,12 @@ class DraftHead(nn.Module):
 def check_compatible(head: TargetInfo, target: TargetInfo) -> None:
     """Refuse a head trained for a differently shaped target, with one readable line."""
     fields = ("hidden_size", "vocab_size", "num_layers")
-    diffs = [f"{f} {getattr(head, f)} != {getattr(target, f)}" for f in fields
-             if getattr(head, f) != getattr(target, f)]
+    diffs = [
+        f"{f} {getattr(head, f)} != {getattr(target, f)}" for f in fields if getattr(head, f) != getattr(target, f)
+    ]
     if diffs:
         raise SpecHeadsError(
-            f"head was trained for target {head.name!r} but the target is {target.name!r}: "
-            + ", ".join(diffs)
+            f"head was trained for target {head.name!r} but the target is {target.name!r}: " + ", ".join(diffs)
         )
 
 

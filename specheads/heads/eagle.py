@@ -6,7 +6,7 @@ output predicts token t+2. The output is fed back as the next step's feature.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ class AutoregressiveHead(DraftHead):
     """A draft decoder that runs step by step with its own KV cache (EAGLE-1 and EAGLE-3)."""
 
     attention_input_factor = 1  # width of layer 0's attention input, in units of hidden size
+    draft_kind = "autoregressive"
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
         super().__init__(spec, info)
@@ -34,7 +35,8 @@ class AutoregressiveHead(DraftHead):
         )
         # layers after the first are plain pre-norm Llama layers
         self.extra_input_norms = nn.ModuleList(
-            LlamaRMSNorm(h, eps=info.rms_norm_eps) for _ in range(spec.num_decoder_layers - 1))
+            LlamaRMSNorm(h, eps=info.rms_norm_eps) for _ in range(spec.num_decoder_layers - 1)
+        )
         self.rotary = Rotary(self.llama_config)
 
     # -- family-specific pieces ------------------------------------------------------------
@@ -60,8 +62,14 @@ class AutoregressiveHead(DraftHead):
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
 
-    def draft_step(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                   cache: Optional[DraftCache], attention_mask: Optional[torch.Tensor] = None):
+    def draft_step(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DraftCache | None,
+        attention_mask: torch.Tensor | None = None,
+    ):
         """Run T new draft positions; returns (hidden_out [B,T,H], draft logits [B,T,Vd])."""
         emb = self.embed(input_ids)
         h = self.fuse(emb, features.to(self.dtype))
@@ -79,7 +87,7 @@ class AutoregressiveHead(DraftHead):
         """
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
-        context: list[Optional[tuple]] = [None] * len(self.layers)
+        context: list[tuple | None] = [None] * len(self.layers)
         chains: list[list] = [[] for _ in self.layers]
         outputs, feat = [], features.to(self.dtype)
         for j in range(steps):
@@ -96,6 +104,10 @@ class AutoregressiveHead(DraftHead):
             outputs.append(h)
             feat = h
         return outputs
+
+    def teacher_forced_logits(self, input_ids, states, depth):
+        outs = self.unrolled(input_ids, self.input_features(states), depth)  # step j at t predicts t+2+j
+        return [self.draft_logits(h).float() for h in outs]
 
     # -- evaluation shared by both families ----------------------------------------------------
     def _counted(self, batch: dict[str, torch.Tensor], j: int) -> torch.Tensor:
@@ -122,11 +134,16 @@ class EagleHead(AutoregressiveHead):
     """
 
     family = "eagle"
+    title = "EAGLE-1"
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
         super().__init__(spec, info)
         h = info.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=spec.fc_bias)
+
+    @classmethod
+    def describe(cls, spec: HeadSpec, info: TargetInfo, layer_ids: list[int]) -> str:
+        return f"an EAGLE-1 draft ({spec.num_decoder_layers} decoder layer) on the target's final state"
 
     @property
     def reads_final(self) -> bool:
@@ -173,5 +190,4 @@ class EagleHead(AutoregressiveHead):
         token_loss = -((target_p * logp).sum(-1) * mask).sum() / n
         loss = self.spec.feature_loss_weight * feature_loss + self.spec.token_loss_weight * token_loss
         acc = ((logp.argmax(-1) == target_p.argmax(-1)) & mask).sum() / n
-        return loss, {"feature_loss": feature_loss.item(), "token_loss": token_loss.item(),
-                      "acc_0": acc.item()}
+        return loss, {"feature_loss": feature_loss.item(), "token_loss": token_loss.item(), "acc_0": acc.item()}

@@ -8,13 +8,14 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..target import TargetInfo
-from .eagle import AutoregressiveHead
 from .base import shifted
+from .eagle import AutoregressiveHead
 from .spec import HeadSpec
 
 
 class Eagle3Head(AutoregressiveHead):
     family = "eagle3"
+    title = "EAGLE-3"
     attention_input_factor = 2  # cat(norm(embedding), norm(hidden))
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
@@ -27,8 +28,20 @@ class Eagle3Head(AutoregressiveHead):
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
         n = spec.draft_vocab_size
         self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(info.vocab_size, dtype=torch.bool) if n == info.vocab_size
-                             else torch.zeros(info.vocab_size, dtype=torch.bool))
+        self.register_buffer(
+            "t2d",
+            torch.ones(info.vocab_size, dtype=torch.bool)
+            if n == info.vocab_size
+            else torch.zeros(info.vocab_size, dtype=torch.bool),
+        )
+
+    @classmethod
+    def describe(cls, spec: HeadSpec, info: TargetInfo, layer_ids: list[int]) -> str:
+        return (
+            f"an EAGLE-3 draft ({spec.num_decoder_layers} decoder layer) fusing target layers "
+            f"{layer_ids} (residual stream entering layer k), draft vocabulary "
+            f"{spec.draft_vocab_size} of {info.vocab_size}"
+        )
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.numel() != self.spec.draft_vocab_size or t2d.numel() != self.info.vocab_size:
@@ -79,7 +92,7 @@ class Eagle3Head(AutoregressiveHead):
             n = mask.sum().clamp(min=1)
             logq = torch.log_softmax(self.draft_logits(h), dim=-1)
             loss_j = -((p * logq).sum(-1) * mask).sum() / n
-            total = total + self.spec.ttt_decay ** j * loss_j
+            total = total + self.spec.ttt_decay**j * loss_j
             acc = ((logq.argmax(-1) == p.argmax(-1)) & mask).sum() / n
             metrics[f"loss_{j}"] = loss_j.item()
             metrics[f"acc_{j}"] = acc.item()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -24,7 +24,7 @@ WEIGHTS_NAME = "model.safetensors"
 FORMAT_NAME = "specheads"
 
 
-def head_config_dict(head: DraftHead, training: Optional[dict] = None) -> dict[str, Any]:
+def head_config_dict(head: DraftHead, training: dict | None = None) -> dict[str, Any]:
     from .. import __version__
 
     return {
@@ -37,16 +37,19 @@ def head_config_dict(head: DraftHead, training: Optional[dict] = None) -> dict[s
         "layer_ids": head.target_layer_ids(),
         "layer_convention": LAYER_CONVENTION,
         "reads": {"layer_ids": head.target_layer_ids(), "final_post_norm": head.reads_final},
-        "vocab": {"target_vocab_size": head.info.vocab_size, "draft_vocab_size": head.spec.draft_vocab_size,
-                  "mapping": "d2t offsets (target_id = draft_id + d2t[draft_id])"
-                  if head.family == "eagle3" else "identity"},
+        "vocab": {
+            "target_vocab_size": head.info.vocab_size,
+            "draft_vocab_size": head.spec.draft_vocab_size,
+            "mapping": "d2t offsets (target_id = draft_id + d2t[draft_id])" if head.family == "eagle3" else "identity",
+        },
         "default_tree": head.default_tree,
         "training": training or {},
     }
 
 
-def save_head(head: DraftHead, directory: str | os.PathLike, training: Optional[dict] = None) -> Path:
+def save_head(head: DraftHead, directory: str | os.PathLike, training: dict | None = None) -> Path:
     """Write the head directory atomically (a temp directory renamed into place)."""
+
     def fill(tmp: Path) -> None:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "family": head.family})
@@ -68,7 +71,8 @@ def read_head_config(directory: str | os.PathLike) -> dict[str, Any]:
     if config.get("schema_version", 0) > SCHEMA_VERSION:
         raise SpecHeadsError(
             f"{path} has schema version {config['schema_version']}; this specheads reads up to "
-            f"{SCHEMA_VERSION}: upgrade specheads")
+            f"{SCHEMA_VERSION}: upgrade specheads"
+        )
     for key in ("family", "head", "target"):
         if key not in config:
             raise SpecHeadsError(f"{path} lacks the {key!r} field")
@@ -84,8 +88,7 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
     family = config["family"]
     if family not in HEADS:
         raise SpecHeadsError(f"{directory}: unknown head family {family!r}")
-    info = TargetInfo(**{k: v for k, v in config["target"].items()
-                         if k in TargetInfo.__dataclass_fields__})
+    info = TargetInfo(**{k: v for k, v in config["target"].items() if k in TargetInfo.__dataclass_fields__})
     spec = HeadSpec.from_dict(config["head"])
     head = HEADS[family](spec, info)
     head.attach(target)
@@ -100,7 +103,8 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
     if missing or unexpected:
         raise SpecHeadsError(
             f"{weights} does not match a {family} head: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}")
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     head.default_tree = config.get("default_tree")
     return head.to(device=target.device, dtype=head_dtype(target)).eval()
 

@@ -11,7 +11,6 @@ Two attention paths over the same weights:
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +48,8 @@ class DraftCache:
     """Keys/values per draft layer, [B, kv_heads, S, head_dim], grown by concatenation."""
 
     def __init__(self, num_layers: int):
-        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
 
     @property
     def length(self) -> int:
@@ -126,8 +125,9 @@ class DraftDecoderLayer(nn.Module):
         h = residual + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward(self, x, residual, cos, sin, cache: Optional[DraftCache], layer_index: int,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x, residual, cos, sin, cache: DraftCache | None, layer_index: int, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         attn = self.self_attn
         q, k, v = attn.project(x, cos, sin)
         t = q.shape[2]
@@ -141,7 +141,7 @@ class DraftDecoderLayer(nn.Module):
         out = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=mask)
         return self.finish(residual, attn.output(out))
 
-    def forward_unrolled(self, x, residual, cos, sin, context: Optional[tuple], chain: list):
+    def forward_unrolled(self, x, residual, cos, sin, context: tuple | None, chain: list):
         """One training-time-test step.
 
         context: (k0, v0) of step 0, or None at step 0 (then this step's keys become the context).
@@ -154,7 +154,8 @@ class DraftDecoderLayer(nn.Module):
         if context is None:
             t = q.shape[2]
             out = F.scaled_dot_product_attention(
-                q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=causal_mask_with_past(t, 0, q.device))
+                q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=causal_mask_with_past(t, 0, q.device)
+            )
             return self.finish(residual, attn.output(out)), (k, v)
         k0, v0 = context
         t = q.shape[2]
@@ -163,13 +164,12 @@ class DraftDecoderLayer(nn.Module):
         ctx_scores = ctx_scores.masked_fill(~causal, float("-inf"))
         diag_keys = [kk for kk, _ in chain] + [k]
         diag_values = [vv for _, vv in chain] + [v]
-        diag_scores = torch.stack(
-            [(q * attn.expand_kv(kk)).sum(-1) * scale for kk in diag_keys], dim=-1)  # [B,h,T,j]
+        diag_scores = torch.stack([(q * attn.expand_kv(kk)).sum(-1) * scale for kk in diag_keys], dim=-1)  # [B,h,T,j]
         probs = torch.softmax(torch.cat([ctx_scores, diag_scores], dim=-1).float(), dim=-1).to(q.dtype)
         ctx_probs, diag_probs = probs[..., :t], probs[..., t:]
         out = torch.matmul(ctx_probs, attn.expand_kv(v0))
         for i, vv in enumerate(diag_values):
-            out = out + diag_probs[..., i:i + 1] * attn.expand_kv(vv)
+            out = out + diag_probs[..., i : i + 1] * attn.expand_kv(vv)
         return self.finish(residual, attn.output(out)), (k, v)
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..target import TargetInfo
+from ..target import FrozenTarget, TargetInfo
 from .base import DraftHead, chain_metrics, shifted
 from .spec import HeadSpec
 
@@ -25,6 +25,27 @@ class ResBlock(nn.Module):
 
 class MedusaHead(DraftHead):
     family = "medusa"
+    title = "Medusa"
+    draft_kind = "parallel"  # head k's top-k at the last accepted position fill depth k+1
+    # 16 nodes over 3 depths: the tree drafted when the head stores none (cut to the head's depth)
+    fallback_tree = (
+        (0,),
+        (1,),
+        (2,),
+        (3,),
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (1, 0, 0),
+        (0, 0, 2),
+        (2, 0, 0),
+    )
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
         super().__init__(spec, info)
@@ -33,8 +54,9 @@ class MedusaHead(DraftHead):
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(h) for _ in range(spec.num_layers)]) for _ in range(spec.num_heads)
         )
-        self.lm_heads = None if spec.shared_lm_head else nn.ModuleList(
-            nn.Linear(h, v, bias=False) for _ in range(spec.num_heads))
+        self.lm_heads = (
+            None if spec.shared_lm_head else nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(spec.num_heads))
+        )
 
     def init_from_target(self) -> None:
         """Per-head LM heads start as copies of the target's, as in the Medusa paper."""
@@ -52,6 +74,31 @@ class MedusaHead(DraftHead):
 
     def training_states(self):
         return [], True
+
+    @classmethod
+    def max_draft_depth(cls, spec: HeadSpec) -> int:
+        return spec.num_heads  # one head per depth
+
+    @classmethod
+    def describe(cls, spec: HeadSpec, info: TargetInfo, layer_ids: list[int]) -> str:
+        return f"{spec.num_heads} Medusa heads ({spec.num_layers} ResBlock each) on the target's final state"
+
+    @classmethod
+    def adopt_exported(
+        cls, spec: HeadSpec, tensors: dict[str, torch.Tensor], target: FrozenTarget
+    ) -> dict[str, torch.Tensor]:
+        """Engine formats store a shared LM head as per-head copies: all exact copies of the
+        target's LM head read back as a shared-LM-head Medusa."""
+        ref = target.lm_head.weight.detach().to("cpu")
+        heads = [tensors.get(f"lm_heads.{k}.weight") for k in range(spec.num_heads)]
+        if not all(h is not None and h.shape == ref.shape and torch.equal(h.to(ref.dtype), ref) for h in heads):
+            return tensors
+        spec.shared_lm_head = True
+        return {k: v for k, v in tensors.items() if not k.startswith("lm_heads.")}
+
+    def teacher_forced_logits(self, input_ids, states, depth):
+        logits = self.medusa_logits(states["final"])  # head k at t predicts t+k+2
+        return [logits[k] for k in range(min(depth, logits.shape[0]))]
 
     def medusa_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """[K, B, T, V]: head k's logits for token t+k+2 at every position t."""
@@ -84,7 +131,7 @@ class MedusaHead(DraftHead):
             n = counted[k].sum().clamp(min=1)
             ce = F.cross_entropy(logits[k].flatten(0, 1), labels[k].flatten(), reduction="none")
             lk = (ce * counted[k].flatten()).sum() / n
-            total = total + self.spec.medusa_decay ** k * lk
+            total = total + self.spec.medusa_decay**k * lk
             hits = (logits[k].argmax(-1) == labels[k]) & counted[k]
             metrics[f"loss_{k}"] = lk.item()
             metrics[f"acc_{k}"] = (hits.sum() / n).item()

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
+from ..config.train import HeadConfig
 from ..errors import SpecHeadsError
 from ..target import FrozenTarget
 from .base import DraftHead
@@ -20,12 +19,9 @@ HEADS: dict[str, type[DraftHead]] = {
 }
 
 
-def build_head(head_cfg: Any, target: FrozenTarget, train_rows=None,
-               vocab_key: Optional[dict] = None) -> DraftHead:
-    """A fresh head for `target`. EAGLE-3 builds its draft vocab from `train_rows`.
-
-    vocab_key: extra cache-key parts for the draft vocab (the data fingerprint is added here).
-    """
+def build_head(head_cfg: HeadConfig, target: FrozenTarget, train_rows=None) -> DraftHead:
+    """A fresh head for `target`. EAGLE-3 builds its draft vocab from `train_rows` (cached when
+    the rows are a `datasets.Dataset`, keyed by its fingerprint)."""
     spec = HeadSpec.from_config(head_cfg, target.info)
     head = HEADS[spec.family](spec, target.info)
     head.attach(target)
@@ -34,16 +30,19 @@ def build_head(head_cfg: Any, target: FrozenTarget, train_rows=None,
         if train_rows is None:
             raise SpecHeadsError(
                 "eagle3 with a reduced draft vocab needs training data to choose it from "
-                f"(draft_vocab_size {spec.draft_vocab_size} < vocab {target.info.vocab_size})")
+                f"(draft_vocab_size {spec.draft_vocab_size} < vocab {target.info.vocab_size})"
+            )
         key = None
         fingerprint = getattr(train_rows, "_fingerprint", None)
         if fingerprint is not None:
             tok = target.tokenizer
-            key = {"data": fingerprint, "target": target.info.name,
-                   "tokenizer": getattr(tok, "name_or_path", ""),
-                   "template": getattr(tok, "chat_template", "") or "", **(vocab_key or {})}
-        d2t, t2d, coverage = build_draft_vocab(train_rows, target.info.vocab_size,
-                                               spec.draft_vocab_size, key)
+            key = {
+                "data": fingerprint,
+                "target": target.info.name,
+                "tokenizer": getattr(tok, "name_or_path", ""),
+                "template": getattr(tok, "chat_template", "") or "",
+            }
+        d2t, t2d, coverage = build_draft_vocab(train_rows, target.info.vocab_size, spec.draft_vocab_size, key)
         head.set_vocab(d2t.to(head.d2t.device), t2d.to(head.t2d.device))
         head.vocab_coverage = coverage
     if hasattr(head, "init_from_target"):

@@ -1,10 +1,12 @@
-"""HeadSpec: a head's hyper-parameters with every default resolved against its target."""
+"""HeadSpec: a head's config (specheads.config.train.HeadConfig) with every default resolved
+against its target. The "head" dict of a head directory's config.json is a HeadSpec's fields."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import Any
 
+from ..config.train import HeadConfig
 from ..errors import SpecHeadsError
 from ..target import TargetInfo
 
@@ -12,37 +14,23 @@ FAMILIES = ("medusa", "eagle", "eagle3")
 
 
 @dataclass
-class HeadSpec:
-    family: str
+class HeadSpec(HeadConfig):
+    # The fields a HeadConfig leaves to the target, resolved (0 / [] only in a spec read back
+    # without them: an engine export that does not store them).
     layer_ids: list[int] = field(default_factory=list)
-    # medusa
-    num_heads: int = 4
-    num_layers: int = 1
-    shared_lm_head: bool = False
-    medusa_decay: float = 0.8
-    # eagle / eagle3
-    num_decoder_layers: int = 1
     intermediate_size: int = 0
-    fc_bias: bool = False
-    feature_loss_weight: float = 1.0
-    token_loss_weight: float = 0.1
-    noise: str = "uniform"
-    noise_std: float = 0.2
     draft_vocab_size: int = 0
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
     # depth of the chain used to measure per-position accuracy during evaluation
     eval_depth: int = 5
 
     @classmethod
-    def from_config(cls, cfg: Any, info: TargetInfo) -> "HeadSpec":
-        """Resolve a HeadConfig (dataclass, DictConfig or dict) against the target."""
-        raw = dict(cfg) if not hasattr(cfg, "__dataclass_fields__") else asdict(cfg)
+    def from_config(cls, cfg: Any, info: TargetInfo) -> HeadSpec:
+        """Resolve a HeadConfig (or a dict of its fields) against the target."""
+        raw = asdict(cfg) if isinstance(cfg, HeadConfig) else dict(cfg)
         family = raw.get("family")
         if family not in FAMILIES:
             raise SpecHeadsError(f"unknown head family {family!r}; choose from {', '.join(FAMILIES)}")
-        known = {f.name for f in fields(cls)}
-        spec = cls(**{k: v for k, v in raw.items() if k in known and v is not None})
+        spec = cls.from_dict({k: v for k, v in raw.items() if v is not None})
         spec.layer_ids = list(raw.get("layer_ids") or default_layer_ids(family, info.num_layers))
         if not spec.intermediate_size:
             spec.intermediate_size = info.intermediate_size
@@ -73,7 +61,8 @@ class HeadSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HeadSpec":
+    def from_dict(cls, data: dict[str, Any]) -> HeadSpec:
+        """A spec from config.json's "head" dict (keys this version does not know are ignored)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -84,7 +73,3 @@ def default_layer_ids(family: str, num_layers: int) -> list[int]:
         # EAGLE-3 / vLLM default aux layers: low, mid, high.
         return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
     return []
-
-
-def optional_int(value: Optional[int]) -> Optional[int]:
-    return None if value is None else int(value)

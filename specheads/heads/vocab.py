@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -42,8 +42,9 @@ def vocab_cache_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def build_draft_vocab(rows, vocab_size: int, draft_vocab_size: int,
-                      key_parts: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+def build_draft_vocab(
+    rows, vocab_size: int, draft_vocab_size: int, key_parts: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(d2t, t2d, coverage): coverage is the share of assistant tokens inside the draft vocab."""
     path = None
     if key_parts is not None:

@@ -9,7 +9,7 @@ padding) while the order stays random.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -17,8 +17,16 @@ from ..errors import SpecHeadsError
 
 
 class TrainBatches:
-    def __init__(self, lengths: Sequence[int], batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, group_by_length: bool = True, window: int = 32):
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        group_by_length: bool = True,
+        window: int = 32,
+    ):
         self.lengths = torch.as_tensor(list(lengths), dtype=torch.long)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.group_by_length, self.window = seed, group_by_length, window
@@ -27,9 +35,10 @@ class TrainBatches:
         if self.batches_per_epoch == 0:
             raise SpecHeadsError(
                 f"{len(self.lengths)} training rows cannot fill one batch of {self.global_batch} "
-                f"(train.batch_size {batch_size} x {world_size} ranks); use more data or a smaller batch")
-        self._epoch: Optional[int] = None
-        self._order: Optional[torch.Tensor] = None
+                f"(train.batch_size {batch_size} x {world_size} ranks); use more data or a smaller batch"
+            )
+        self._epoch: int | None = None
+        self._order: torch.Tensor | None = None
 
     def epoch_of(self, index: int) -> int:
         return index // self.batches_per_epoch
@@ -44,7 +53,7 @@ class TrainBatches:
                 span = self.window * self.global_batch
                 chunks = []
                 for start in range(0, used, span):
-                    chunk = perm[start:start + span]
+                    chunk = perm[start : start + span]
                     # stable sort keeps the random order among equal lengths
                     chunks.append(chunk[torch.sort(-self.lengths[chunk], stable=True).indices])
                 perm = torch.cat(chunks)
@@ -57,11 +66,17 @@ class TrainBatches:
     def __getitem__(self, index: int) -> list[int]:
         """Rows this rank reads for micro-batch `index` (counted from the start of training)."""
         batch = self._epoch_order(self.epoch_of(index))[index % self.batches_per_epoch]
-        return batch[self.rank * self.batch_size:(self.rank + 1) * self.batch_size].tolist()
+        return batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size].tolist()
 
 
-def eval_batches(lengths: Sequence[int], batch_size: int, rank: int = 0, world_size: int = 1,
-                 max_batches: Optional[int] = None, seed: int = 0) -> list[list[int]]:
+def eval_batches(
+    lengths: Sequence[int],
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    max_batches: int | None = None,
+    seed: int = 0,
+) -> list[list[int]]:
     """This rank's evaluation batches: a fixed random subset, sorted by length to pad little.
 
     Every rank gets the same number of batches (a few rows are dropped to make the subset divide
@@ -71,9 +86,9 @@ def eval_batches(lengths: Sequence[int], batch_size: int, rank: int = 0, world_s
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n, generator=gen)
     if max_batches is not None:
-        perm = perm[:max_batches * batch_size * world_size]
-    perm = perm[:(len(perm) // world_size) * world_size]
+        perm = perm[: max_batches * batch_size * world_size]
+    perm = perm[: (len(perm) // world_size) * world_size]
     lens = torch.as_tensor(list(lengths), dtype=torch.long)
     ordered = perm[torch.sort(-lens[perm], stable=True).indices] if len(perm) else perm
     mine = ordered[rank::world_size].tolist()
-    return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+    return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]

@@ -14,7 +14,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +65,7 @@ class Checkpoints:
                 found.append((int(match.group(1)), path))
         return sorted(found)
 
-    def latest(self) -> Optional[Path]:
+    def latest(self) -> Path | None:
         done = self.complete()
         return done[-1][1] if done else None
 
@@ -102,7 +102,7 @@ class Checkpoints:
     def _prune(self) -> None:
         if self.keep <= 0:
             return
-        for _, path in self.complete()[:-self.keep]:
+        for _, path in self.complete()[: -self.keep]:
             shutil.rmtree(path, ignore_errors=True)
 
     def load(self, engine, path: Path) -> dict[str, Any]:
@@ -111,9 +111,11 @@ class Checkpoints:
         if marker.get("world_size") != self.world_size:
             raise SpecHeadsError(
                 f"{path} was written by {marker.get('world_size')} ranks but this run has "
-                f"{self.world_size}; resume with the same number of processes or use a new output_dir")
+                f"{self.world_size}; resume with the same number of processes or use a new output_dir"
+            )
         load_path, client_state = engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True)
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if load_path is None:
             raise SpecHeadsError(f"DeepSpeed could not load the checkpoint {path}")
         # Our own file in our own output_dir: RNG states are numpy/python objects, not tensors only.

@@ -7,7 +7,7 @@ import json
 import math
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ..atomic import save_figure, write_jsonl
 from ..errors import SpecHeadsError
@@ -18,8 +18,7 @@ WANDB_MODES = ("disabled", "offline", "online")
 class MetricsLog:
     """Rank 0 appends one JSON object per log call; the other ranks are silent."""
 
-    def __init__(self, output_dir: Path, wandb_cfg: Any, run_config: dict, enabled: bool,
-                 resume_step: int = 0):
+    def __init__(self, output_dir: Path, wandb_cfg: Any, run_config: dict, enabled: bool, resume_step: int = 0):
         if wandb_cfg.mode not in WANDB_MODES:
             raise SpecHeadsError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {wandb_cfg.mode!r}")
         self.enabled = enabled
@@ -56,12 +55,22 @@ def _start_wandb(output_dir: Path, wandb_cfg: Any, run_config: dict):
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
     try:
-        return wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, entity=wandb_cfg.entity,
-                          name=wandb_cfg.name, dir=str(output_dir), config=run_config, id=run_id,
-                          resume="allow", settings=wandb.Settings(silent=True))
+        return wandb.init(
+            mode=wandb_cfg.mode,
+            project=wandb_cfg.project,
+            entity=wandb_cfg.entity,
+            name=wandb_cfg.name,
+            dir=str(output_dir),
+            config=run_config,
+            id=run_id,
+            resume="allow",
+            settings=wandb.Settings(silent=True),
+        )
     except Exception as err:  # wandb raises its own error types for login / network problems
-        raise SpecHeadsError(f"wandb.init failed ({wandb_cfg.mode}): {str(err).splitlines()[0]}; "
-                             "use wandb.mode=offline or wandb.mode=disabled") from err
+        raise SpecHeadsError(
+            f"wandb.init failed ({wandb_cfg.mode}): {str(err).splitlines()[0]}; "
+            "use wandb.mode=offline or wandb.mode=disabled"
+        ) from err
 
 
 def _plain(value: Any) -> Any:
@@ -84,7 +93,7 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
-def plot_metrics(metrics_path: Path, png_path: Path) -> Optional[Path]:
+def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     """Loss (train and eval) and eval top-1 accuracy per draft depth against the step."""
     records = read_metrics(metrics_path)
     if not records:
@@ -105,6 +114,7 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Optional[Path]:
             ax_loss.plot(xs, ys, style, label=key, markersize=3)
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_loss.legend()
+
     # eval accuracy per draft depth (points), and the head's own training accuracy per depth
     # (dashed, same colour), which shows the trend between the few evaluations
     def depth(key):
@@ -127,8 +137,11 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Optional[Path]:
     for ax in (ax_loss, ax_acc):
         ax.set_xlim(0, max(1, last_step) * 1.03)
     accs = [v for k in eval_keys + train_keys for v in series(k)[1]]
-    ax_acc.set(xlabel="step", ylabel="top-1 accuracy (dots: eval, dashed: train)",
-               ylim=(0, min(1.0, 1.2 * max(accs, default=1.0) + 0.02)))
+    ax_acc.set(
+        xlabel="step",
+        ylabel="top-1 accuracy (dots: eval, dashed: train)",
+        ylim=(0, min(1.0, 1.2 * max(accs, default=1.0) + 0.02)),
+    )
     if eval_keys or train_keys:
         ax_acc.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -12,9 +12,9 @@ class WarmupCosine:
     the scheduler's state_dict and a resumed run continues the same curve."""
 
     def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-        self.warmup_steps = max(0, int(warmup_steps))
-        self.total_steps = max(1, int(total_steps))
-        self.min_lr_ratio = float(min_lr_ratio)
+        self.warmup_steps = max(0, warmup_steps)
+        self.total_steps = max(1, total_steps)
+        self.min_lr_ratio = min_lr_ratio
 
     def __call__(self, step: int) -> float:
         # LambdaLR calls this with the number of optimizer steps taken so far (0 before the first).
@@ -26,7 +26,7 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
 
 
-def warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                            min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
+def warmup_cosine_scheduler(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))

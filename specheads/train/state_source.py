@@ -1,18 +1,32 @@
 """Where the trainer's (batch, states) pairs come from.
 
-The engine decides WHICH rows a rank reads (specheads.train.batches); a state source turns those rows
-into a padded batch plus the target states the head's loss needs. Two sources fit this seam:
-  - OnlineStates: one frozen-target forward per batch (this file);
-  - offline features: hidden states cached on disk by distill.py, read back by row index.
+The trainer decides WHICH rows a rank reads (specheads.train.batches); a state source turns those
+rows into a padded batch plus the target states the head's loss needs. Two sources fit this seam:
+  - OnlineStates: one frozen-target forward per batch;
+  - OfflineStates: hidden states cached on disk (by distill.py or data.features=auto), read back
+    by row index.
 A source only has to implement the StateSource protocol below.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
+from ..data.datasets import collate
+from ..data.features import (
+    INDEX_NAME,
+    FeatureCache,
+    check_key,
+    collate_features,
+    feature_cache_key,
+    split_dir,
+    state_names,
+)
+from ..errors import SpecHeadsError
 from ..target import FrozenTarget
 
 Batch = dict[str, torch.Tensor]  # input_ids, attention_mask, loss_mask: LongTensor [B, T], right padded
@@ -47,17 +61,76 @@ class OnlineStates:
         self.final = bool(final)
 
     def fetch(self, split: str, indices: Sequence[int]) -> tuple[Batch, States]:
-        from ..data.conversations import collate
-
         rows = self.splits[split]
         batch = collate([rows[int(i)] for i in indices], self.pad_id)
         batch = {k: v.to(self.target.device) for k, v in batch.items()}
-        captured = self.target.states(batch["input_ids"], batch["attention_mask"],
-                                      layer_ids=self.layer_ids, final=self.final)
+        captured = self.target.states(
+            batch["input_ids"], batch["attention_mask"], layer_ids=self.layer_ids, final=self.final
+        )
         states: States = dict(captured.hidden)
         if self.final:
             states["final"] = captured.final
         return batch, states
+
+
+class OfflineStates:
+    """States read from a feature cache (specheads.data.features) instead of running the target.
+
+    The cache must hold (at least) the states the head needs and match the target, tokenizer,
+    template and max_length.
+    """
+
+    def __init__(
+        self, directory, target: FrozenTarget, max_length: int, pad_id: int, device: torch.device, dtype: torch.dtype
+    ):
+        self.directory, self.pad_id, self.device, self.dtype = Path(directory), pad_id, device, dtype
+        self.caches: dict[str, FeatureCache] = {}
+        for split in ("train", "eval"):
+            where = split_dir(directory, split)
+            if not (where / INDEX_NAME).is_file():
+                if split == "train":
+                    raise SpecHeadsError(
+                        f"no feature cache at {where}; write one with distill.py "
+                        "distill.features=true or point data.features elsewhere"
+                    )
+                continue
+            cache = FeatureCache(where)
+            found = cache.index.get("key", {})
+            wanted = feature_cache_key(
+                target, found.get("layer_ids", []), found.get("final_post_norm", False), max_length
+            )
+            check_key(found, wanted, where)
+            self.caches[split] = cache
+        self._rows: dict[str, list[dict]] = {}
+
+    def rows(self, split: str):
+        if split not in self.caches:
+            return []
+        if split not in self._rows:
+            cache = self.caches[split]
+            self._rows[split] = [
+                {"input_ids": r.input_ids.tolist(), "loss_mask": r.loss_mask.tolist()}
+                for r in (cache[i] for i in range(len(cache)))
+            ]
+        return self._rows[split]
+
+    def require(self, layer_ids, final: bool) -> None:
+        have = set(self.caches["train"].names)
+        missing = [n for n in state_names(layer_ids, final) if n not in have]
+        if missing:
+            raise SpecHeadsError(
+                f"feature cache {self.directory} lacks {missing} (has {sorted(have)}); "
+                "rebuild it for this head's layers"
+            )
+        self.wanted = set(int(k) for k in layer_ids) | ({"final"} if final else set())
+
+    def fetch(self, split: str, indices):
+        cache = self.caches[split]
+        rows = [cache[int(i)] for i in indices]
+        for r in rows:
+            r.states = {k: v for k, v in r.states.items() if k in self.wanted}
+        batch, states = collate_features(rows, self.pad_id, self.dtype)
+        return ({k: v.to(self.device) for k, v in batch.items()}, {k: v.to(self.device) for k, v in states.items()})
 
 
 def row_lengths(rows: Sequence[dict]) -> list[int]:

@@ -5,17 +5,18 @@ import json
 
 import pytest
 import torch
+from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
 
-from specheads.bench.calibrate import best_paths, calibrate_tree, path_frequencies, rank_vectors
-from specheads.config.train import HeadConfig, ModelConfig
+from specheads.bench.calibrate import best_paths, calibrate_tree, path_frequencies, rank_vectors, time_target
+from specheads.bench.session import Session
+from specheads.config.infer import InferJobConfig, TreeConfig
+from specheads.config.train import ModelConfig
 from specheads.decode.drafters import make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
-from specheads.heads import build_head, load_head, save_head
-from specheads.bench.session import Session, tree_policy_for
-from specheads.config.infer import InferJobConfig, TreeConfig
-from specheads.target import load_target
+from specheads.decode.policy import tree_policy_for
 from specheads.decode.tree import static_tree
-from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
+from specheads.heads import load_head, save_head
+from specheads.target import load_target
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,8 +35,7 @@ def target():
 @pytest.fixture(scope="module")
 def sequences(target):
     prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
-    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40,
-                                 do_sample=False)
+    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
 
 
 def test_path_frequencies_and_best_paths_are_prefix_closed():
@@ -55,8 +55,9 @@ def test_rank_vectors_predict_what_the_loop_accepts(family, target, sequences):
     paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     tree = {tuple(p) for p in paths}
     prompt = sequences[2:3, :8]
-    res = speculative_generate(target, make_drafter(head, static_tree(paths)), prompt,
-                               SamplingConfig(max_new_tokens=32))
+    res = speculative_generate(
+        target, make_drafter(head, static_tree(paths)), prompt, SamplingConfig(max_new_tokens=32)
+    )
     full = prompt[0].tolist() + res.output_ids
     vectors = rank_vectors(target, head, full, 8, depth=3)
     offset, checked = 0, 0
@@ -73,8 +74,10 @@ def test_rank_vectors_predict_what_the_loop_accepts(family, target, sequences):
 def test_calibrate_tree_picks_and_stores_a_tree(tmp_path, target, sequences):
     head = quick_head(target, "eagle", sequences, steps=30)
     head_dir = save_head(head, tmp_path / "head")
-    settings = InferJobConfig(head_path=str(head_dir), tree=TreeConfig(
-        kind="auto", depth=3, top_k=3, calibration_prompts=2, calibration_tokens=16, max_nodes=8))
+    settings = InferJobConfig(
+        head_path=str(head_dir),
+        tree=TreeConfig(kind="auto", depth=3, top_k=3, calibration_prompts=2, calibration_tokens=16, max_nodes=8),
+    )
     out = io.StringIO()
     chosen = calibrate_tree(settings, Session(target, head, head_dir, {}), out=out)
     assert chosen.kind == "static" and 1 <= len(chosen.paths) <= 8
@@ -82,3 +85,9 @@ def test_calibrate_tree_picks_and_stores_a_tree(tmp_path, target, sequences):
     assert json.loads((head_dir / "config.json").read_text())["default_tree"] == chosen.paths
     reloaded = load_head(head_dir, target)
     assert tree_policy_for(reloaded, TreeConfig(kind="default")).size == len(chosen.paths) + 1
+
+
+def test_time_target_is_non_decreasing_in_query_tokens(target):
+    times = time_target(target, list(range(1, 30)), [1, 2, 4, 8], repeats=1)
+    assert sorted(times) == [1, 2, 4, 8] and all(t > 0 for t in times.values())
+    assert [times[n] for n in sorted(times)] == sorted(times.values())

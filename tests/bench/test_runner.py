@@ -1,4 +1,4 @@
-"""Benchmark harness: question parsing, the summary arithmetic, and one in-process run."""
+"""Benchmark harness: the summary arithmetic, divergence reports, and one in-process run."""
 
 import json
 
@@ -10,18 +10,14 @@ from specheads.bench.runner import (
     cost_breakdown,
     first_divergence,
     format_table,
-    hf_generate,
     output_paths,
-    read_questions,
     run_benchmark,
     summarize,
 )
-from specheads.config.train import HeadConfig, ModelConfig
-from specheads.errors import SpecHeadsError
-from specheads.decode.generate import SamplingConfig
-from specheads.heads import build_head
 from specheads.bench.session import Session
 from specheads.config.infer import BenchConfig, InferJobConfig, TreeConfig
+from specheads.config.train import HeadConfig, ModelConfig
+from specheads.heads import build_head
 from specheads.target import load_target
 
 ROW_FIELDS = {"question_id", "category", "method", "output_ids", "new_tokens", "target_forwards", "wall_s"}
@@ -44,24 +40,17 @@ def write_questions(path, n=3):
     cats = ["writing", "math", "writing", "coding"]
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"question_id": 80 + i, "category": cats[i % 4],
-                                "turns": [f"Question {i}: tell me, briefly, about {i * 7}.", "second turn"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "question_id": 80 + i,
+                        "category": cats[i % 4],
+                        "turns": [f"Question {i}: tell me, briefly, about {i * 7}.", "second turn"],
+                    }
+                )
+                + "\n"
+            )
     return path
-
-
-def test_read_questions(tmp_path):
-    rows = read_questions(write_questions(tmp_path / "q.jsonl", 4), limit=3)
-    assert [r["question_id"] for r in rows] == [80, 81, 82]
-    assert rows[0]["prompt"].startswith("Question 0") and rows[1]["category"] == "math"
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question_id": 1, "turns": ["a"]}\nnot json\n')
-    with pytest.raises(SpecHeadsError, match=":2 is not valid JSON"):
-        read_questions(bad)
-    bad.write_text('{"question_id": 1, "turns": []}\n')
-    with pytest.raises(SpecHeadsError, match="turns"):
-        read_questions(bad)
-    with pytest.raises(SpecHeadsError, match="does not exist"):
-        read_questions(tmp_path / "missing.jsonl")
 
 
 def test_summary_arithmetic():
@@ -94,8 +83,17 @@ def test_acceptance_per_depth():
 def test_cost_breakdown_splits_a_step_into_its_terms():
     rows = [
         {"question_id": 1, "method": "baseline", "new_tokens": 11, "target_forwards": 10, "wall_s": 1.1},
-        {"question_id": 1, "method": "spec", "new_tokens": 11, "target_forwards": 4, "wall_s": 0.7,
-         "prefill_s": 0.1, "draft_s": 0.2, "verify_s": 0.4, "tree_sizes": [9, 9, 9, 5]},
+        {
+            "question_id": 1,
+            "method": "spec",
+            "new_tokens": 11,
+            "target_forwards": 4,
+            "wall_s": 0.7,
+            "prefill_s": 0.1,
+            "draft_s": 0.2,
+            "verify_s": 0.4,
+            "tree_sizes": [9, 9, 9, 5],
+        },
     ]
     c = cost_breakdown(rows)
     assert c["plain_step_ms"] == pytest.approx(100.0)  # (1.1 s - 0.1 s prefill) / 10 forwards
@@ -108,16 +106,6 @@ def test_cost_breakdown_splits_a_step_into_its_terms():
 def test_output_paths():
     p = output_paths("/x/mt.jsonl")
     assert str(p["summary"]) == "/x/mt.summary.json" and str(p["tau_png"]) == "/x/mt.tau.png"
-
-
-def test_hf_baseline_counts_decode_forwards(target):
-    prompt = torch.tensor([[1, 2, 3, 4]])
-    out = hf_generate(target, prompt, SamplingConfig(max_new_tokens=7))
-    assert len(out["output_ids"]) == 7 and out["target_forwards"] == 6
-    ref = target.model.generate(prompt, max_new_tokens=7, do_sample=False)[0, 4:].tolist()
-    assert out["output_ids"] == ref
-    pld = hf_generate(target, prompt, SamplingConfig(max_new_tokens=7), prompt_lookup=(4, 2))
-    assert pld["output_ids"] == ref
 
 
 def test_first_divergence_reports_the_margin(target):
@@ -136,8 +124,12 @@ def test_run_benchmark_in_process(tmp_path, target, family):
     settings = InferJobConfig(
         head_path=str(tmp_path / "head"),
         tree=TreeConfig(kind="dynamic", depth=3, top_k=3, total_tokens=8),
-        bench=BenchConfig(questions=str(write_questions(tmp_path / "q.jsonl", 3)),
-                          output=str(tmp_path / "out" / "res.jsonl"), max_new_tokens=12, warmup=1),
+        bench=BenchConfig(
+            questions=str(write_questions(tmp_path / "q.jsonl", 3)),
+            output=str(tmp_path / "out" / "res.jsonl"),
+            max_new_tokens=12,
+            warmup=1,
+        ),
     )
     lines = []
 
@@ -170,14 +162,3 @@ def test_run_benchmark_in_process(tmp_path, target, family):
     assert "vs base" in text and "spec: 3/3 outputs identical to baseline" in text
     assert "break-even tau" in text and summary["costs"]["verify_ms"] > 0
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
-
-
-def test_per_category_keeps_the_first_questions_of_every_category(tmp_path):
-    from specheads.bench.runner import read_questions
-
-    path = tmp_path / "q.jsonl"
-    rows = [{"question_id": i, "category": c, "turns": [f"q{i}"]}
-            for i, c in enumerate(["a", "a", "a", "b", "b", "c"])]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    picked = read_questions(path, per_category=2)
-    assert [q["question_id"] for q in picked] == [0, 1, 3, 4, 5]

@@ -12,7 +12,11 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from specheads.config.train import register_configs
+from specheads.config import register_configs, typed
+from specheads.config.export import ExportJobConfig
+from specheads.config.infer import InferJobConfig
+from specheads.config.train import TrainJobConfig
+from specheads.errors import SpecHeadsError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -109,12 +113,15 @@ def test_group_files_extend_their_schema(group, option):
     assert f"{group}_schema" in list(raw.get("defaults", [])), f"conf/{group}/{option}.yaml"
 
 
-@pytest.mark.parametrize("override,words", [
-    ("train.max_stepz=3", ["max_stepz"]),
-    ("train.max_steps=many", ["many", "train.max_steps"]),
-    ("head.ttt_steps=1.5", ["1.5", "head.ttt_steps"]),
-    ("model.nope=1", ["nope"]),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("train.max_stepz=3", ["max_stepz"]),
+        ("train.max_steps=many", ["many", "train.max_steps"]),
+        ("head.ttt_steps=1.5", ["1.5", "head.ttt_steps"]),
+        ("model.nope=1", ["nope"]),
+    ],
+)
 def test_unknown_key_or_wrong_type_fails_at_compose(hydra_conf, override, words):
     with pytest.raises(ConfigCompositionException) as info:
         compose("config", [override])
@@ -137,15 +144,19 @@ def test_group_file_with_unknown_key_fails(tmp_path):
 
 
 def run_train(*args, timeout=120):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("override,words", [
-    ("train.max_stepz=3", ["max_stepz", "TrainConfig"]),
-    ("train.max_steps=many", ["many", "train.max_steps"]),
-    ("model=no-such-model", ["model/no-such-model", "tiny-random"]),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("train.max_stepz=3", ["max_stepz", "TrainConfig"]),
+        ("train.max_steps=many", ["many", "train.max_steps"]),
+        ("model=no-such-model", ["model/no-such-model", "tiny-random"]),
+    ],
+)
 def test_cli_config_error_is_one_line(override, words):
     proc = run_train(override, "--cfg", "job")
     assert proc.returncode == 2
@@ -172,3 +183,56 @@ def test_recipe_applies_to_its_pair_only(hydra_conf):
     other = compose("config", ["head=eagle"])
     assert other.data.features is None and other.train.max_steps == 60
     assert compose("config", ["head.ttt_steps=7"]).head.ttt_steps == 7
+
+
+@pytest.mark.parametrize(
+    "primary,override,words",
+    [
+        ("infer", "bench.foo=1", ["foo"]),
+        ("infer", "tree.bar=2", ["bar"]),
+        ("infer", "max_new_tokens=many", ["many", "max_new_tokens"]),
+        ("infer", "tree=auto", []),  # a group option is still fine
+        ("export", "bench.sumary=x", ["sumary"]),
+        ("export", "push_to_hub=maybe", ["maybe", "push_to_hub"]),
+        ("distill", "distill.magpie.top_q=1", ["top_q"]),
+    ],
+)
+def test_every_primary_is_strict(hydra_conf, primary, override, words):
+    """infer.yaml, export.yaml and distill.yaml compose against their schemas too."""
+    if not words:
+        compose(primary, [override])
+        return
+    with pytest.raises(ConfigCompositionException) as info:
+        compose(primary, [override])
+    text = f"{info.value} {info.value.__cause__}"
+    assert all(w in text for w in words)
+
+
+def test_typed_gives_the_schema_objects(hydra_conf):
+    train = typed(compose("config", ["model=tiny-random", "head=medusa", "train.lr=1"]))
+    assert isinstance(train, TrainJobConfig) and train.output_dir == "runs/tiny-random-medusa"
+    assert train.train.lr == 1.0 and isinstance(train.train.lr, float) and isinstance(train.model.tiny, dict)
+    infer = typed(compose("infer", ["head_path=/tmp", "prompt=hi", "tree=dynamic"]))
+    assert isinstance(infer, InferJobConfig) and infer.tree.kind == "dynamic" and infer.model is None
+    export = typed(compose("export", ["head_path=/tmp", "format=eagle3", "out=x", "model=tiny-random"]))
+    assert isinstance(export, ExportJobConfig) and export.model.path == "tiny:llama"
+    with pytest.raises(SpecHeadsError, match="format"):  # mandatory (???) and left unset
+        typed(compose("export", ["head_path=/tmp"]))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["infer.py", "head=/tmp", "prompt=hi", "bench.foo=1"],
+        ["infer.py", "head=/tmp", "prompt=hi", "tree.bar=2"],
+        ["-m", "specheads.export", "head=/tmp", "format=eagle3", "out=x", "bench.sumary=x"],
+        ["-m", "specheads.export", "head=/tmp", "out=x"],  # format=??? is never set
+    ],
+)
+def test_cli_unknown_key_is_one_line_for_every_entry_point(command, tmp_path):
+    key = {"bench.foo=1": "foo", "tree.bar=2": "bar", "bench.sumary=x": "sumary", "out=x": "format"}[command[-1]]
+    proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], proc.stderr
+    assert not (ROOT / "x").exists()

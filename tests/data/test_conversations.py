@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from specheads.config.train import DataConfig
-from specheads.data.conversations import (build_datasets, collate, load_conversations, tokenize_conversation)
+from specheads.data.chat import tokenize_conversation
+from specheads.data.datasets import build_datasets, collate
+from specheads.data.formats import load_conversations
 from specheads.errors import SpecHeadsError
 from specheads.tiny import byte_tokenizer
 
@@ -23,8 +25,13 @@ def expected(turns):
     """Token ids and mask of a ChatML conversation under the byte tokenizer, built by hand."""
     ids, mask = [], []
     for role, content in turns:
-        parts = [([START], [0]), piece(f"{role}\n", 0), piece(content, int(role == "assistant")),
-                 ([END], [int(role == "assistant")]), piece("\n", 0)]
+        parts = [
+            ([START], [0]),
+            piece(f"{role}\n", 0),
+            piece(content, int(role == "assistant")),
+            ([END], [int(role == "assistant")]),
+            piece("\n", 0),
+        ]
         for i, m in parts:
             ids += i
             mask += m
@@ -42,11 +49,22 @@ def tok():
 
 
 def test_sharegpt_mask_is_exact(tok, tmp_path):
-    file = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [
-        {"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello! How can I help?"}]}])
+    file = write_jsonl(
+        tmp_path / "sg.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": "Hi there"},
+                    {"from": "gpt", "value": "Hello! How can I help?"},
+                ]
+            }
+        ],
+    )
     [conversation] = load_conversations(str(file))
-    assert conversation == [{"role": "user", "content": "Hi there"},
-                            {"role": "assistant", "content": "Hello! How can I help?"}]
+    assert conversation == [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+    ]
     row = tokenize_conversation(tok, conversation, max_length=1000)
     ids, mask = expected([("user", "Hi there"), ("assistant", "Hello! How can I help?")])
     assert row["input_ids"] == ids
@@ -54,11 +72,13 @@ def test_sharegpt_mask_is_exact(tok, tmp_path):
 
 
 def test_openai_multi_turn_with_system_mask_is_exact(tok, tmp_path):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": "4"},
-                {"role": "user", "content": "And in words, é?"},
-                {"role": "assistant", "content": "four, é"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And in words, é?"},
+        {"role": "assistant", "content": "four, é"},
+    ]
     file = write_jsonl(tmp_path / "oa.jsonl", [{"messages": messages}])
     [conversation] = load_conversations(str(file), format="openai")
     row = tokenize_conversation(tok, conversation, max_length=1000)
@@ -80,8 +100,9 @@ def test_cut_off_answer_gets_no_loss_on_the_end_token(tok, tmp_path):
     """distill.py marks answers cut by its token budget finished=false: the template still closes
     the turn, but the target never predicted that end token, so it is not trained."""
     turns = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2, 3"}]
-    file = write_jsonl(tmp_path / "d.jsonl", [{"messages": turns, "finished": False},
-                                              {"messages": turns, "finished": True}])
+    file = write_jsonl(
+        tmp_path / "d.jsonl", [{"messages": turns, "finished": False}, {"messages": turns, "finished": True}]
+    )
     cut, whole = load_conversations(str(file))
     ids, mask = expected([("user", "Count"), ("assistant", "1, 2, 3")])
     end = len(ids) - 2  # <|im_end|> closing the answer, then "\n"
@@ -89,7 +110,7 @@ def test_cut_off_answer_gets_no_loss_on_the_end_token(tok, tmp_path):
     assert tokenize_conversation(tok, whole, 1000) == {"input_ids": ids, "loss_mask": mask}
     row = tokenize_conversation(tok, cut, 1000)
     assert row["input_ids"] == ids
-    assert row["loss_mask"] == mask[:end] + [0] + mask[end + 1:]
+    assert row["loss_mask"] == mask[:end] + [0] + mask[end + 1 :]
 
 
 def test_empty_answer_trains_only_its_end_token(tok):
@@ -101,8 +122,10 @@ def test_empty_answer_trains_only_its_end_token(tok):
 
 def test_mask_with_another_template_that_strips_content():
     tok = byte_tokenizer()
-    tok.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] | trim }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}[assistant] {% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] | trim }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  Hello you \n"}]
     row = tokenize_conversation(tok, messages, max_length=1000)
     text = "[user] Hi\n[assistant] Hello you\n"
@@ -115,8 +138,12 @@ def test_mask_with_another_template_that_strips_content():
 @pytest.mark.slow
 def test_smollm2_mask_covers_exactly_the_answers(smollm2_target):
     tok = smollm2_target.tokenizer
-    messages = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."},
-                {"role": "user", "content": "Another?"}, {"role": "assistant", "content": " A pear, maybe.\n"}]
+    messages = [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "An apple."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": " A pear, maybe.\n"},
+    ]
     row = tokenize_conversation(tok, messages, max_length=1000)
     ids = row["input_ids"]
     assert ids == tok.apply_chat_template(messages, tokenize=True)["input_ids"]
@@ -131,8 +158,12 @@ def test_smollm2_mask_covers_exactly_the_answers(smollm2_target):
 
 
 def test_slow_tokenizer_path_gives_the_same_mask(tok, monkeypatch):
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                {"role": "user", "content": "More"}, {"role": "assistant", "content": "Sure thing"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "More"},
+        {"role": "assistant", "content": "Sure thing"},
+    ]
     fast = tokenize_conversation(tok, messages, max_length=1000)
     monkeypatch.setattr(type(tok), "is_fast", property(lambda self: False))
     slow = tokenize_conversation(tok, messages, max_length=1000)
@@ -146,15 +177,18 @@ def test_truncation(tok):
     assert cut["input_ids"] == full["input_ids"][:20] and cut["loss_mask"] == full["loss_mask"][:20]
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"messages": [{"role": "user", "content": "x"}', "invalid JSON"),
-    ('{"text": "no conversation"}', "no 'messages'"),
-    ('{"messages": [{"role": "robot", "content": "x"}]}', "unknown role"),
-    ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown speaker"),
-    ('{"messages": [{"role": "user", "content": 3}]}', "must be a string"),
-    ('{"messages": []}', "non-empty list"),
-    ('[1, 2]', "expected an object"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"messages": [{"role": "user", "content": "x"}', "invalid JSON"),
+        ('{"text": "no conversation"}', "no 'messages'"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', "unknown role"),
+        ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown speaker"),
+        ('{"messages": [{"role": "user", "content": 3}]}', "must be a string"),
+        ('{"messages": []}', "non-empty list"),
+        ("[1, 2]", "expected an object"),
+    ],
+)
 def test_malformed_rows_raise_naming_the_row(tmp_path, content, message):
     file = tmp_path / "bad.jsonl"
     file.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n' + content + "\n")
@@ -175,9 +209,15 @@ def test_missing_file_and_bad_format_raise(tmp_path):
 
 
 def conversations(n, offset=0):
-    return [{"messages": [{"role": "user", "content": f"question number {i}"},
-                          {"role": "assistant", "content": f"answer number {i}"}]}
-            for i in range(offset, offset + n)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"question number {i}"},
+                {"role": "assistant", "content": f"answer number {i}"},
+            ]
+        }
+        for i in range(offset, offset + n)
+    ]
 
 
 def test_json_parquet_and_saved_dataset_dir(tmp_path):
@@ -196,7 +236,7 @@ def test_json_parquet_and_saved_dataset_dir(tmp_path):
 
 
 def test_hub_loader_reads_a_local_dataset_directory(tmp_path):
-    from specheads.data.conversations import _hub_rows
+    from specheads.data.formats import _hub_rows
 
     write_jsonl(tmp_path / "train.jsonl", conversations(3))
     rows = [r for _, r in _hub_rows(str(tmp_path), "train")]
@@ -224,8 +264,7 @@ def test_build_datasets_split_shuffle_and_drop(tok, tmp_path):
     other, _ = build_datasets(data_cfg(file, shuffle_seed=1), tok)
     assert ids(other) != ids(train)
     everything = sorted(map(tuple, ids(train) + ids(evaluation)))
-    direct = sorted(tuple(tokenize_conversation(tok, c, 128)["input_ids"])
-                    for c in load_conversations(str(file))[:20])
+    direct = sorted(tuple(tokenize_conversation(tok, c, 128)["input_ids"]) for c in load_conversations(str(file))[:20])
     assert everything == direct  # split is a partition: no duplicates, no gaps
     small, small_eval = build_datasets(data_cfg(file, max_examples=8, eval_fraction=0.0), tok)
     assert (len(small), len(small_eval)) == (8, 0)
@@ -233,10 +272,13 @@ def test_build_datasets_split_shuffle_and_drop(tok, tmp_path):
 
 def test_build_datasets_decontaminates_and_reports(tok, tmp_path, capsys):
     leaked = "please write a short poem about the quiet autumn rain falling on the old stone bridge"
-    evalfile = write_jsonl(tmp_path / "question.jsonl", [
-        {"question_id": 1, "category": "writing", "turns": [leaked.upper() + "!", "Now shorter."]}])
-    rows = conversations(6) + [{"messages": [{"role": "user", "content": f"Hey: {leaked}, thanks"},
-                                             {"role": "assistant", "content": "ok"}]}]
+    evalfile = write_jsonl(
+        tmp_path / "question.jsonl",
+        [{"question_id": 1, "category": "writing", "turns": [leaked.upper() + "!", "Now shorter."]}],
+    )
+    rows = conversations(6) + [
+        {"messages": [{"role": "user", "content": f"Hey: {leaked}, thanks"}, {"role": "assistant", "content": "ok"}]}
+    ]
     file = write_jsonl(tmp_path / "d.jsonl", rows)
     train, evaluation = build_datasets(data_cfg(file, decontaminate=[str(evalfile)]), tok)
     assert len(train) + len(evaluation) == 6

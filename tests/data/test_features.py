@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from specheads.errors import SpecHeadsError
 from specheads.data.features import FeatureCache, collate_features, feature_cache_key, write_features
+from specheads.errors import SpecHeadsError
 
 
 def rows(n=5, seed=0):
@@ -12,7 +12,7 @@ def rows(n=5, seed=0):
         t = 12 + 3 * i
         ids = torch.randint(0, 256, (t,), generator=g)
         mask = torch.zeros(t, dtype=torch.long)
-        mask[t // 2:] = 1
+        mask[t // 2 :] = 1
         out.append({"input_ids": ids.tolist(), "loss_mask": mask.tolist()})
     return out
 
@@ -22,8 +22,9 @@ def test_cached_features_equal_online_bit_for_bit(tiny_target, tmp_path, dtype):
     data = rows()
     layers = [1, 3, 6]
     # small shards so that rows span several files
-    index = write_features(tiny_target, data, layers, True, tmp_path / "feat", max_length=64,
-                           dtype=dtype, shard_tokens=40)
+    index = write_features(
+        tiny_target, data, layers, True, tmp_path / "feat", max_length=64, dtype=dtype, shard_tokens=40
+    )
     assert len(index["shards"]) > 1 and index["rows"] == len(data)
     cache = FeatureCache(tmp_path / "feat", feature_cache_key(tiny_target, layers, True, 64))
     assert len(cache) == len(data)
@@ -62,27 +63,33 @@ def test_collate_pads_like_online(tiny_target, tmp_path):
 
 def test_offline_source_gives_online_losses(tiny_target, tmp_path):
     from specheads.config.train import HeadConfig
-    from specheads.data.features import OfflineStates, ensure_split_features
+    from specheads.data.features import ensure_split_features
     from specheads.heads import build_head
-    from specheads.train.state_source import OnlineStates
+    from specheads.train.state_source import OfflineStates, OnlineStates
 
     splits = {"train": rows(6), "eval": rows(2, seed=1)}
-    ensure_split_features(tiny_target, splits, [2, 3, 4], True, tmp_path / "feat", max_length=64,
-                          dtype="float32", data_fingerprint="abc")
+    ensure_split_features(
+        tiny_target, splits, [2, 3, 4], True, tmp_path / "feat", max_length=64, dtype="float32", data_fingerprint="abc"
+    )
     stamp = (tmp_path / "feat" / "train" / "index.json").stat().st_mtime_ns
     # an up-to-date cache is reused, not rewritten
-    ensure_split_features(tiny_target, splits, [2, 3, 4], True, tmp_path / "feat", max_length=64,
-                          dtype="float32", data_fingerprint="abc")
+    ensure_split_features(
+        tiny_target, splits, [2, 3, 4], True, tmp_path / "feat", max_length=64, dtype="float32", data_fingerprint="abc"
+    )
     assert (tmp_path / "feat" / "train" / "index.json").stat().st_mtime_ns == stamp
     offline = OfflineStates(tmp_path / "feat", tiny_target, 64, 0, torch.device("cpu"), torch.float32)
     online = OnlineStates(tiny_target, splits, 0)
     torch.manual_seed(0)
-    head = build_head(HeadConfig(family="eagle3", layer_ids=[2, 3, 4], draft_vocab_size=96, ttt_steps=3),
-                      tiny_target, train_rows=splits["train"])
+    head = build_head(
+        HeadConfig(family="eagle3", layer_ids=[2, 3, 4], draft_vocab_size=96, ttt_steps=3),
+        tiny_target,
+        train_rows=splits["train"],
+    )
     for source in (offline, online):
         source.require(*head.training_states())
-    assert offline.rows("train") == [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
-                                     for r in splits["train"]]
+    assert offline.rows("train") == [
+        {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in splits["train"]
+    ]
     for idx in ([0, 3], [5, 1, 2]):
         (b1, s1), (b2, s2) = offline.fetch("train", idx), online.fetch("train", idx)
         assert torch.equal(b1["input_ids"], b2["input_ids"]) and torch.equal(b1["loss_mask"], b2["loss_mask"])

@@ -7,16 +7,15 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import quick_head
 from scipy.stats import chisquare
 
-from specheads.config.train import HeadConfig
-from specheads.decode.drafters import DynamicTreeSpec, grow_tree, make_drafter
-from specheads.decode.generate import SamplingConfig, speculative_generate
-from specheads.heads import build_head
+from specheads.decode.drafters import grow_tree, make_drafter
+from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
+from specheads.decode.policy import DynamicTreeSpec
+from specheads.decode.tree import TreeLayout, chain_paths, full_paths, static_tree
 from specheads.target import FrozenTarget
 from specheads.tiny import tiny_target as build_tiny
-from conftest import quick_head
-from specheads.decode.tree import TreeLayout, chain_paths, full_paths, static_tree
 
 FAMILIES = ["medusa", "eagle", "eagle3"]
 POLICIES = {
@@ -55,9 +54,10 @@ def sdpa_target():
 
 def hf_greedy(target, prompt, n, eos=None):
     kwargs = {} if eos is None else {"eos_token_id": eos}
-    out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                                do_sample=False, **kwargs)
-    return out[0, prompt.shape[1]:].tolist()
+    out = target.model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False, **kwargs
+    )
+    return out[0, prompt.shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,7 @@ def sequences(target):
     """Greedy continuations of random prompts: the heads are overfitted on them so that long
     paths get accepted (which is what exercises KV compaction and the draft cache catch-up)."""
     prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
-    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40,
-                                 do_sample=False)
+    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +121,7 @@ def greedy_oracle(target):
     def next_token(ctx):
         with torch.no_grad():
             return int(target.model(torch.tensor([ctx])).logits[0, -1].argmax())
+
     return next_token
 
 
@@ -137,6 +137,7 @@ def test_random_trees_give_exact_greedy_output(attn, seed, target, sdpa_target):
     assert max(res.accept_lengths) > 1  # the oracle drafts did get accepted
     assert sum(res.accept_lengths) == len(ref) - 1
     assert res.target_forwards == len(res.accept_lengths)
+    assert res.tau == sum(res.accept_lengths) / res.target_forwards  # mean accept length
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma", "mistral"])
@@ -144,9 +145,16 @@ def test_other_architectures(arch):
     tgt = make_target(arch=arch)
     prompt = torch.tensor([[5, 6, 7, 8, 9]])
     ref = hf_greedy(tgt, prompt, 16)
-    res = speculative_generate(tgt, RandomTreeDrafter(1, oracle=greedy_oracle(tgt)), prompt,
-                               SamplingConfig(max_new_tokens=16))
+    res = speculative_generate(
+        tgt, RandomTreeDrafter(1, oracle=greedy_oracle(tgt)), prompt, SamplingConfig(max_new_tokens=16)
+    )
     assert res.output_ids == ref
+
+
+def test_tau_counts_decode_forwards_only():
+    assert tau_of(10, 3) == 3.0  # the prefill's token is not a decode forward's
+    assert tau_of(1, 0) == 1.0 and tau_of(0, 0) == 1.0  # no decode forward: plain decoding's 1.0
+    assert tau_of(20, 6, answers=2) == 3.0  # pooled over two answers
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -162,8 +170,9 @@ def test_heads_give_exact_greedy_output(family, trained, target, heads, sequence
             assert res.output_ids == ref, (family, trained, name)
             assert res.tree_sizes[0] > 1
     if trained == "trained":
-        res = speculative_generate(target, make_drafter(head, POLICIES["chain"]), sequences[1:2, :8],
-                                   SamplingConfig(max_new_tokens=32))
+        res = speculative_generate(
+            target, make_drafter(head, POLICIES["chain"]), sequences[1:2, :8], SamplingConfig(max_new_tokens=32)
+        )
         assert res.tau > 1.5, (family, res.accept_lengths)
 
 
@@ -191,13 +200,18 @@ def test_eos_and_max_new_tokens_inside_accepted_paths(family, target, heads, seq
 def test_streaming_callback_and_drafted_flags(target, heads, sequences):
     seen = []
     prompt = sequences[1:2, :8]
-    res = speculative_generate(target, make_drafter(heads["eagle", "trained"], POLICIES["chain"]), prompt,
-                               SamplingConfig(max_new_tokens=24), on_step=lambda t, d: seen.append((t, d)))
+    res = speculative_generate(
+        target,
+        make_drafter(heads["eagle", "trained"], POLICIES["chain"]),
+        prompt,
+        SamplingConfig(max_new_tokens=24),
+        on_step=lambda t, d: seen.append((t, d)),
+    )
     assert [t for ts, _ in seen for t in ts] == res.output_ids
     assert [d for _, ds in seen for d in ds] == res.drafted
     assert res.drafted[0] is False  # the prefill's token is the target's own
     # per step: accepted drafts, then the target's own token (the last step may be cut short)
-    for ts, ds in seen[1:-1]:
+    for _ts, ds in seen[1:-1]:
         assert ds == [True] * (len(ds) - 1) + [False]
     assert all(seen[-1][1][:-1])
     assert any(len(ts) > 1 for ts, _ in seen)
@@ -207,8 +221,13 @@ def test_typical_acceptance_is_opt_in_and_respects_limits(target, heads, sequenc
     head = heads["medusa", "trained"]
     cfg = SamplingConfig(max_new_tokens=20, temperature=0.3, acceptance="typical")
     assert cfg.rule() == "typical" and SamplingConfig(temperature=0.7).rule() == "speculative"
-    res = speculative_generate(target, make_drafter(head, POLICIES["chain"]), sequences[1:2, :8], cfg,
-                               generator=torch.Generator().manual_seed(0))
+    res = speculative_generate(
+        target,
+        make_drafter(head, POLICIES["chain"]),
+        sequences[1:2, :8],
+        cfg,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert len(res.output_ids) == 20 and max(res.accepted_drafts) >= 1
     assert sum(res.accept_lengths) == 19
 
@@ -231,6 +250,7 @@ def self_drafter(target, policy):
             def child_logp(ids, table):
                 ctxs = [tuple(self.seq + [table.tokens[a] for a in _path(table, i)[1:]]) for i in ids]
                 return torch.stack([next_logp(c) for c in ctxs])
+
             return grow_tree(root, child_logp, lambda x: x, policy, max_depth)
 
     cache = {}
@@ -254,7 +274,7 @@ def _path(table, i):
 @pytest.mark.parametrize("temperature, top_p", [(0.7, 0.9)])
 def test_sampled_tokens_follow_the_target_distribution(temperature, top_p, target):
     """End to end: the first two tokens (the second decided by a tree verification)."""
-    from specheads.decode.verify import sampling_probs
+    from specheads.sampling import sampling_probs
 
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     n = 800
@@ -311,7 +331,7 @@ class FutureOracleDrafter:
     def draft(self, root, prefix_len, max_depth):
         rng = self.rng
         parents, tokens, true_node = [-1], [root], 0
-        truth = self.ref[prefix_len + 1: prefix_len + 1 + rng.randint(0, 6)]
+        truth = self.ref[prefix_len + 1 : prefix_len + 1 + rng.randint(0, 6)]
         for _ in range(rng.randint(0, 20)):
             parents.append(rng.randrange(len(tokens)))
             tokens.append(rng.randrange(self.vocab))
@@ -325,8 +345,9 @@ class FutureOracleDrafter:
 @pytest.mark.slow
 def test_real_target_tree_verification_matches_greedy(smollm2_target):
     tgt = smollm2_target
-    ids = tgt.tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of copper."}],
-                                            add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = tgt.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three uses of copper."}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
     prompt = torch.tensor([ids])
     ref = hf_greedy(tgt, prompt, 40)
     drafter = FutureOracleDrafter(ids + ref, tgt.info.vocab_size)

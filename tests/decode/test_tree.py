@@ -3,8 +3,8 @@ import random
 import pytest
 import torch
 
-from specheads.errors import SpecHeadsError
 from specheads.decode.tree import TreeLayout, chain_paths, full_paths, select_dynamic, static_tree
+from specheads.errors import SpecHeadsError
 
 
 def test_medusa_worked_example():
@@ -14,11 +14,9 @@ def test_medusa_worked_example():
     assert tree.layout.parents == (-1, 0, 0, 1, 1)
     assert tree.layout.depths == (0, 1, 1, 2, 2)
     assert tree.ranks == (-1, 0, 1, 0, 1)
-    expected = torch.tensor([[1, 0, 0, 0, 0],
-                             [1, 1, 0, 0, 0],
-                             [1, 0, 1, 0, 0],
-                             [1, 1, 0, 1, 0],
-                             [1, 1, 0, 0, 1]], dtype=torch.bool)
+    expected = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 0, 1]], dtype=torch.bool
+    )
     assert torch.equal(tree.layout.mask, expected)
     assert sorted(tree.layout.retrieve.tolist()) == sorted([[0, 1, 4], [0, 1, 3], [0, 2, -1]])
     assert tree.layout.position_offsets().tolist() == [0, 1, 1, 2, 2]
@@ -54,13 +52,16 @@ def test_chain_and_full_trees():
     assert [len(c) for c in full.layout.children[:4]] == [3, 3, 3, 3]
 
 
-@pytest.mark.parametrize("paths, message", [
-    ([[0, 0]], "prefix"),
-    ([], "at least one"),
-    ([[0], [0]], "repeat"),
-    ([[0], [-1]], "ranks"),
-    ("abc", "list"),
-])
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        ([[0, 0]], "prefix"),
+        ([], "at least one"),
+        ([[0], [0]], "repeat"),
+        ([[0], [-1]], "ranks"),
+        ("abc", "list"),
+    ],
+)
 def test_bad_static_trees(paths, message):
     with pytest.raises(SpecHeadsError, match=message):
         static_tree(paths)

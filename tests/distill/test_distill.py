@@ -9,14 +9,20 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from specheads.data.conversations import load_conversations
-from specheads.distill import regenerate
 from specheads.config.distill import DistillConfig, MagpieConfig
-from specheads.data.decontaminate import (NgramIndex, decontaminate, decontaminate_prompts,
-                                             resolve_eval_files)
+from specheads.data.decontaminate import NgramIndex, decontaminate, decontaminate_prompts, resolve_eval_files
+from specheads.data.formats import load_conversations
+from specheads.distill import regenerate
 from specheads.distill.generation import generate
-from specheads.distill.prompts import (TASK_TYPES, PromptFilter, dataset_prompts, end_of_turn_ids,
-                                       magpie_prompts, trim_to_sentence, user_turn_prefix)
+from specheads.distill.prompts import (
+    TASK_TYPES,
+    PromptFilter,
+    dataset_prompts,
+    end_of_turn_ids,
+    magpie_prompts,
+    trim_to_sentence,
+    user_turn_prefix,
+)
 from specheads.distill.regenerate import run_distillation
 from specheads.errors import SpecHeadsError
 
@@ -41,29 +47,43 @@ def write_jsonl(path, rows):
 
 
 def questions(path, prompts):
-    return write_jsonl(path, [{"question_id": i, "category": "writing", "turns": [p, "Shorter now."]}
-                              for i, p in enumerate(prompts)])
+    return write_jsonl(
+        path, [{"question_id": i, "category": "writing", "turns": [p, "Shorter now."]} for i, p in enumerate(prompts)]
+    )
 
 
 def cfg(tmp_path, name="out", **kw):
-    base = DistillConfig(output=str(tmp_path / name), max_new_tokens=6, batch_size=4, shard_size=2,
-                         num_prompts=5, decontaminate=[], magpie=RELAXED)
+    base = DistillConfig(
+        output=str(tmp_path / name),
+        max_new_tokens=6,
+        batch_size=4,
+        shard_size=2,
+        num_prompts=5,
+        decontaminate=[],
+        magpie=RELAXED,
+    )
     return replace(base, **kw)
 
 
 def shard_rows(directory):
-    return [json.loads(line) for f in sorted(Path(directory, "shards").glob("*.jsonl"))
-            for line in f.read_text().splitlines()]
+    return [
+        json.loads(line)
+        for f in sorted(Path(directory, "shards").glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
 
 
 # -- decontamination ------------------------------------------------------------------------------
+
 
 def test_ngram_overlap_is_dropped_and_counted(tmp_path):
     evalfile = questions(tmp_path / "question.jsonl", [LONG])
     words = LONG.split()
     convs = [
-        [{"role": "user", "content": "Hey! " + " ".join(words[2:15]).upper() + "?"},  # 13 words shared
-         {"role": "assistant", "content": "x"}],
+        [
+            {"role": "user", "content": "Hey! " + " ".join(words[2:15]).upper() + "?"},  # 13 words shared
+            {"role": "assistant", "content": "x"},
+        ],
         [{"role": "user", "content": " ".join(words[2:14])}, {"role": "assistant", "content": "x"}],  # 12
         [{"role": "user", "content": "hello"}, {"role": "assistant", "content": LONG}],  # answers don't count
         [{"role": "user", "content": "Please shorter now."}, {"role": "assistant", "content": "x"}],
@@ -78,14 +98,17 @@ def test_ngram_overlap_is_dropped_and_counted(tmp_path):
 
 
 def test_eval_files_resolution(tmp_path):
-    assert resolve_eval_files([str(tmp_path / "missing" / "*.jsonl")]) == []
+    from specheads.data.questions import DEV_QUESTIONS
+
+    assert resolve_eval_files([str(tmp_path / "missing" / "*.jsonl")]) == [DEV_QUESTIONS]  # the dev set, always
     with pytest.raises(SpecHeadsError, match="does not exist"):
         resolve_eval_files([str(tmp_path / "nope.jsonl")])
     file = questions(tmp_path / "q.jsonl", [LONG])
-    assert resolve_eval_files([str(tmp_path / "*.jsonl"), str(file)]) == [file]
+    assert resolve_eval_files([str(tmp_path / "*.jsonl"), str(file)]) == [DEV_QUESTIONS, file]
 
 
 # -- generation -----------------------------------------------------------------------------------
+
 
 def prompt_ids(tok, texts):
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -98,10 +121,12 @@ def test_batched_greedy_equals_unbatched_and_transformers_generate(tiny_target):
     batched = generate(model, prompts, max_new_tokens=12, stop_ids=[258], pad_id=256, batch_size=3)
     assert [g.tokens for g in batched] == [g.tokens for g in single]
     for p, g in list(zip(prompts, single))[:3]:
-        out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             generation_config=GenerationConfig(max_new_tokens=12, do_sample=False,
-                                                                eos_token_id=258, pad_token_id=256))
-        assert out[0, len(p):].tolist()[:12] == g.tokens
+        out = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            generation_config=GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=258, pad_token_id=256),
+        )
+        assert out[0, len(p) :].tolist()[:12] == g.tokens
     # Stopping evicts rows from the batch; the others must not change.
     stop = single[2].tokens[3]
     single_stop = [generate(model, [p], max_new_tokens=12, stop_ids=[stop], pad_id=256)[0] for p in prompts]
@@ -113,35 +138,30 @@ def test_batched_greedy_equals_unbatched_and_transformers_generate(tiny_target):
 def test_sampling_is_seeded(tiny_target):
     model, tok = tiny_target.model, tiny_target.tokenizer
     prompts = prompt_ids(tok, ["hello"] * 6)
+
     def run(seed):
-        return [g.tokens for g in generate(model, prompts, max_new_tokens=8, stop_ids=[258], pad_id=256,
-                                           temperature=1.0, top_p=0.9, seed=seed)]
+        return [
+            g.tokens
+            for g in generate(
+                model, prompts, max_new_tokens=8, stop_ids=[258], pad_id=256, temperature=1.0, top_p=0.9, seed=seed
+            )
+        ]
 
     assert run(1) == run(1)
     assert run(1) != run(2)
     assert len({tuple(t) for t in run(1)}) > 1
 
 
-def test_top_p_keeps_only_the_nucleus():
-    from specheads.distill.generation import _pick
-
-    g = torch.Generator().manual_seed(0)
-    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(2000, 1)
-    picked = _pick(logits, 1.0, 0.8, g)
-    assert set(picked.tolist()) == {0, 1}
-    assert abs((picked == 0).float().mean().item() - 0.5 / 0.8) < 0.05
-    # A flat distribution needs more candidates than the first top-k guess: it must widen.
-    picked = _pick(torch.zeros(4000, 3000), 1.0, 0.5, g)
-    assert 512 < len(set(picked.tolist())) <= 1501
-
-
 # -- prompts --------------------------------------------------------------------------------------
+
 
 def test_user_turn_prefix_and_end_of_turn(tiny_target):
     tok = tiny_target.tokenizer
     assert user_turn_prefix(tok, []) == "<|im_start|>user\n"
-    assert user_turn_prefix(tok, [{"role": "system", "content": "S"}]) == \
-        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"
+    assert (
+        user_turn_prefix(tok, [{"role": "system", "content": "S"}])
+        == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"
+    )
     assert 258 in end_of_turn_ids(tok, tiny_target.model)
 
 
@@ -155,12 +175,21 @@ def test_prompt_filter(tiny_target):
     assert not f.accept("\x00\x01\x02 \x03\x04")
     assert not f.accept("a cut off prompt", finished=False)
     assert not f.accept("   ")
-    assert f.counts == {"empty_or_cut": 2, "special": 1, "length": 2, "unprintable": 1,
-                        "duplicate": 1, "contaminated": 0}
+    assert f.counts == {
+        "empty_or_cut": 2,
+        "special": 1,
+        "length": 2,
+        "unprintable": 1,
+        "duplicate": 1,
+        "contaminated": 0,
+    }
 
 
 def test_cut_prompts_are_trimmed_to_their_last_sentence():
-    assert trim_to_sentence('I need help. Can you say "hi!" to Bob? Then write a') == 'I need help. Can you say "hi!" to Bob?'
+    assert (
+        trim_to_sentence('I need help. Can you say "hi!" to Bob? Then write a')
+        == 'I need help. Can you say "hi!" to Bob?'
+    )
     assert trim_to_sentence("Version 2.5 of the tool is") == ""
     assert trim_to_sentence("Done.") == "Done."
 
@@ -179,9 +208,18 @@ def test_magpie_prompts_are_produced_and_deduplicated(tiny_target):
 
 def test_dataset_prompts_formats(tmp_path):
     fastchat = questions(tmp_path / "q.jsonl", ["first turn", "other"])
-    sharegpt = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [
-        {"from": "system", "value": "sys"}, {"from": "human", "value": "hi"},
-        {"from": "gpt", "value": "yo"}]}])
+    sharegpt = write_jsonl(
+        tmp_path / "s.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "system", "value": "sys"},
+                    {"from": "human", "value": "hi"},
+                    {"from": "gpt", "value": "yo"},
+                ]
+            }
+        ],
+    )
     plain = write_jsonl(tmp_path / "p.jsonl", [{"question": "What is 2+2?", "answer": "4"}])
     assert [p["prompt"] for p in dataset_prompts(str(fastchat))] == ["first turn", "other"]
     assert dataset_prompts(str(sharegpt)) == [{"prompt": "hi", "category": "dataset"}]
@@ -192,6 +230,7 @@ def test_dataset_prompts_formats(tmp_path):
 
 
 # -- regeneration ---------------------------------------------------------------------------------
+
 
 def test_batched_regeneration_equals_unbatched(tiny_target, tmp_path):
     src = questions(tmp_path / "q.jsonl", [f"question {i} " + "x" * i for i in range(5)])
@@ -265,37 +304,51 @@ def test_bad_prompt_source_leaves_nothing_behind(tiny_target, tmp_path):
 
 def test_builtin_data_is_built_once_and_reused(tiny_target, tmp_path, monkeypatch):
     from specheads.config.train import DataConfig
-    from specheads.data.conversations import build_datasets
+    from specheads.data.datasets import build_datasets
+    from specheads.distill.builtin import builtin_dir, ensure_builtin_data
+
+    def builtin_datasets(data):
+        return build_datasets(replace(data, path=str(ensure_builtin_data(tiny_target, data))), tiny_target.tokenizer)
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
-    data = DataConfig(builtin_examples=4, builtin_answer_tokens=5, builtin_batch_size=8, max_length=512,
-                      eval_fraction=0.25)
-    train, evaluation = build_datasets(data, tiny_target.tokenizer, target=tiny_target)
+    data = DataConfig(
+        builtin_examples=4, builtin_answer_tokens=5, builtin_batch_size=8, max_length=512, eval_fraction=0.25
+    )
+    train, evaluation = builtin_datasets(data)
     assert len(train) + len(evaluation) == 4
     [built] = list((tmp_path / "cache" / "data").iterdir())
     monkeypatch.setattr(regenerate, "generate", lambda *a, **k: pytest.fail("rebuilt the cached set"))
-    again, _ = build_datasets(data, tiny_target.tokenizer, target=tiny_target)
+    again, _ = builtin_datasets(data)
     assert list(again["input_ids"]) == list(train["input_ids"])
     data.builtin_examples = 3
-    from specheads.distill.builtin import builtin_dir
     assert builtin_dir(tiny_target, data) != built
 
 
 # -- distill.py -----------------------------------------------------------------------------------
 
+
 def run_cli(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "distill.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "distill.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_distill_cli_end_to_end(tmp_path):
     src = questions(tmp_path / "q.jsonl", ["Tell me a joke.", "What is rain?", "Name a color."])
     out = tmp_path / "d"
-    proc = run_cli("model=tiny-random", f"distill.prompts={src}", "distill.num_prompts=3",
-                   "distill.max_new_tokens=8", f"distill.output={out}", "distill.turns=2",
-                   "distill.magpie.min_words=0", "distill.magpie.min_printable=0",
-                   "distill.magpie.cut=keep", cwd=tmp_path)
+    proc = run_cli(
+        "model=tiny-random",
+        f"distill.prompts={src}",
+        "distill.num_prompts=3",
+        "distill.max_new_tokens=8",
+        f"distill.output={out}",
+        "distill.turns=2",
+        "distill.magpie.min_words=0",
+        "distill.magpie.min_printable=0",
+        "distill.magpie.cut=keep",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(out)
     rows = load_conversations(str(out))
@@ -307,8 +360,12 @@ def test_distill_cli_bad_input_is_one_line(tmp_path):
     proc = run_cli("model=tiny-random", "distill.no_such_key=1", cwd=tmp_path)
     assert proc.returncode != 0
     assert len(proc.stderr.strip().splitlines()) == 1 and "no_such_key" in proc.stderr
-    proc = run_cli("model=tiny-random", f"distill.prompts={tmp_path / 'missing.jsonl'}",
-                   f"distill.output={tmp_path / 'o'}", cwd=tmp_path)
+    proc = run_cli(
+        "model=tiny-random",
+        f"distill.prompts={tmp_path / 'missing.jsonl'}",
+        f"distill.output={tmp_path / 'o'}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error:") and "does not exist" in proc.stderr
     assert not (tmp_path / "o").exists()

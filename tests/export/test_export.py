@@ -27,6 +27,7 @@ EAGLE3 = dict(layer_ids=[1, 3, 5], draft_vocab_size=96)
 
 # -- helpers (also used by the other test_export_* files) -----------------------------------------
 
+
 def make_head_dir(target, directory: Path, family: str, seed: int = 0, **overrides) -> Path:
     """A head with every weight nudged off its initialisation (zero-initialised ResBlocks too)."""
     torch.manual_seed(seed)
@@ -84,8 +85,11 @@ ROUND_TRIPS = [
 ]
 
 
-@pytest.mark.parametrize("family,overrides,fmt,engine", ROUND_TRIPS,
-                         ids=[f"{f}-{fmt}-{e}-{i}" for i, (f, _, fmt, e) in enumerate(ROUND_TRIPS)])
+@pytest.mark.parametrize(
+    "family,overrides,fmt,engine",
+    ROUND_TRIPS,
+    ids=[f"{f}-{fmt}-{e}-{i}" for i, (f, _, fmt, e) in enumerate(ROUND_TRIPS)],
+)
 def test_round_trip_gives_identical_drafts(tiny_target, tmp_path, family, overrides, fmt, engine):
     src = make_head_dir(tiny_target, tmp_path / "head", family, **overrides)
     result = export_head(src, fmt, tmp_path / "out", engine=engine, target=tiny_target)
@@ -99,10 +103,17 @@ def test_round_trip_gives_identical_drafts(tiny_target, tmp_path, family, overri
     assert torch.equal(draft_outputs(exported, tiny_target, PROMPT), draft_outputs(original, tiny_target, PROMPT))
 
 
-@pytest.mark.parametrize("fmt,engine,overrides", [
-    ("eagle3", "vllm", EAGLE3), ("eagle3", "sglang", EAGLE3), ("speculators", "auto", EAGLE3),
-    ("vllm-medusa", "auto", {"shared_lm_head": True}), ("medusa", "auto", {}), ("eagle", "auto", {}),
-])
+@pytest.mark.parametrize(
+    "fmt,engine,overrides",
+    [
+        ("eagle3", "vllm", EAGLE3),
+        ("eagle3", "sglang", EAGLE3),
+        ("speculators", "auto", EAGLE3),
+        ("vllm-medusa", "auto", {"shared_lm_head": True}),
+        ("medusa", "auto", {}),
+        ("eagle", "auto", {}),
+    ],
+)
 def test_engine_fields_alone_are_enough(tiny_target, tmp_path, fmt, engine, overrides):
     """A checkpoint someone else wrote has no provenance block: the engine fields must carry
     everything (layer numbering, norms, vocab maps, shared LM head)."""
@@ -120,8 +131,9 @@ def test_engine_fields_alone_are_enough(tiny_target, tmp_path, fmt, engine, over
 
 def test_default_layer_ids_are_left_to_both_engines(tmp_path):
     """A head on [2, L//2, L-3] is written without explicit ids: vLLM and SGLang agree on the default."""
-    target = load_target(ModelConfig(name="tiny-8", path="tiny:llama", tiny={"num_hidden_layers": 8}),
-                         device=torch.device("cpu"))
+    target = load_target(
+        ModelConfig(name="tiny-8", path="tiny:llama", tiny={"num_hidden_layers": 8}), device=torch.device("cpu")
+    )
     src = make_head_dir(target, tmp_path / "head", "eagle3", draft_vocab_size=128)
     result = export_head(src, "eagle3", tmp_path / "out")
     config = json.loads((result.path / "config.json").read_text())
@@ -138,7 +150,7 @@ def test_layer_numbering_per_engine(tiny_target, tmp_path):
     vllm = json.loads((export_head(src, "eagle3", tmp_path / "v", engine="vllm").path / "config.json").read_text())
     sglang = json.loads((export_head(src, "eagle3", tmp_path / "s", engine="sglang").path / "config.json").read_text())
     spec = json.loads((export_head(src, "speculators", tmp_path / "p").path / "config.json").read_text())
-    assert vllm["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]           # entering layer k
+    assert vllm["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # entering layer k
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # output of layer k
     assert "eagle_aux_hidden_state_layer_ids" not in sglang
     assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
@@ -146,11 +158,19 @@ def test_layer_numbering_per_engine(tiny_target, tmp_path):
 
 
 def test_file_layouts_match_the_engines(tiny_target, tmp_path):
-    e3 = export_head(make_head_dir(tiny_target, tmp_path / "e3", "eagle3", **EAGLE3), "eagle3",
-                     tmp_path / "o3", engine="vllm").path
+    e3 = export_head(
+        make_head_dir(tiny_target, tmp_path / "e3", "eagle3", **EAGLE3), "eagle3", tmp_path / "o3", engine="vllm"
+    ).path
     keys = set(safe_open(str(e3 / "model.safetensors"), "pt").keys())
-    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "norm.weight",
-            "lm_head.weight", "d2t", "t2d"} <= keys
+    assert {
+        "fc.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.input_layernorm.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= keys
     assert not any(k.startswith("layers.") for k in keys)
     cfg = json.loads((e3 / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 96
@@ -170,8 +190,7 @@ def test_file_layouts_match_the_engines(tiny_target, tmp_path):
 
 def test_bfloat16_export(tiny_target, tmp_path):
     src = make_head_dir(tiny_target, tmp_path / "head", "eagle3", **EAGLE3)
-    out = export_head(src, "speculators", tmp_path / "out", dtype="bfloat16", embeddings=True,
-                      target=tiny_target).path
+    out = export_head(src, "speculators", tmp_path / "out", dtype="bfloat16", embeddings=True, target=tiny_target).path
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_slice("fc.weight").get_dtype() == "BF16"
         assert f.get_slice("d2t").get_dtype() == "I64"
@@ -183,6 +202,7 @@ def test_bfloat16_export(tiny_target, tmp_path):
 
 
 # -- what export refuses ------------------------------------------------------------------------------
+
 
 def test_refusals(tiny_target, tmp_path):
     medusa = make_head_dir(tiny_target, tmp_path / "m", "medusa")
@@ -235,21 +255,25 @@ def test_refuses_to_replace_a_foreign_directory(tiny_target, tmp_path):
 
 
 def test_loader_rejects_a_head_for_another_target(tiny_target, tmp_path):
-    out = export_head(make_head_dir(tiny_target, tmp_path / "h", "eagle3", **EAGLE3), "speculators",
-                      tmp_path / "o").path
-    wide = load_target(ModelConfig(name="wide", path="tiny:llama", tiny={"hidden_size": 96}),
-                       device=torch.device("cpu"))
+    out = export_head(
+        make_head_dir(tiny_target, tmp_path / "h", "eagle3", **EAGLE3), "speculators", tmp_path / "o"
+    ).path
+    wide = load_target(
+        ModelConfig(name="wide", path="tiny:llama", tiny={"hidden_size": 96}), device=torch.device("cpu")
+    )
     with pytest.raises(SpecHeadsError, match="hidden size 64.*96"):
         load_exported(out, wide)
 
 
 # -- the command line ----------------------------------------------------------------------------------
 
+
 def run_cli(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", "specheads.export", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "specheads.export", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_exports_and_rejects_a_typo_in_one_line(tiny_target, tmp_path):
@@ -269,9 +293,9 @@ def compose_export(overrides):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from specheads.config.export import register_export_configs
+    from specheads.config import register_configs
 
-    register_export_configs()
+    register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -293,8 +317,9 @@ def test_export_job_checks_its_input(tiny_target, tmp_path, capsys):
     with pytest.raises(SpecHeadsError, match="does not exist"):
         run_export(compose_export([f"head_path={tmp_path / 'nope'}", "format=eagle", f"out={tmp_path / 'x'}"]))
     # the target is found through the head's own target name (conf/model/tiny-random.yaml)
-    result = run_export(compose_export([f"head_path={src}", "format=eagle", f"out={tmp_path / 'out'}",
-                                        "dtype=bfloat16"]))
+    result = run_export(
+        compose_export([f"head_path={src}", "format=eagle", f"out={tmp_path / 'out'}", "dtype=bfloat16"])
+    )
     assert sorted(result.engines) == ["sglang", "vllm"]
     assert "embed_tokens.weight" in safe_open(str(tmp_path / "out" / "model.safetensors"), "pt").keys()
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "out")

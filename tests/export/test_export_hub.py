@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import HfApi, ModelCard
+from test_export import EAGLE3, PROMPT, ROOT, compose_export, draft_outputs, make_head_dir
 
 from specheads.errors import SpecHeadsError
 from specheads.export import export_head, open_head, resolve_head_path
 from specheads.export.model_card import bench_rows, bench_table
 from specheads.heads import load_head
-from test_export import EAGLE3, PROMPT, ROOT, compose_export, draft_outputs, make_head_dir
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
@@ -41,15 +41,18 @@ def test_existing_paths_resolve_to_themselves(tmp_path):
 
 def test_hub_id_resolves_offline_from_a_fresh_hf_home(tiny_target, tmp_path):
     """A new process with HF_HOME and HF_HUB_OFFLINE=1 set, as a user would run it."""
-    snapshot = put_in_hf_cache(tmp_path / "hf" / "hub", "org/tiny-head",
-                               make_head_dir(tiny_target, tmp_path / "head", "medusa"))
+    snapshot = put_in_hf_cache(
+        tmp_path / "hf" / "hub", "org/tiny-head", make_head_dir(tiny_target, tmp_path / "head", "medusa")
+    )
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     env.pop("HF_HUB_CACHE", None)
-    code = ("import sys; from specheads.export.hub import resolve_head_path\n"
-            "from specheads.errors import SpecHeadsError\n"
-            "print(resolve_head_path('org/tiny-head'))\n"
-            "try:\n    resolve_head_path('org/not-cached')\n"
-            "except SpecHeadsError as e:\n    print('ERROR', e)\n")
+    code = (
+        "import sys; from specheads.export.hub import resolve_head_path\n"
+        "from specheads.errors import SpecHeadsError\n"
+        "print(resolve_head_path('org/tiny-head'))\n"
+        "try:\n    resolve_head_path('org/not-cached')\n"
+        "except SpecHeadsError as e:\n    print('ERROR', e)\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     found, error = run.stdout.strip().splitlines()
@@ -73,8 +76,10 @@ def test_open_head_by_hub_id_reads_an_engine_format(tiny_target, tmp_path, monke
 
 SUMMARY = {
     "baseline": {"overall": {"tau": 1.0, "tokens_per_s": 19.0, "speedup": 1.0}},
-    "spec": {"overall": {"tau": 2.31, "tokens_per_s": 27.5, "speedup": 1.45, "overhead": 0.59},
-             "writing": {"tau": 2.6, "tokens_per_s": 30.1, "speedup": 1.58, "overhead": 0.65}},
+    "spec": {
+        "overall": {"tau": 2.31, "tokens_per_s": 27.5, "speedup": 1.45, "overhead": 0.59},
+        "writing": {"tau": 2.6, "tokens_per_s": 30.1, "speedup": 1.58, "overhead": 0.65},
+    },
 }
 
 
@@ -106,9 +111,18 @@ def test_push_to_hub_uploads_the_folder_with_a_model_card(tiny_target, tmp_path,
     summary = tmp_path / "bench.summary.json"
     summary.write_text(json.dumps(SUMMARY))
     src = make_head_dir(tiny_target, tmp_path / "head", "eagle", fc_bias=False)
-    run_export(compose_export([f"head_path={src}", "format=eagle", "push_to_hub=true",
-                               "repo_id=org/tiny-eagle", "base_model=org/tiny-target",
-                               f"bench.summary={summary}"]))
+    run_export(
+        compose_export(
+            [
+                f"head_path={src}",
+                "format=eagle",
+                "push_to_hub=true",
+                "repo_id=org/tiny-eagle",
+                "base_model=org/tiny-target",
+                f"bench.summary={summary}",
+            ]
+        )
+    )
     assert calls["create_repo"] == ("org/tiny-eagle", {"private": False, "exist_ok": True, "repo_type": "model"})
     repo_id, files, kwargs = calls["upload_folder"]
     assert (repo_id, files) == ("org/tiny-eagle", ["README.md", "config.json", "model.safetensors"])
@@ -118,11 +132,15 @@ def test_push_to_hub_uploads_the_folder_with_a_model_card(tiny_target, tmp_path,
     assert meta["base_model"] == "org/tiny-target" and meta["library_name"] == "specheads"
     assert {"speculative-decoding", "eagle", "vllm", "sglang"} <= set(meta["tags"])
     text = card.text
-    assert '''vllm serve org/tiny-target --speculative-config '{"method": "eagle", "model": "org/tiny-eagle", ''' \
-           '''"num_speculative_tokens": 3}\'''' in text
-    assert ("python -m sglang.launch_server --model-path org/tiny-target --speculative-algorithm EAGLE "
-            "--speculative-draft-model-path org/tiny-eagle --speculative-num-steps 3 --speculative-eagle-topk 2 "
-            "--speculative-num-draft-tokens 6") in text
+    assert (
+        """vllm serve org/tiny-target --speculative-config '{"method": "eagle", "model": "org/tiny-eagle", """
+        """"num_speculative_tokens": 3}\'""" in text
+    )
+    assert (
+        "python -m sglang.launch_server --model-path org/tiny-target --speculative-algorithm EAGLE "
+        "--speculative-draft-model-path org/tiny-eagle --speculative-num-steps 3 --speculative-eagle-topk 2 "
+        "--speculative-num-draft-tokens 6"
+    ) in text
     assert "| spec / writing | 2.6 | 30.1 | 1.58 | 0.65 |" in text
     assert '"steps": 7' in text and '"family": "eagle"' in text
     out = capsys.readouterr().out.strip().splitlines()
@@ -137,7 +155,9 @@ def test_failed_upload_is_one_line(tmp_path, monkeypatch):
         raise PermissionError("401 Client Error: Unauthorized\nmore detail")
 
     monkeypatch.setattr(HfApi, "create_repo", refuse)
-    with pytest.raises(SpecHeadsError, match=r"^upload to org/x failed: PermissionError: 401 Client Error: Unauthorized$"):
+    with pytest.raises(
+        SpecHeadsError, match=r"^upload to org/x failed: PermissionError: 401 Client Error: Unauthorized$"
+    ):
         push_to_hub(tmp_path, "org/x")
     with pytest.raises(SpecHeadsError, match="org/name"):
         push_to_hub(tmp_path, "not a repo id")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_export import EAGLE3, edit_config, edit_tensors, make_head_dir
 
 from specheads.export import check_directory, export_head
 from specheads.export.validate import CONTRACTS, engines_of
-from test_export import EAGLE3, edit_config, edit_tensors, make_head_dir
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,7 @@ def fresh(exports, tmp_path):
 
     def copy(fmt):
         return shutil.copytree(exports[fmt], tmp_path / f"{fmt}-{next(count)}")
+
     return copy
 
 
@@ -56,7 +57,8 @@ def problems(directory, fmt):
 def rename(prefix_from, prefix_to):
     def change(tensors):
         for name in [n for n in tensors if n.startswith(prefix_from)]:
-            tensors[prefix_to + name[len(prefix_from):]] = tensors.pop(name)
+            tensors[prefix_to + name[len(prefix_from) :]] = tensors.pop(name)
+
     return change
 
 
@@ -77,8 +79,7 @@ def test_midlayer_in_speculators_format_is_unknown_to_speculators(fresh):
 def test_d2t_as_absolute_ids_is_caught(fresh):
     for fmt in ("eagle3", "speculators"):
         d = fresh(fmt)
-        edit_tensors(d, "model.safetensors",
-                     lambda t: t.__setitem__("d2t", torch.arange(t["d2t"].numel()) + t["d2t"]))
+        edit_tensors(d, "model.safetensors", lambda t: t.__setitem__("d2t", torch.arange(t["d2t"].numel()) + t["d2t"]))
         found = problems(d, fmt)
         for engine in found:
             assert "offsets" in found[engine], (fmt, engine, found[engine])
@@ -112,8 +113,12 @@ def test_sglang_needs_the_aux_flag_and_one_layer(fresh):
     d = fresh("eagle3")
     edit_config(d, lambda c: c["eagle_config"].pop("use_aux_hidden_state"))
     assert "use_aux_hidden_state" in problems(d, "eagle3")["sglang"]
-    edit_config(d, lambda c: c.__setitem__("eagle_config", {"use_aux_hidden_state": True,
-                                                            "eagle_aux_hidden_state_layer_ids": [1, 2]}))
+    edit_config(
+        d,
+        lambda c: c.__setitem__(
+            "eagle_config", {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 2]}
+        ),
+    )
     assert "3 layers" in problems(d, "eagle3")["sglang"]
 
 
@@ -141,8 +146,7 @@ def test_medusa_config_fields(fresh):
 
 def test_eagle1_layer0_norm_and_bias(fresh):
     d = fresh("eagle")
-    edit_tensors(d, "model.safetensors",
-                 lambda t: t.__setitem__("layers.0.input_layernorm.weight", torch.ones(64)))
+    edit_tensors(d, "model.safetensors", lambda t: t.__setitem__("layers.0.input_layernorm.weight", torch.ones(64)))
     assert all("unexpected tensors" in p for p in problems(d, "eagle").values())
     d = fresh("eagle")
     edit_tensors(d, "model.safetensors", lambda t: t.__setitem__("fc.bias", torch.ones(64)))

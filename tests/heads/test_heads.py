@@ -1,15 +1,16 @@
 import json
+from dataclasses import fields
 
 import pytest
 import torch
+from conftest import batch_rows, head_states
 from safetensors.torch import save_file
 
-from conftest import batch_rows, head_states
 from specheads.config.train import HeadConfig, ModelConfig
 from specheads.errors import SpecHeadsError
 from specheads.heads import HEADS, build_head, load_head, save_head
 from specheads.heads.base import shifted
-from specheads.heads.spec import default_layer_ids
+from specheads.heads.spec import HeadSpec, default_layer_ids
 from specheads.heads.vocab import vocab_from_counts
 from specheads.target import load_target
 
@@ -20,6 +21,42 @@ def make_head(family, target, batch, seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = HeadConfig(family=family, draft_vocab_size=96, num_heads=3, ttt_steps=4, **overrides)
     return build_head(cfg, target, train_rows=batch_rows(batch))
+
+
+def test_head_spec_is_the_head_config_resolved(tiny_target):
+    """One definition per field: HeadSpec is a HeadConfig with the target-dependent defaults filled."""
+    info = tiny_target.info
+    spec = HeadSpec.from_config(HeadConfig(family="eagle3", draft_vocab_size=10**6, ttt_steps=9), info)
+    assert isinstance(spec, HeadConfig) and spec.layer_ids == default_layer_ids("eagle3", info.num_layers)
+    assert (spec.intermediate_size, spec.draft_vocab_size, spec.eval_depth) == (
+        info.intermediate_size,
+        info.vocab_size,
+        9,
+    )
+    assert list(spec.to_dict()) == [f.name for f in fields(HeadConfig)] + ["eval_depth"]
+    # config.json's "head" dict as written before HeadSpec derived from HeadConfig reads back unchanged
+    saved = {
+        "family": "medusa",
+        "layer_ids": [],
+        "num_heads": 3,
+        "num_layers": 1,
+        "shared_lm_head": True,
+        "medusa_decay": 0.8,
+        "num_decoder_layers": 1,
+        "intermediate_size": 256,
+        "fc_bias": False,
+        "feature_loss_weight": 1.0,
+        "token_loss_weight": 0.1,
+        "noise": "uniform",
+        "noise_std": 0.2,
+        "draft_vocab_size": 320,
+        "ttt_steps": 7,
+        "ttt_decay": 0.8,
+        "eval_depth": 3,
+    }
+    assert HeadSpec.from_dict({**saved, "from_a_newer_version": 1}).to_dict() == saved
+    partial = HeadSpec.from_dict({"family": "medusa", "num_heads": 2})  # an engine export's fields only
+    assert (partial.layer_ids, partial.intermediate_size, partial.draft_vocab_size) == ([], 0, 0)
 
 
 def test_registry_has_every_family():
@@ -94,9 +131,9 @@ def slow_unrolled_reference(head, input_ids, features, steps):
         positions = torch.arange(pos + 1).expand(b, pos + 1)
         h, _ = head.draft_step(ids0, features[:, : pos + 1], positions, cache)
         out[0][:, pos] = h[:, pos]
-        feat = h[:, pos: pos + 1]
+        feat = h[:, pos : pos + 1]
         for j in range(1, steps):
-            tok = shifted(input_ids, 1 + j)[:, pos: pos + 1]
+            tok = shifted(input_ids, 1 + j)[:, pos : pos + 1]
             h, _ = head.draft_step(tok, feat, torch.full((b, 1), pos + j), cache)
             out[j][:, pos] = h[:, 0]
             feat = h
@@ -134,15 +171,15 @@ def test_save_load_gives_identical_logits(family, tiny_target, toy_batch, tmp_pa
     loaded = load_head(tmp_path / "head", tiny_target)
     states = head_states(tiny_target, head, toy_batch)
     if family == "medusa":
-        torch.testing.assert_close(head.medusa_logits(states["final"]), loaded.medusa_logits(states["final"]),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            head.medusa_logits(states["final"]), loaded.medusa_logits(states["final"]), rtol=0, atol=0
+        )
     else:
         b, t = toy_batch["input_ids"].shape
         pos = torch.arange(t).expand(b, t)
         with torch.no_grad():
             a = head.draft_step(toy_batch["input_ids"], head.input_features(states), pos, head.new_cache())[1]
-            c = loaded.draft_step(toy_batch["input_ids"], loaded.input_features(states), pos,
-                                  loaded.new_cache())[1]
+            c = loaded.draft_step(toy_batch["input_ids"], loaded.input_features(states), pos, loaded.new_cache())[1]
         torch.testing.assert_close(a, c, rtol=0, atol=0)
     if family == "eagle3":
         assert torch.equal(head.d2t, loaded.d2t) and torch.equal(head.t2d, loaded.t2d)

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from specheads.train.checkpoint import COMPLETE, Checkpoints, capture_rng, restore_rng
-from specheads.errors import SpecHeadsError
 from test_train import ROOT, assert_head_written, clean_env, run, tiny_args, write_conversations
+
+from specheads.errors import SpecHeadsError
+from specheads.train.checkpoint import COMPLETE, Checkpoints, capture_rng, restore_rng
 
 
 class FakeEngine:
@@ -76,8 +76,15 @@ def test_kill_during_training_then_resume_gives_the_same_weights(tmp_path):
     """EAGLE-1 draws feature noise every step, so the RNG states must be restored too."""
     data = write_conversations(tmp_path / "chats.jsonl", n=32)
     steps = 30
-    args = ["head=eagle", f"train.max_steps={steps}", "train.save_every=2", "train.keep_checkpoints=2",
-            "train.eval_every=10", "train.log_every=1", "train.batch_size=2"]
+    args = [
+        "head=eagle",
+        f"train.max_steps={steps}",
+        "train.save_every=2",
+        "train.keep_checkpoints=2",
+        "train.eval_every=10",
+        "train.log_every=1",
+        "train.batch_size=2",
+    ]
     reference = run([sys.executable, "train.py", *args, *tiny_args(data, tmp_path / "unbroken")])
     assert_head_written(reference, tmp_path / "unbroken")
 

@@ -1,17 +1,22 @@
-"""The engine on the tiny target in this process (a world of one, gloo): batches, schedule,
+"""The trainer on the tiny target in this process (a world of one, gloo): batches, schedule,
 DeepSpeed config, and every head's loss falling through deepspeed.initialize."""
+
+from dataclasses import replace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from test_train import write_conversations
 
-from specheads.train.batches import TrainBatches, eval_batches
-from specheads.config.train import TrainJobConfig
-from specheads.train.engine import Trainer, deepspeed_config, open_state_source, setup_distributed
+from specheads.config.model import ModelConfig
+from specheads.config.train import DataConfig, DeepSpeedConfig, HeadConfig, TrainConfig, TrainJobConfig, WandbConfig
 from specheads.errors import SpecHeadsError
+from specheads.train.batches import TrainBatches, eval_batches
+from specheads.train.deepspeed_config import deepspeed_config
+from specheads.train.distributed import setup_distributed
+from specheads.train.run import head_and_states
 from specheads.train.schedule import WarmupCosine
 from specheads.train.state_source import OnlineStates
-from test_train import write_conversations
+from specheads.train.trainer import Trainer
 
 
 def test_warmup_cosine_shape():
@@ -63,17 +68,15 @@ def test_eval_batches_give_every_rank_the_same_count():
 
 
 def test_deepspeed_config_follows_the_job():
-    cfg = OmegaConf.structured(TrainJobConfig)
-    cfg.train.batch_size, cfg.train.grad_accum, cfg.deepspeed.zero_stage = 3, 2, 3
-    cfg.deepspeed.extra = {"checkpoint": {"tag_validation": "Fail"}}
-    ds = deepspeed_config(cfg, world_size=4, device=torch.device("cpu"), head_dtype=torch.float32)
+    t = TrainConfig(batch_size=3, grad_accum=2)
+    z = DeepSpeedConfig(zero_stage=3, extra={"checkpoint": {"tag_validation": "Fail"}})
+    ds = deepspeed_config(t, z, world_size=4, device=torch.device("cpu"), head_dtype=torch.float32)
     assert ds["train_batch_size"] == 24 and ds["gradient_accumulation_steps"] == 2
     assert ds["zero_optimization"]["stage"] == 3 and not ds["bf16"]["enabled"]
     assert ds["checkpoint"] == {"tag_validation": "Fail"}
-    assert deepspeed_config(cfg, 1, torch.device("cpu"), torch.bfloat16)["bf16"]["enabled"]
-    cfg.deepspeed.zero_stage, cfg.deepspeed.offload_param = 2, True
+    assert deepspeed_config(t, z, 1, torch.device("cpu"), torch.bfloat16)["bf16"]["enabled"]
     with pytest.raises(SpecHeadsError, match="zero_stage=3"):
-        deepspeed_config(cfg, 1, torch.device("cpu"), torch.float32)
+        deepspeed_config(t, replace(z, zero_stage=2, offload_param=True), 1, torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -85,24 +88,22 @@ def world():
 
 
 def job(family, data, out, **train):
-    cfg = OmegaConf.structured(TrainJobConfig)
-    cfg.model.name, cfg.model.path = "tiny-random", "tiny:llama"
-    cfg.head.family = family
-    cfg.data.path, cfg.data.max_length, cfg.data.eval_fraction = str(data), 96, 0.25
-    cfg.output_dir, cfg.wandb.mode = str(out), "disabled"
-    cfg.train.merge_with(dict(lr=3e-3, warmup_steps=2, batch_size=4, **train))
-    return cfg
+    return TrainJobConfig(
+        model=ModelConfig(name="tiny-random", path="tiny:llama"),
+        head=HeadConfig(family=family),
+        data=DataConfig(path=str(data), max_length=96, eval_fraction=0.25),
+        train=TrainConfig(**{"lr": 3e-3, "warmup_steps": 2, "batch_size": 4, **train}),
+        wandb=WandbConfig(mode="disabled"),
+        output_dir=str(out),
+    )
 
 
 @pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
 def test_loss_falls_through_the_engine(family, world, tiny_target, tmp_path):
-    from specheads.heads import build_head
-
     data = write_conversations(tmp_path / "chats.jsonl", n=32)
     cfg = job(family, data, tmp_path / "run", max_steps=20)
     torch.manual_seed(0)
-    source = open_state_source(cfg, tiny_target, world)
-    head = build_head(cfg.head, tiny_target, train_rows=source.rows("train"))
+    head, source = head_and_states(cfg, tiny_target, world)
     target_before = {k: v.clone() for k, v in tiny_target.model.state_dict().items()}
     trainer = Trainer(cfg, head, source, world, tmp_path / "run")
     # only the head is wrapped: its parameters are exactly the engine's
@@ -130,16 +131,13 @@ def test_row_lengths_of_a_shuffled_dataset():
 
 
 def test_resume_continues_the_same_run_and_refuses_another(world, tiny_target, tmp_path):
-    from specheads.heads import build_head
-
     data = write_conversations(tmp_path / "chats.jsonl", n=32)
     out = tmp_path / "run"
 
     def trainer(family, **train):
         cfg = job(family, data, out, max_steps=4, **train)
         torch.manual_seed(0)
-        source = open_state_source(cfg, tiny_target, world)
-        return Trainer(cfg, build_head(cfg.head, tiny_target, train_rows=source.rows("train")), source, world, out)
+        return Trainer(cfg, *head_and_states(cfg, tiny_target, world), world, out)
 
     first = trainer("medusa")
     for _ in range(2):
@@ -154,7 +152,7 @@ def test_resume_continues_the_same_run_and_refuses_another(world, tiny_target, t
 
 def test_offline_features_feed_the_same_trainer(world, tiny_target, tmp_path):
     """data.features swaps the online target forwards for a feature cache: same batches, same states."""
-    from specheads.data.conversations import build_datasets
+    from specheads.data.datasets import build_datasets
     from specheads.data.features import ensure_split_features
     from specheads.heads import build_head
 
@@ -164,10 +162,17 @@ def test_offline_features_feed_the_same_trainer(world, tiny_target, tmp_path):
     torch.manual_seed(0)
     head = build_head(cfg.head, tiny_target, train_rows=train_rows)
     layer_ids, final = head.training_states()
-    ensure_split_features(tiny_target, {"train": train_rows, "eval": eval_rows}, layer_ids, final,
-                          tmp_path / "features", int(cfg.data.max_length), dtype="float32")
+    ensure_split_features(
+        tiny_target,
+        {"train": train_rows, "eval": eval_rows},
+        layer_ids,
+        final,
+        tmp_path / "features",
+        cfg.data.max_length,
+        dtype="float32",
+    )
     cfg.data.features = str(tmp_path / "features")
-    offline = open_state_source(cfg, tiny_target, world)
+    _, offline = head_and_states(cfg, tiny_target, world)
     online = OnlineStates(tiny_target, {"train": train_rows, "eval": eval_rows}, tiny_target.tokenizer.pad_token_id)
     online.require(layer_ids, final)
     offline.require(layer_ids, final)
@@ -185,23 +190,23 @@ def test_offline_features_feed_the_same_trainer(world, tiny_target, tmp_path):
 def test_auto_features_are_cached_once_per_data(world, tiny_target, tmp_path, monkeypatch):
     """data.features=auto: the first run caches the states under the cache root, the next reuses
     them, and other data gets a cache of its own."""
-    from specheads import features as features_module
+    from specheads.data import features as features_module
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     writes = []
     real_write = features_module.write_features
-    monkeypatch.setattr(features_module, "write_features",
-                        lambda *a, **k: writes.append(a[4]) or real_write(*a, **k))
+    monkeypatch.setattr(features_module, "write_features", lambda *a, **k: writes.append(a[4]) or real_write(*a, **k))
     data = write_conversations(tmp_path / "chats.jsonl", n=32)
     cfg = job("eagle3", data, tmp_path / "run", max_steps=2)
     cfg.data.features = "auto"
-    source = open_state_source(cfg, tiny_target, world)
+    head, source = head_and_states(cfg, tiny_target, world)
+    assert head.training_states() == ([2, 3], True)  # what the cache holds: the head's own states
     assert len(writes) == 2 and all(str(w).startswith(str(tmp_path / "cache" / "features")) for w in writes)
     source.require([2], True)
     batch, states = source.fetch("train", [0, 1])
     assert states[2].dtype == torch.float32 and states["final"].shape[:2] == batch["input_ids"].shape
-    open_state_source(cfg, tiny_target, world)
+    head_and_states(cfg, tiny_target, world)
     assert len(writes) == 2  # reused
     cfg.data.max_examples = 20
-    open_state_source(cfg, tiny_target, world)
+    head_and_states(cfg, tiny_target, world)
     assert len(writes) == 4 and writes[2].parent != writes[0].parent

@@ -1,0 +1,46 @@
+"""infer.py's settings as the generation loop's inputs: prompt token ids, EOS ids, a SamplingConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..config.infer import InferJobConfig
+from ..decode.generate import SamplingConfig
+from ..target import FrozenTarget
+
+
+def encode_prompt(tokenizer, text: str, system: str | None = None, chat: bool = True) -> list[int]:
+    """Token ids of one user turn (chat template with the generation prompt), or the raw text."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+
+def eos_token_ids(target: FrozenTarget) -> list[int]:
+    """Every token that ends an answer: the generation config's EOS ids and the tokenizer's."""
+    ids = set()
+    gen = getattr(target.model, "generation_config", None)
+    value = getattr(gen, "eos_token_id", None)
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if v is not None:
+            ids.add(int(v))
+    tok = target.tokenizer
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    return sorted(ids)
+
+
+def sampling_config(settings: InferJobConfig, max_new_tokens: int, eos: Sequence[int]) -> SamplingConfig:
+    return SamplingConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        acceptance=settings.acceptance,
+        typical_epsilon=settings.typical_epsilon,
+        typical_alpha=settings.typical_alpha,
+        eos_token_ids=list(eos),
+    )

@@ -1,0 +1,78 @@
+"""The train/eval data sets: conversations -> decontaminated, shuffled, tokenized rows, and batches."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config.train import DataConfig
+from ..errors import SpecHeadsError
+from .chat import tokenize_conversation
+from .decontaminate import decontaminate, resolve_eval_files
+from .formats import load_conversations
+
+
+def build_datasets(data_cfg: DataConfig, tokenizer):
+    """(train, eval) `datasets.Dataset`s with columns input_ids and loss_mask."""
+    import datasets
+
+    if data_cfg.path == "builtin":  # the trainer builds it first (specheads.distill.builtin)
+        raise SpecHeadsError("data.path=builtin needs the target to write its own data first")
+    conversations = load_conversations(data_cfg.path, data_cfg.format, data_cfg.split)
+    eval_files = resolve_eval_files(data_cfg.decontaminate)
+    if eval_files:
+        conversations, dropped = decontaminate(conversations, eval_files, n=data_cfg.ngram)
+        print(
+            f"decontamination: dropped {dropped} of {len(conversations) + dropped} conversations "
+            f"overlapping {len(eval_files)} evaluation file(s)"
+        )
+    order = list(range(len(conversations)))
+    random.Random(data_cfg.shuffle_seed).shuffle(order)
+    if data_cfg.max_examples is not None:
+        order = order[: data_cfg.max_examples]
+    rows = []
+    for i in tqdm(order, desc="tokenizing", unit="conv", leave=False, disable=len(order) < 2000):
+        row = tokenize_conversation(tokenizer, conversations[i], data_cfg.max_length)
+        if any(row["loss_mask"]):
+            rows.append(row)
+    if not rows:
+        raise SpecHeadsError(f"no usable conversation with an assistant turn in {data_cfg.path}")
+    n_eval = eval_count(len(rows), data_cfg.eval_fraction)
+    eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
+    return _to_dataset(datasets, train_rows), _to_dataset(datasets, eval_rows)
+
+
+def eval_count(n: int, fraction: float) -> int:
+    if not 0.0 <= fraction < 1.0:
+        raise SpecHeadsError(f"data.eval_fraction must be in [0, 1), got {fraction}")
+    if fraction == 0.0 or n < 2:
+        return 0
+    return min(n - 1, max(1, round(n * fraction)))
+
+
+def _to_dataset(datasets, rows: list[dict]):
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        }
+    )
+    return datasets.Dataset.from_dict(
+        {"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows]},
+        features=features,
+    )
+
+
+def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded LongTensors input_ids, attention_mask, loss_mask [B, T]."""
+    width = max(len(r["input_ids"]) for r in rows)
+    out = {k: torch.zeros(len(rows), width, dtype=torch.long) for k in ("input_ids", "attention_mask", "loss_mask")}
+    out["input_ids"].fill_(pad_id)
+    for b, r in enumerate(rows):
+        n = len(r["input_ids"])
+        out["input_ids"][b, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        out["attention_mask"][b, :n] = 1
+        out["loss_mask"][b, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)
+    return out

@@ -1,0 +1,169 @@
+"""Conversation rows -> lists of {"role", "content"} messages, from files, directories or the Hub.
+
+Formats: ShareGPT ({"conversations": [{"from", "value"}]}) and OpenAI ({"messages": [{"role",
+"content"}]}), read from a local .json/.jsonl/.parquet file, a directory (a distillation output, a
+`datasets` save_to_disk directory, or a folder of such files) or a Hub id.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..errors import SpecHeadsError
+from .shards import completed_shard_files, is_distill_output
+
+Conversation = list[dict[str, str]]
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+OPENAI_ROLES = {"user", "assistant", "system"}
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def load_conversations(path: str, format: str = "auto", split: str = "train") -> list[Conversation]:
+    """Read conversations as lists of {"role", "content"} messages; malformed rows raise."""
+    if format not in ("auto", "sharegpt", "openai"):
+        raise SpecHeadsError(f"unknown data format {format!r}; use auto, sharegpt or openai")
+    conversations = []
+    for where, row in iter_rows(path, split):
+        conversations.append(row_to_conversation(row, format, where))
+    return conversations
+
+
+def iter_rows(path: str, split: str = "train") -> Iterable[tuple[str, Any]]:
+    """(location for error messages, row) for every row of a file, directory or Hub data set."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        yield from _file_rows(local)
+    elif local.is_dir():
+        yield from _dir_rows(local, split)
+    elif path.startswith((".", "/", "~")) or local.suffix in DATA_FILE_SUFFIXES:
+        raise SpecHeadsError(f"data file {path} does not exist")
+    else:
+        yield from _hub_rows(path, split)
+
+
+def _file_rows(file: Path) -> Iterable[tuple[str, Any]]:
+    suffix = file.suffix.lower()
+    if suffix == ".jsonl":
+        with open(file, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{file}:{lineno}", json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise SpecHeadsError(f"{file}:{lineno}: invalid JSON ({err.msg})") from None
+    elif suffix == ".json":
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise SpecHeadsError(f"{file}: invalid JSON ({err})") from None
+        if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+            data = next(iter(data.values()))  # {"train": [...]} / {"data": [...]}
+        if not isinstance(data, list):
+            raise SpecHeadsError(f"{file}: expected a JSON list of conversations")
+        for i, row in enumerate(data):
+            yield f"{file}[{i}]", row
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(file).to_pylist()
+        except Exception as err:  # pyarrow raises several unrelated types for a bad file
+            raise SpecHeadsError(f"{file}: cannot read parquet ({err})") from None
+        for i, row in enumerate(rows):
+            yield f"{file}[{i}]", row
+    else:
+        raise SpecHeadsError(f"{file}: unsupported data file type; use .json, .jsonl or .parquet")
+
+
+def _dir_rows(directory: Path, split: str) -> Iterable[tuple[str, Any]]:
+    if is_distill_output(directory):
+        for file in completed_shard_files(directory):
+            yield from _file_rows(file)
+        return
+    if (directory / "dataset_info.json").is_file() or (directory / "dataset_dict.json").is_file():
+        import datasets
+
+        loaded = datasets.load_from_disk(str(directory))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise SpecHeadsError(f"{directory} has no split {split!r} (has {sorted(loaded)})")
+            loaded = loaded[split]
+        for i, row in enumerate(loaded):
+            yield f"{directory}[{i}]", row
+        return
+    files = sorted(p for p in directory.iterdir() if p.suffix.lower() in DATA_FILE_SUFFIXES)
+    if not files:
+        raise SpecHeadsError(f"{directory} holds no .json/.jsonl/.parquet data files")
+    for file in files:
+        yield from _file_rows(file)
+
+
+def _hub_rows(name: str, split: str) -> Iterable[tuple[str, Any]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(name, split=split)
+    except Exception as err:  # network, missing repo, bad split: all are the user's input
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpecHeadsError(f"cannot load data set {name!r} (split {split!r}): {first}") from None
+    for i, row in enumerate(loaded):
+        yield f"{name}[{i}]", row
+
+
+def row_to_conversation(row: Any, format: str = "auto", where: str = "row") -> Conversation:
+    """One ShareGPT or OpenAI row -> [{"role", "content"}, ...]; SpecHeadsError naming the row."""
+    if not isinstance(row, dict):
+        raise SpecHeadsError(f"{where}: expected an object, got {type(row).__name__}")
+    if format == "auto":
+        format = "openai" if "messages" in row else "sharegpt" if "conversations" in row else ""
+        if not format:
+            raise SpecHeadsError(f"{where}: no 'messages' (OpenAI) or 'conversations' (ShareGPT) field")
+    key = "messages" if format == "openai" else "conversations"
+    turns = row.get(key)
+    if not isinstance(turns, list) or not turns:
+        raise SpecHeadsError(f"{where}: '{key}' must be a non-empty list")
+    conversation = []
+    for j, turn in enumerate(turns):
+        conversation.append(_message(turn, f"{where} {key}[{j}]"))
+    if row.get("finished") is False and conversation[-1]["role"] == "assistant":
+        # distill.py's answer was cut off by its token budget: the turn never ended, so the
+        # end-of-turn token after it is not the target's prediction and gets no loss.
+        conversation[-1]["truncated"] = True
+    return conversation
+
+
+def _message(turn: Any, where: str) -> dict[str, str]:
+    if not isinstance(turn, dict):
+        raise SpecHeadsError(f"{where}: expected an object, got {type(turn).__name__}")
+    if "from" in turn or "value" in turn:  # ShareGPT
+        role, content = SHAREGPT_ROLES.get(str(turn.get("from")).lower()), turn.get("value")
+        if role is None:
+            raise SpecHeadsError(f"{where}: unknown speaker {turn.get('from')!r}")
+    elif "role" in turn:  # OpenAI (also SpecForge's ShareGPT variant with role/content)
+        role, content = SHAREGPT_ROLES.get(str(turn["role"]).lower()), turn.get("content")
+        if role not in OPENAI_ROLES:
+            raise SpecHeadsError(f"{where}: unknown role {turn['role']!r}")
+    else:
+        raise SpecHeadsError(f"{where}: a message needs 'role'/'content' or 'from'/'value'")
+    if not isinstance(content, str):
+        raise SpecHeadsError(f"{where}: message content must be a string")
+    return {"role": role, "content": content}
+
+
+def first_user_turn(conversation: Conversation) -> str | None:
+    return next((m["content"] for m in conversation if m["role"] == "user"), None)

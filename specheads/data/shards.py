@@ -1,0 +1,39 @@
+"""Reading a distillation's output directory (written by specheads.distill.regenerate).
+
+shards/shard-00000.jsonl   OpenAI "messages" rows
+manifest.json              the run's fingerprint and the completed shards
+metadata.json              provenance
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import SpecHeadsError
+
+MANIFEST = "manifest.json"
+METADATA = "metadata.json"
+SHARDS = "shards"
+
+
+def is_distill_output(directory: Path) -> bool:
+    return (Path(directory) / MANIFEST).is_file()
+
+
+def read_manifest(directory: Path) -> dict:
+    try:
+        return json.loads((Path(directory) / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecHeadsError(f"{directory}/{MANIFEST} is unreadable ({err})") from None
+
+
+def completed_shard_files(directory: Path) -> list[Path]:
+    """The shard files of a finished distillation, in order."""
+    manifest = read_manifest(directory)
+    if not manifest.get("complete"):
+        raise SpecHeadsError(
+            f"{directory} is an unfinished distillation ({len(manifest.get('shards', {}))} of "
+            f"{manifest.get('num_shards')} shards); run the same distill.py command to finish it"
+        )
+    return [Path(directory) / manifest["shards"][str(k)]["file"] for k in range(manifest["num_shards"])]

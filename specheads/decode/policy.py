@@ -1,0 +1,81 @@
+"""The tree policy: which tree a drafter grows, from infer.py's tree settings and the head.
+
+A policy is a static tree of rank paths (tree.py) or an EAGLE-2 dynamic tree (DynamicTreeSpec).
+`tree.kind=default` takes the head's stored tree, else its family's fallback tree, else a
+dynamic tree; `auto` is resolved into a static tree by calibration (bench/calibrate.py) first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config.infer import TreeConfig
+from ..errors import SpecHeadsError
+from .tree import StaticTree, chain_paths, static_tree
+
+
+@dataclass(frozen=True)
+class DynamicTreeSpec:
+    """EAGLE-2: `depth` drafted tokens at most per path, `top_k` children per expanded node,
+    `total_tokens` drafted nodes kept (the root is extra)."""
+
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 48
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
+            raise SpecHeadsError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {self}")
+
+
+TreePolicy = StaticTree | DynamicTreeSpec
+
+
+def policy_depth(policy: TreePolicy) -> int:
+    """The most tokens one path of the policy's trees drafts."""
+    return policy.layout.max_depth if isinstance(policy, StaticTree) else policy.depth
+
+
+def check_depth(head, policy: TreePolicy) -> None:
+    """Refuse a tree deeper than the head can draft (a Medusa head drafts one depth per head)."""
+    limit = head.max_draft_depth(head.spec)
+    depth = policy_depth(policy)
+    if limit is not None and depth > limit:
+        raise SpecHeadsError(f"the tree is {depth} deep but this {head.title} head drafts at most {limit} deep")
+
+
+def fallback_policy(head, tree: TreeConfig) -> TreePolicy:
+    """A head without a stored tree: its family's fallback tree, cut to the depth the head can
+    draft and completed by the top-1 chain to that depth; else a dynamic tree."""
+    if head.fallback_tree is None:
+        return DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens)
+    limit = head.max_draft_depth(head.spec)
+    paths = {tuple(p) for p in head.fallback_tree if limit is None or len(p) <= limit}
+    if limit is not None:
+        paths |= {tuple(p) for p in chain_paths(limit)}
+    return static_tree(sorted(paths))
+
+
+def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
+    """The tree to draft: tree.kind, or for `default` the head's stored tree, else a family default."""
+    kind = tree.kind
+    if kind == "static":
+        if not tree.paths:
+            raise SpecHeadsError("tree=static needs tree.paths, e.g. 'tree.paths=[[0],[1],[0,0]]'")
+        policy: TreePolicy = static_tree(tree.paths)
+    elif kind == "chain":
+        policy = static_tree(chain_paths(tree.depth))
+    elif kind == "dynamic":
+        policy = DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens)
+    elif kind == "default":
+        policy = static_tree(head.default_tree) if head.default_tree else fallback_policy(head, tree)
+    else:
+        raise SpecHeadsError(f"tree.kind={kind} is resolved by calibration, not here")
+    check_depth(head, policy)
+    return policy
+
+
+def describe_policy(policy: TreePolicy) -> str:
+    if isinstance(policy, StaticTree):
+        return f"static tree ({policy.size - 1} nodes, depth {policy.layout.max_depth})"
+    return f"dynamic tree (depth {policy.depth}, top_k {policy.top_k}, {policy.total_tokens} nodes)"

@@ -1,0 +1,103 @@
+"""The process group: one code path for a plain process and N ranks started by deepspeed/torchrun.
+
+The distributed backend is always initialised (gloo on CPU, nccl on GPU), also for a world of
+one, so the trainer never branches on the number of processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import SpecHeadsError
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed(device_name: str = "auto") -> Dist:
+    """Initialise torch.distributed through DeepSpeed, also for a single plain process."""
+    if device_name not in ("auto", "cpu", "cuda"):
+        raise SpecHeadsError(f"device must be auto, cpu or cuda, got {device_name!r}")
+    use_cuda = torch.cuda.is_available() if device_name == "auto" else device_name == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise SpecHeadsError("device=cuda asked for, but no CUDA device is available")
+    if not use_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
+    if "WORLD_SIZE" not in os.environ:  # a plain `python train.py`: a world of one
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
+    import deepspeed
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not use_cuda and int(os.environ["WORLD_SIZE"]) == 1:
+        _skip_shm_comm_op()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False, verbose=False)
+    return Dist(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
+
+
+def _skip_shm_comm_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (about a minute in a
+    fresh environment) that only ranks sharing a machine use; a world of one has no peers."""
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except (ImportError, AttributeError, TypeError):  # another DeepSpeed layout: build it as usual
+        pass
+
+
+@contextlib.contextmanager
+def main_rank_first(d: Dist):
+    """Rank 0 runs the block first (it may build and cache data); the others then reuse its cache."""
+    if not d.is_main:
+        dist.barrier()
+    yield
+    if d.is_main:
+        dist.barrier()
+
+
+def quiet_deepspeed(debug: bool) -> None:
+    """DeepSpeed logs every init at INFO and calls torch collectives torch now calls deprecated."""
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.INFO if debug else logging.WARNING)
+    if not debug:
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks (a copy; the input is left alone)."""
+    values = values.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values

@@ -1,0 +1,121 @@
+"""The train.py job: the frozen target on every rank, the data, the head and its state source, the
+Trainer, and the head directory written at the end.
+
+One code path serves one process (CPU or GPU) and N processes started by `deepspeed train.py` or
+`torchrun` (specheads.train.distributed).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config.train import DataConfig, TrainJobConfig
+from ..data.datasets import build_datasets
+from ..data.features import auto_features_dir, ensure_split_features
+from ..distill.builtin import ensure_builtin_data
+from ..heads import DraftHead, build_head
+from ..target import FrozenTarget, load_target
+from .distributed import Dist, main_rank_first, quiet_deepspeed, setup_distributed
+from .metrics import MetricsLog, plot_metrics
+from .state_source import OfflineStates, OnlineStates, StateSource
+from .trainer import Trainer
+
+
+def data_splits(data_cfg: DataConfig, target: FrozenTarget, d: Dist) -> dict:
+    """{"train": rows, "eval": rows} of the configured data; data.path=builtin is written by the
+    target itself first (rank 0 builds and caches, the others reuse its cache)."""
+    with main_rank_first(d):
+        if data_cfg.path == "builtin":
+            data_cfg = replace(data_cfg, path=str(ensure_builtin_data(target, data_cfg)))
+        train_rows, eval_rows = build_datasets(data_cfg, target.tokenizer)
+    return {"train": train_rows, "eval": eval_rows}
+
+
+def head_and_states(cfg: TrainJobConfig, target: FrozenTarget, d: Dist) -> tuple[DraftHead, StateSource]:
+    """A fresh head and the source of its target states: the feature cache data.features names,
+    else target forwards over the data, which data.features=auto caches on first use (under the
+    cache root, keyed by target, the head's training states, template and rows)."""
+    pad_id = target.tokenizer.pad_token_id
+    features = cfg.data.features
+    if features and features != "auto":
+        source: StateSource = OfflineStates(
+            features, target, cfg.data.max_length, pad_id=pad_id, device=d.device, dtype=target.dtype
+        )
+    else:
+        splits = data_splits(cfg.data, target, d)
+        source = OnlineStates(target, splits, pad_id=pad_id)
+    with main_rank_first(d):  # EAGLE-3 caches its draft vocab on first build
+        head = build_head(cfg.head, target, train_rows=source.rows("train"))
+    if features == "auto":
+        directory = ensure_auto_features(target, splits, *head.training_states(), cfg.data.max_length, d)
+        source = OfflineStates(
+            directory, target, cfg.data.max_length, pad_id=pad_id, device=d.device, dtype=target.dtype
+        )
+    return head, source
+
+
+def ensure_auto_features(
+    target: FrozenTarget, splits: dict, layer_ids: list[int], final: bool, max_length: int, d: Dist
+) -> Path:
+    """data.features=auto: one target pass over the data caches the states the head trains on
+    (bf16 on GPU, fp32 on CPU), so every further epoch costs only the head's own compute."""
+    dtype = "float32" if target.dtype == torch.float32 else "bfloat16"
+    directory = auto_features_dir(target, splits, layer_ids, final, max_length, dtype)
+    with main_rank_first(d):
+        ensure_split_features(
+            target, splits, layer_ids, final, directory, max_length, dtype=dtype, data_fingerprint=directory.name
+        )
+    return directory
+
+
+def train(cfg: TrainJobConfig) -> Path | None:
+    """Run (or resume) the training job described by cfg. Returns output_dir/head on rank 0."""
+    d = setup_distributed(cfg.device)
+    quiet_deepspeed(cfg.debug)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)  # the same head initialisation on every rank
+    target = load_target(cfg.model, d.device)
+    head, source = head_and_states(cfg, target, d)
+    trainer = Trainer(cfg, head, source, d, output_dir)
+    resumed = trainer.resume()
+    if resumed == 0:
+        torch.manual_seed(cfg.seed + d.rank)  # a noise stream per rank (a resumed run restores its own)
+    elif d.is_main:
+        print(f"resuming from step {resumed} ({trainer.checkpoints.latest()})", file=sys.stderr)
+    log = MetricsLog(output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed)
+    try:
+        last_eval = trainer.fit(log)
+    finally:
+        log.close()
+    training = {
+        "steps": trainer.step,
+        "seed": cfg.seed,
+        "world_size": d.world_size,
+        "batch_size": cfg.train.batch_size,
+        "grad_accum": cfg.train.grad_accum,
+        "lr": cfg.train.lr,
+        "data": cfg.data.path,
+        "eval": last_eval,
+    }
+    path = trainer.write_head(output_dir / "head", training)
+    if d.is_main:
+        plot_metrics(output_dir / "metrics.jsonl", output_dir / "curves.png")
+        if last_eval:
+            accs = " ".join(
+                f"{last_eval[k]:.3f}"
+                for k in sorted(
+                    (k for k in last_eval if k.startswith("eval/acc_")), key=lambda k: int(k.rsplit("_", 1)[1])
+                )
+            )
+            print(
+                f"step {trainer.step}: eval loss {last_eval['eval/loss']:.4f}, top-1 per depth [{accs}], "
+                f"sim tau {last_eval['eval/sim_tau']:.3f}"
+            )
+    dist.destroy_process_group()
+    return path if d.is_main else None

@@ -1,0 +1,272 @@
+"""The Trainer: steps a DeepSpeed-wrapped head over a state source; checkpoints, evaluates, logs.
+
+Only the head goes through `deepspeed.initialize` (ZeRO 0-3, gradient accumulation, clipping);
+the frozen target stays outside it, and each rank reads its own shard of every global batch
+(specheads.train.batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from ..config.train import DeepSpeedConfig, TrainConfig, TrainJobConfig
+from ..errors import SpecHeadsError
+from ..heads import save_head
+from .batches import TrainBatches, eval_batches
+from .checkpoint import Checkpoints
+from .deepspeed_config import deepspeed_config, param_groups
+from .distributed import Dist, all_reduce_sum
+from .metrics import MetricsLog
+from .schedule import warmup_cosine_scheduler
+from .state_source import StateSource, row_lengths
+
+
+class HeadObjective(nn.Module):
+    """What DeepSpeed wraps: the head, with its loss and its evaluation as forward modes.
+
+    Going through the engine's forward (not head.loss directly) lets ZeRO-3 gather parameters.
+    """
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, batch, states, evaluate: bool = False):
+        return self.head.evaluate(batch, states) if evaluate else self.head.loss(batch, states)
+
+
+def initialize(head: nn.Module, t: TrainConfig, z: DeepSpeedConfig, d: Dist, total_steps: int):
+    """deepspeed.initialize on the head only. Returns the engine."""
+    import deepspeed
+
+    head_dtype = next(head.parameters()).dtype
+    config = deepspeed_config(t, z, d.world_size, d.device, head_dtype)
+    groups = param_groups(head, t.weight_decay)
+    optimizer = None
+    if "optimizer" not in config:
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+
+    def scheduler(opt):
+        return warmup_cosine_scheduler(opt, t.warmup_steps, total_steps, t.min_lr_ratio)
+
+    engine, *_ = deepspeed.initialize(
+        model=HeadObjective(head),
+        optimizer=optimizer,
+        model_parameters=groups if optimizer is None else None,
+        lr_scheduler=scheduler,
+        config=config,
+    )
+    return engine
+
+
+class Trainer:
+    """Steps a DeepSpeed-wrapped head over a StateSource; checkpoints, evaluates, logs."""
+
+    def __init__(self, cfg: TrainJobConfig, head: nn.Module, source: StateSource, d: Dist, output_dir: Path):
+        self.cfg, self.head, self.source, self.d = cfg, head, source, d
+        self.output_dir = output_dir
+        t = cfg.train
+        if t.batch_size < 1 or t.grad_accum < 1:
+            raise SpecHeadsError("train.batch_size and train.grad_accum must be >= 1")
+        source.require(*head.training_states())
+        self.batches = TrainBatches(
+            row_lengths(source.rows("train")),
+            t.batch_size,
+            d.rank,
+            d.world_size,
+            seed=cfg.seed,
+            group_by_length=t.group_by_length,
+        )
+        eval_rows = source.rows("eval")
+        self.eval_batches = (
+            eval_batches(row_lengths(eval_rows), t.batch_size, d.rank, d.world_size, max_batches=t.eval_batches)
+            if len(eval_rows)
+            else []
+        )
+        self.max_steps = self.total_steps()
+        self.engine = initialize(head, t, cfg.deepspeed, d, self.max_steps)
+        self.checkpoints = Checkpoints(output_dir, t.keep_checkpoints, d.rank, d.world_size)
+        self.step = 0
+        self.last_eval: dict[str, float] = {}
+
+    def total_steps(self) -> int:
+        t = self.cfg.train
+        if t.epochs is not None:
+            micro = t.epochs * self.batches.batches_per_epoch
+            return max(1, math.ceil(micro / t.grad_accum))
+        if t.max_steps < 1:
+            raise SpecHeadsError(f"train.max_steps must be >= 1, got {t.max_steps}")
+        return t.max_steps
+
+    # -- resume ----------------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match for a checkpoint to continue this run."""
+        c = self.cfg
+        return {
+            "model": c.model.path,
+            "head": asdict(c.head),
+            "batch_size": c.train.batch_size,
+            "grad_accum": c.train.grad_accum,
+            "world_size": self.d.world_size,
+            "seed": c.seed,
+            "train_rows": len(self.source.rows("train")),
+        }
+
+    def resume(self) -> int:
+        self.checkpoints.remove_partial()
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return 0
+        state = self.checkpoints.load(self.engine, latest)
+        saved, now = state.get("fingerprint", {}), self.fingerprint()
+        diffs = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+        if diffs:
+            raise SpecHeadsError(
+                f"{self.output_dir} holds a checkpoint of a different run ({'; '.join(diffs)}); use a new output_dir"
+            )
+        self.step = int(state["step"])
+        self.last_eval = state.get("last_eval", {})
+        return self.step
+
+    def save(self) -> None:
+        self.checkpoints.save(
+            self.engine,
+            self.step,
+            {
+                "step": self.step,
+                "micro_batches": self.step * self.cfg.train.grad_accum,
+                "fingerprint": self.fingerprint(),
+                "last_eval": self.last_eval,
+            },
+        )
+
+    # -- steps -----------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step: grad_accum micro-batches of this rank's shard."""
+        grad_accum = self.cfg.train.grad_accum
+        sums: dict[str, float] = {}
+        tokens = 0
+        for k in range(grad_accum):
+            rows = self.batches[self.step * grad_accum + k]
+            batch, states = self.source.fetch("train", rows)
+            loss, metrics = self.engine(batch, states)
+            self.engine.backward(loss)
+            self.engine.step()
+            for key, value in {"loss": loss.item(), **metrics}.items():
+                sums[key] = sums.get(key, 0.0) + float(value) / grad_accum
+            tokens += int(batch["attention_mask"].sum())
+        self.step += 1
+        sums["tokens"] = float(tokens)
+        return sums
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Eval loss, top-1 accuracy per draft depth and simulated acceptance length, all ranks."""
+        if not self.eval_batches:
+            return {}
+        self.engine.eval()
+        loss_sum, loss_n, accept_sum, accept_n = 0.0, 0, 0.0, 0
+        correct = total = None
+        devices = [self.d.device.index or 0] if self.d.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # evaluation must not move the training RNG
+            for rows in self.eval_batches:
+                batch, states = self.source.fetch("eval", rows)
+                loss, _ = self.engine(batch, states)
+                result = self.engine(batch, states, evaluate=True)
+                loss_sum += loss.item()
+                loss_n += 1
+                c, n = result["correct"].double().cpu(), result["total"].double().cpu()
+                correct = c if correct is None else correct + c
+                total = n if total is None else total + n
+                accept_sum += float(result["accept_lengths"].sum())
+                accept_n += int(result["accept_lengths"].numel())
+        self.engine.train()
+        packed = torch.cat(
+            [torch.tensor([loss_sum, loss_n, accept_sum, accept_n], dtype=torch.float64), correct, total]
+        ).to(self.d.device)
+        packed = all_reduce_sum(packed).cpu()
+        depth = correct.numel()
+        out = {
+            "eval/loss": float(packed[0] / packed[1].clamp(min=1)),
+            "eval/sim_tau": 1.0 + float(packed[2] / packed[3].clamp(min=1)),
+        }
+        for i in range(depth):
+            out[f"eval/acc_{i}"] = float(packed[4 + i] / packed[4 + depth + i].clamp(min=1))
+        return out
+
+    def _reduce_train_metrics(self, window: list[dict[str, float]]) -> dict[str, float]:
+        keys = sorted(window[0])
+        local = torch.tensor([sum(m.get(k, 0.0) for m in window) for k in keys], dtype=torch.float64)
+        summed = all_reduce_sum(local.to(self.d.device)).cpu()
+        out = {}
+        for k, v in zip(keys, summed.tolist()):
+            out[f"train/{k}"] = v if k == "tokens" else v / (len(window) * self.d.world_size)
+        return out
+
+    def fit(self, log: MetricsLog) -> dict[str, float]:
+        t = self.cfg.train
+        start = self.step
+        bar = tqdm(
+            total=self.max_steps,
+            initial=start,
+            desc="train",
+            disable=not self.d.is_main,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        window: list[dict[str, float]] = []
+        postfix: dict[str, str] = {}
+        window_start = time.perf_counter()
+        self.engine.train()
+        while self.step < self.max_steps:
+            window.append(self.train_step())
+            bar.update(1)
+            last = self.step == self.max_steps
+            if self.step % max(1, t.log_every) == 0 or last:
+                metrics = self._reduce_train_metrics(window)
+                elapsed = time.perf_counter() - window_start
+                metrics["train/tokens_per_s"] = metrics.pop("train/tokens") / elapsed
+                metrics["train/steps_per_s"] = len(window) / elapsed
+                metrics["train/lr"] = float(self.engine.get_lr()[0])
+                grad_norm = self.engine.get_global_grad_norm()
+                if grad_norm is not None:
+                    metrics["train/grad_norm"] = float(grad_norm)
+                metrics["train/epoch"] = self.step * t.grad_accum / self.batches.batches_per_epoch
+                log.log(self.step, metrics)
+                postfix.update(loss=f"{metrics['train/loss']:.3f}", lr=f"{metrics['train/lr']:.2e}")
+                bar.set_postfix(postfix)
+                window, window_start = [], time.perf_counter()
+            if (t.eval_every > 0 and self.step % t.eval_every == 0) or last:
+                self.last_eval = self.evaluate()
+                if self.last_eval:
+                    log.log(self.step, self.last_eval)
+                    postfix["sim_tau"] = f"{self.last_eval['eval/sim_tau']:.2f}"
+                    bar.set_postfix(postfix)
+            if (t.save_every > 0 and self.step % t.save_every == 0) or last:
+                self.save()
+        bar.close()
+        return self.last_eval
+
+    def write_head(self, directory: Path, training: dict[str, Any]) -> Path:
+        """Rank 0 writes the head (gathering ZeRO-3 shards first); every rank returns the path."""
+        gathered = contextlib.nullcontext()
+        if self.engine.zero_optimization_stage() == 3:
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(list(self.head.parameters()), modifier_rank=None)
+        with gathered:
+            if self.d.is_main:
+                save_head(self.head, directory, training=training)
+        dist.barrier()
+        return directory

@@ -1,0 +1,29 @@
+"""The demo's streamed answer: drafted-and-accepted tokens are marked, text decodes as a whole."""
+
+import io
+
+import pytest
+import torch
+
+from specheads.bench.demo import TokenPrinter
+from specheads.config.train import ModelConfig
+from specheads.target import load_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
+
+
+def test_token_printer_marks_accepted_drafts(target):
+    tok = target.tokenizer
+    out = io.StringIO()
+    printer = TokenPrinter(tok, "brackets", out)
+    ids = tok("Hello wonderful world")["input_ids"]
+    printer(ids[:1], [False])
+    printer(ids[1:6], [True, True, True, True, False])
+    printer(ids[6:], [False] * (len(ids) - 6))
+    printer.finish()
+    text = out.getvalue()
+    assert text.replace("«", "").replace("»", "") == "Hello wonderful world\n"
+    assert text.startswith("H«ello»") and text.count("«") == 1

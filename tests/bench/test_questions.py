@@ -1,0 +1,42 @@
+"""FastChat question files: first turns, categories, and one-line errors for bad rows."""
+
+import json
+
+import pytest
+
+from specheads.bench.questions import read_questions
+from specheads.errors import SpecHeadsError
+
+
+def write_questions(path, categories):
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"question_id": 80 + i, "category": c, "turns": [f"Question {i}: tell me about {c}.", "second turn"]}
+            )
+            + "\n"
+            for i, c in enumerate(categories)
+        )
+    )
+    return path
+
+
+def test_read_questions(tmp_path):
+    rows = read_questions(write_questions(tmp_path / "q.jsonl", ["writing", "math", "writing", "coding"]), limit=3)
+    assert [r["question_id"] for r in rows] == [80, 81, 82]
+    assert rows[0]["prompt"].startswith("Question 0") and rows[1]["category"] == "math"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": ["a"]}\nnot json\n')
+    with pytest.raises(SpecHeadsError, match=":2 is not valid JSON"):
+        read_questions(bad)
+    bad.write_text('{"question_id": 1, "turns": []}\n')
+    with pytest.raises(SpecHeadsError, match="turns"):
+        read_questions(bad)
+    with pytest.raises(SpecHeadsError, match="does not exist"):
+        read_questions(tmp_path / "missing.jsonl")
+
+
+def test_per_category_keeps_the_first_questions_of_every_category(tmp_path):
+    path = write_questions(tmp_path / "q.jsonl", ["a", "a", "a", "b", "b", "c"])
+    picked = read_questions(path, per_category=2)
+    assert [q["question_id"] - 80 for q in picked] == [0, 1, 3, 4, 5]

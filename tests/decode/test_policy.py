@@ -1,0 +1,68 @@
+"""The tree policy: tree.kind and the head decide the tree; the Medusa default tree has one source."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from specheads.config.infer import TreeConfig
+from specheads.config.train import HeadConfig, ModelConfig
+from specheads.decode.drafters import EagleDrafter, MedusaDrafter, make_drafter
+from specheads.decode.policy import DynamicTreeSpec, describe_policy, tree_policy_for
+from specheads.decode.tree import StaticTree, chain_paths, static_tree
+from specheads.errors import SpecHeadsError
+from specheads.heads import MedusaHead, build_head
+from specheads.target import load_target
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
+
+
+def test_tree_policies(target):
+    medusa = build_head(HeadConfig(family="medusa", num_heads=2), target)
+    policy = tree_policy_for(medusa, TreeConfig(kind="default"))
+    assert isinstance(policy, StaticTree) and policy.layout.max_depth == 2
+    with pytest.raises(SpecHeadsError, match="Medusa head drafts at most 2 deep"):
+        tree_policy_for(medusa, TreeConfig(kind="chain", depth=3))
+    eagle = build_head(HeadConfig(family="eagle"), target)
+    assert tree_policy_for(eagle, TreeConfig(kind="dynamic", total_tokens=7)).total_tokens == 7
+    assert isinstance(tree_policy_for(eagle, TreeConfig(kind="default")), DynamicTreeSpec)
+    eagle.default_tree = [[0], [1], [0, 0]]
+    assert tree_policy_for(eagle, TreeConfig(kind="default")).size == 4
+    with pytest.raises(SpecHeadsError, match="paths"):
+        tree_policy_for(eagle, TreeConfig(kind="static"))
+    with pytest.raises(SpecHeadsError, match="calibration"):
+        tree_policy_for(eagle, TreeConfig(kind="auto"))
+
+
+def test_the_medusa_default_tree_has_one_source(target):
+    """MedusaHead.fallback_tree is the tree; no conf/tree preset repeats it."""
+    paths = [list(p) for p in MedusaHead.fallback_tree]
+    three = build_head(HeadConfig(family="medusa", num_heads=3), target)
+    assert tree_policy_for(three, TreeConfig(kind="default")).paths == static_tree(paths).paths
+    # a deeper head: the same tree plus the top-1 chain down to its last head
+    five = build_head(HeadConfig(family="medusa", num_heads=5), target)
+    deeper = tree_policy_for(five, TreeConfig(kind="default")).paths
+    assert set(deeper) == {tuple(p) for p in paths + chain_paths(5)}
+    for preset in sorted((CONF / "tree").glob("*.yaml")):
+        stored = OmegaConf.load(preset).get("paths")
+        assert not stored or sorted(map(tuple, stored)) != sorted(map(tuple, paths)), preset
+
+
+def test_the_head_picks_its_drafter_and_its_depth_limit(target):
+    medusa = build_head(HeadConfig(family="medusa", num_heads=2), target)
+    assert isinstance(make_drafter(medusa, static_tree(chain_paths(2))), MedusaDrafter)
+    with pytest.raises(SpecHeadsError, match="3 deep"):
+        make_drafter(medusa, static_tree(chain_paths(3)))
+    eagle3 = build_head(HeadConfig(family="eagle3"), target)
+    assert isinstance(make_drafter(eagle3, static_tree(chain_paths(9))), EagleDrafter)
+
+
+def test_describe_policy():
+    assert describe_policy(static_tree([[0], [1], [0, 0]])) == "static tree (3 nodes, depth 2)"
+    assert describe_policy(DynamicTreeSpec(4, 3, 12)) == "dynamic tree (depth 4, top_k 3, 12 nodes)"
