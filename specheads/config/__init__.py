@@ -8,10 +8,11 @@ those on.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import SpecHeadsError
@@ -42,9 +43,29 @@ def register_configs() -> None:
         cs.store(group=group, name=f"{group}_schema", node=node)
 
 
+def unknown_keys(node: Any, prefix: str = "") -> list[str]:
+    """Keys of a composed config that its schema does not declare. Hydra's `+key=value` adds
+    keys even to a structured config, and OmegaConf.to_object would carry them along unread."""
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return []  # free-form dicts (model.tiny, deepspeed.extra) take any key
+    declared = {f.name for f in dataclasses.fields(schema)}
+    found = []
+    for key in node.keys():
+        if key not in declared:
+            found.append(f"{prefix}{key}")
+        else:
+            found += unknown_keys(node._get_node(key), f"{prefix}{key}.")
+    return found
+
+
 def typed(cfg: Any) -> Any:
-    """A composed config as its schema's dataclass objects, interpolations resolved. A value
-    composition cannot check (a mandatory `???` left unset) becomes one SpecHeadsError line."""
+    """A composed config as its schema's dataclass objects, interpolations resolved. A key the
+    schema lacks, or a value composition cannot check (a mandatory `???` left unset), becomes one
+    SpecHeadsError line."""
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise SpecHeadsError(f"unknown config key {', '.join(unknown)}: not in the schema")
     try:
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:

@@ -221,6 +221,25 @@ def test_typed_gives_the_schema_objects(hydra_conf):
 
 
 @pytest.mark.parametrize(
+    "primary, overrides, unknown",
+    [
+        ("config", ["model=tiny-random", "+head.foo=1"], "head.foo"),
+        ("config", ["model=tiny-random", "+zzz=2"], "zzz"),
+        ("infer", ["head_path=/tmp", "+bench.zz=1"], "bench.zz"),
+    ],
+)
+def test_typed_refuses_keys_added_with_plus(hydra_conf, primary, overrides, unknown):
+    cfg = compose(primary, overrides)  # `+key=value` gets past Hydra's struct check
+    with pytest.raises(SpecHeadsError, match=f"unknown config key {unknown}"):
+        typed(cfg)
+
+
+def test_typed_lets_free_form_dicts_take_any_key(hydra_conf):
+    cfg = compose("config", ["model=tiny-random", "+deepspeed.extra.wall_clock_breakdown=true"])
+    assert typed(cfg).deepspeed.extra == {"wall_clock_breakdown": True}
+
+
+@pytest.mark.parametrize(
     "command",
     [
         ["infer.py", "head=/tmp", "prompt=hi", "bench.foo=1"],
