@@ -118,13 +118,6 @@ def decontaminate(conversations: list, eval_files_or_index, n: int = 13) -> tupl
     return kept, len(conversations) - len(kept)
 
 
-def decontaminate_prompts(prompts: list[str], eval_files_or_index, n: int = 13) -> tuple[list[str], int]:
-    """The same test for bare user prompts; (kept, dropped count)."""
-    index = _as_index(eval_files_or_index, n)
-    kept = [p for p in prompts if not index.matches(p)] if index else list(prompts)
-    return kept, len(prompts) - len(kept)
-
-
 def _as_index(eval_files_or_index, n: int) -> NgramIndex:
     if isinstance(eval_files_or_index, NgramIndex):
         return eval_files_or_index

@@ -87,11 +87,6 @@ def check_tensors(meta: Meta, required: Rules, optional: Rules | None = None) ->
     return out
 
 
-def need_keys(cfg: dict, keys: list[str], problems: Problems, where: str = "config.json") -> None:
-    for key in keys:
-        problems.need(cfg.get(key) is not None, f"{where} lacks {key!r}")
-
-
 def need_int(cfg: dict, key: str, problems: Problems) -> int:
     value = cfg.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -523,10 +518,6 @@ def require(directory: str | Path, fmt: str, engines: list[str]) -> dict[str, li
         parts = "; ".join(f"{e}: {', '.join(problems[:3])}" for e, problems in failing.items())
         raise SpecHeadsError(f"refusing to write an incomplete {fmt} export ({parts})")
     return found
-
-
-def contract_sources(fmt: str) -> dict[str, str]:
-    return {c.engine: c.source for c in CONTRACTS[fmt]}
 
 
 def describe(findings: dict[str, list[str]]) -> dict[str, Any]:

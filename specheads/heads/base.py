@@ -71,18 +71,21 @@ class DraftHead(nn.Module):
         return next(self.parameters()).device
 
     # -- what the head reads ---------------------------------------------------------------
+    # Medusa and EAGLE-1 read only the post-norm final state; EAGLE-3 reads fused layer states.
+    reads_final_state: ClassVar[bool] = False
+
     def target_layer_ids(self) -> list[int]:
         """Target states read at inference (our layer-id convention)."""
-        return list(self.spec.layer_ids)
+        return [] if self.reads_final_state else list(self.spec.layer_ids)
 
     @property
     def reads_final(self) -> bool:
         """Whether inference needs the post-norm final state."""
-        return False
+        return self.reads_final_state
 
     def training_states(self) -> tuple[list[int], bool]:
         """(layer ids, needs final) for the training loss; the final state gives target logits."""
-        return list(self.spec.layer_ids), True
+        return self.target_layer_ids(), True
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids

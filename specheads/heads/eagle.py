@@ -134,6 +134,7 @@ class EagleHead(AutoregressiveHead):
     """
 
     family = "eagle"
+    reads_final_state = True
     title = "EAGLE-1"
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
@@ -144,16 +145,6 @@ class EagleHead(AutoregressiveHead):
     @classmethod
     def describe(cls, spec: HeadSpec, info: TargetInfo, layer_ids: list[int]) -> str:
         return f"an EAGLE-1 draft ({spec.num_decoder_layers} decoder layer) on the target's final state"
-
-    @property
-    def reads_final(self) -> bool:
-        return True
-
-    def target_layer_ids(self) -> list[int]:
-        return []
-
-    def training_states(self):
-        return [], True
 
     def input_features(self, states):
         return states["final"]

@@ -25,6 +25,7 @@ class ResBlock(nn.Module):
 
 class MedusaHead(DraftHead):
     family = "medusa"
+    reads_final_state = True
     title = "Medusa"
     draft_kind = "parallel"  # head k's top-k at the last accepted position fill depth k+1
     # 16 nodes over 3 depths: the tree drafted when the head stores none (cut to the head's depth)
@@ -64,16 +65,6 @@ class MedusaHead(DraftHead):
             with torch.no_grad():
                 for lm in self.lm_heads:
                     lm.weight.copy_(self.frozen.lm_head.weight.to(lm.weight.dtype))
-
-    @property
-    def reads_final(self) -> bool:
-        return True
-
-    def target_layer_ids(self) -> list[int]:
-        return []
-
-    def training_states(self):
-        return [], True
 
     @classmethod
     def max_draft_depth(cls, spec: HeadSpec) -> int:

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from specheads.data.decontaminate import decontaminate, eval_prompts, resolve_eval_files, words
+from specheads.data.decontaminate import NgramIndex, decontaminate, eval_prompts, resolve_eval_files, words
 from specheads.data.questions import DEV_QUESTIONS
 from specheads.errors import SpecHeadsError
 
@@ -63,3 +63,40 @@ def test_conversation_overlapping_a_dev_question_is_dropped():
     ]
     kept, dropped = decontaminate(convs, resolve_eval_files([]))
     assert dropped == 1 and kept == convs[1:]
+
+
+LONG = "please write a short poem about the quiet autumn rain falling on the old stone bridge tonight"
+
+
+def questions(path, prompts):
+    rows = [{"question_id": i, "category": "writing", "turns": [p, "Shorter now."]} for i, p in enumerate(prompts)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_ngram_overlap_is_dropped_and_counted(tmp_path):
+    evalfile = questions(tmp_path / "question.jsonl", [LONG])
+    words = LONG.split()
+    convs = [
+        [
+            {"role": "user", "content": "Hey! " + " ".join(words[2:15]).upper() + "?"},  # 13 words shared
+            {"role": "assistant", "content": "x"},
+        ],
+        [{"role": "user", "content": " ".join(words[2:14])}, {"role": "assistant", "content": "x"}],  # 12
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": LONG}],  # answers don't count
+        [{"role": "user", "content": "Please shorter now."}, {"role": "assistant", "content": "x"}],
+    ]
+    kept, dropped = decontaminate(convs, [evalfile])
+    assert dropped == 1 and kept == convs[1:]
+    # An eval turn shorter than n words matches when it appears whole (if it has enough words).
+    index = NgramIndex(["Rewrite your previous response with exactly three short bullet points."], n=13)
+    assert index.matches("ok. REWRITE your previous response, with exactly three short bullet points!")
+    assert not index.matches("rewrite your previous response with exactly three bullet points")
+
+
+def test_eval_files_resolution(tmp_path):
+    assert resolve_eval_files([str(tmp_path / "missing" / "*.jsonl")]) == [DEV_QUESTIONS]  # the dev set, always
+    with pytest.raises(SpecHeadsError, match="does not exist"):
+        resolve_eval_files([str(tmp_path / "nope.jsonl")])
+    file = questions(tmp_path / "q.jsonl", [LONG])
+    assert resolve_eval_files([str(tmp_path / "*.jsonl"), str(file)]) == [DEV_QUESTIONS, file]

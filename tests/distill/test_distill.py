@@ -10,7 +10,6 @@ import torch
 from transformers import GenerationConfig
 
 from specheads.config.distill import DistillConfig, MagpieConfig
-from specheads.data.decontaminate import NgramIndex, decontaminate, decontaminate_prompts, resolve_eval_files
 from specheads.data.formats import load_conversations
 from specheads.distill import regenerate
 from specheads.distill.generation import generate
@@ -71,40 +70,6 @@ def shard_rows(directory):
         for f in sorted(Path(directory, "shards").glob("*.jsonl"))
         for line in f.read_text().splitlines()
     ]
-
-
-# -- decontamination ------------------------------------------------------------------------------
-
-
-def test_ngram_overlap_is_dropped_and_counted(tmp_path):
-    evalfile = questions(tmp_path / "question.jsonl", [LONG])
-    words = LONG.split()
-    convs = [
-        [
-            {"role": "user", "content": "Hey! " + " ".join(words[2:15]).upper() + "?"},  # 13 words shared
-            {"role": "assistant", "content": "x"},
-        ],
-        [{"role": "user", "content": " ".join(words[2:14])}, {"role": "assistant", "content": "x"}],  # 12
-        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": LONG}],  # answers don't count
-        [{"role": "user", "content": "Please shorter now."}, {"role": "assistant", "content": "x"}],
-    ]
-    kept, dropped = decontaminate(convs, [evalfile])
-    assert dropped == 1 and kept == convs[1:]
-    # An eval turn shorter than n words matches when it appears whole (if it has enough words).
-    index = NgramIndex(["Rewrite your previous response with exactly three short bullet points."], n=13)
-    assert index.matches("ok. REWRITE your previous response, with exactly three short bullet points!")
-    assert not index.matches("rewrite your previous response with exactly three bullet points")
-    assert decontaminate_prompts(["a", LONG], [evalfile]) == (["a"], 1)
-
-
-def test_eval_files_resolution(tmp_path):
-    from specheads.data.questions import DEV_QUESTIONS
-
-    assert resolve_eval_files([str(tmp_path / "missing" / "*.jsonl")]) == [DEV_QUESTIONS]  # the dev set, always
-    with pytest.raises(SpecHeadsError, match="does not exist"):
-        resolve_eval_files([str(tmp_path / "nope.jsonl")])
-    file = questions(tmp_path / "q.jsonl", [LONG])
-    assert resolve_eval_files([str(tmp_path / "*.jsonl"), str(file)]) == [DEV_QUESTIONS, file]
 
 
 # -- generation -----------------------------------------------------------------------------------
