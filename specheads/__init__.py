@@ -7,7 +7,7 @@ it, never from a layer above, and no import cycle exists (tests/test_layers.py c
 __version__ = "0.1.0"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "cli", "atomic"),  # one-line errors, entry-point plumbing, atomic writes
+    ("errors", "cli", "atomic", "provenance"),  # one-line errors, entry points, atomic writes, provenance
     ("config",),  # structured configs: one schema module per entry point
     ("target", "tiny", "sampling"),  # the frozen target, hidden-state capture; tiny seeded targets
     ("heads",),  # draft-head families: build, loss, draft step, head directories

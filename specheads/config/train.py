@@ -43,6 +43,9 @@ class DataConfig:
     # A local json/jsonl/parquet file, a local `datasets` directory, a Hub id, or "builtin"
     # (conversations the target writes for itself on first use, then cached).
     path: str = "builtin"
+    # More sources mixed into `path` (files, distill.py outputs, Hub ids; not "builtin"), e.g. the
+    # self-distilled conversations of a GPU run next to the diverse ones distill.py made here.
+    mix: list[str] = field(default_factory=list)
     format: str = "auto"  # auto | sharegpt | openai
     split: str = "train"
     max_length: int = 512

@@ -18,9 +18,15 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
     """(train, eval) `datasets.Dataset`s with columns input_ids and loss_mask."""
     import datasets
 
-    if data_cfg.path == "builtin":  # the trainer builds it first (specheads.distill.builtin)
+    sources = [data_cfg.path, *data_cfg.mix]
+    if "builtin" in sources:  # the trainer builds it first (specheads.distill.builtin)
         raise SpecHeadsError("data.path=builtin needs the target to write its own data first")
-    conversations = load_conversations(data_cfg.path, data_cfg.format, data_cfg.split)
+    conversations = []
+    for source in sources:
+        loaded = load_conversations(source, data_cfg.format, data_cfg.split)
+        if len(sources) > 1:
+            print(f"data: {len(loaded)} conversations from {source}")
+        conversations += loaded
     eval_files = resolve_eval_files(data_cfg.decontaminate)
     if eval_files:
         conversations, dropped = decontaminate(conversations, eval_files, n=data_cfg.ngram)
@@ -38,7 +44,7 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
         if any(row["loss_mask"]):
             rows.append(row)
     if not rows:
-        raise SpecHeadsError(f"no usable conversation with an assistant turn in {data_cfg.path}")
+        raise SpecHeadsError(f"no usable conversation with an assistant turn in {', '.join(sources)}")
     n_eval = eval_count(len(rows), data_cfg.eval_fraction)
     eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
     return _to_dataset(datasets, train_rows), _to_dataset(datasets, eval_rows)

@@ -2,12 +2,15 @@
 
 Formats: ShareGPT ({"conversations": [{"from", "value"}]}) and OpenAI ({"messages": [{"role",
 "content"}]}), read from a local .json/.jsonl/.parquet file, a directory (a distillation output, a
-`datasets` save_to_disk directory, or a folder of such files) or a Hub id.
+`datasets` save_to_disk directory, or a folder of such files) or a Hub id. JSON files may be
+gzip-compressed (.jsonl.gz, .json.gz).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,7 @@ SHAREGPT_ROLES = {
     "system": "system",
 }
 OPENAI_ROLES = {"user", "assistant", "system"}
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
 
 
 def load_conversations(path: str, format: str = "auto", split: str = "train") -> list[Conversation]:
@@ -49,16 +52,35 @@ def iter_rows(path: str, split: str = "train") -> Iterable[tuple[str, Any]]:
         yield from _file_rows(local)
     elif local.is_dir():
         yield from _dir_rows(local, split)
-    elif path.startswith((".", "/", "~")) or local.suffix in DATA_FILE_SUFFIXES:
+    elif path.startswith((".", "/", "~")) or _data_suffix(local):
         raise SpecHeadsError(f"data file {path} does not exist")
     else:
         yield from _hub_rows(path, split)
 
 
+def _data_suffix(path: Path) -> str:
+    """The data-file suffix of `path` (".jsonl.gz" counts as one), or "" for none."""
+    name = path.name.lower()
+    return next((s for s in sorted(DATA_FILE_SUFFIXES, key=len, reverse=True) if name.endswith(s)), "")
+
+
+def _open_text(file: Path):
+    return (
+        gzip.open(file, "rt", encoding="utf-8") if file.name.lower().endswith(".gz") else open(file, encoding="utf-8")
+    )
+
+
 def _file_rows(file: Path) -> Iterable[tuple[str, Any]]:
-    suffix = file.suffix.lower()
+    suffix = _data_suffix(file).removesuffix(".gz")
+    try:
+        yield from _rows_of(file, suffix)
+    except (OSError, EOFError, zlib.error) as err:  # a truncated or corrupt .gz, an unreadable file
+        raise SpecHeadsError(f"{file}: cannot read ({err})") from None
+
+
+def _rows_of(file: Path, suffix: str) -> Iterable[tuple[str, Any]]:
     if suffix == ".jsonl":
-        with open(file, encoding="utf-8") as f:
+        with _open_text(file) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -68,7 +90,8 @@ def _file_rows(file: Path) -> Iterable[tuple[str, Any]]:
                     raise SpecHeadsError(f"{file}:{lineno}: invalid JSON ({err.msg})") from None
     elif suffix == ".json":
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
+            with _open_text(file) as f:
+                data = json.loads(f.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise SpecHeadsError(f"{file}: invalid JSON ({err})") from None
         if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
@@ -87,7 +110,7 @@ def _file_rows(file: Path) -> Iterable[tuple[str, Any]]:
         for i, row in enumerate(rows):
             yield f"{file}[{i}]", row
     else:
-        raise SpecHeadsError(f"{file}: unsupported data file type; use .json, .jsonl or .parquet")
+        raise SpecHeadsError(f"{file}: unsupported data file type; use .json, .jsonl (optionally .gz) or .parquet")
 
 
 def _dir_rows(directory: Path, split: str) -> Iterable[tuple[str, Any]]:
@@ -106,7 +129,7 @@ def _dir_rows(directory: Path, split: str) -> Iterable[tuple[str, Any]]:
         for i, row in enumerate(loaded):
             yield f"{directory}[{i}]", row
         return
-    files = sorted(p for p in directory.iterdir() if p.suffix.lower() in DATA_FILE_SUFFIXES)
+    files = sorted(p for p in directory.iterdir() if _data_suffix(p))
     if not files:
         raise SpecHeadsError(f"{directory} holds no .json/.jsonl/.parquet data files")
     for file in files:

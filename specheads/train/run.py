@@ -19,6 +19,7 @@ from ..data.datasets import build_datasets
 from ..data.features import auto_features_dir, ensure_split_features
 from ..distill.builtin import ensure_builtin_data
 from ..heads import DraftHead, build_head
+from ..provenance import provenance
 from ..target import FrozenTarget, load_target
 from .distributed import Dist, main_rank_first, quiet_deepspeed, setup_distributed
 from .metrics import MetricsLog, plot_metrics
@@ -101,6 +102,8 @@ def train(cfg: TrainJobConfig) -> Path | None:
         "grad_accum": cfg.train.grad_accum,
         "lr": cfg.train.lr,
         "data": cfg.data.path,
+        "data_mix": list(cfg.data.mix),
+        **provenance(),
         "eval": last_eval,
     }
     path = trainer.write_head(output_dir / "head", training)

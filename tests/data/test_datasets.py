@@ -1,0 +1,105 @@
+import json
+
+import pytest
+import torch
+
+from specheads.config.train import DataConfig
+from specheads.data.chat import tokenize_conversation
+from specheads.data.datasets import build_datasets, collate
+from specheads.data.formats import load_conversations
+from specheads.errors import SpecHeadsError
+from specheads.tiny import byte_tokenizer
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def conversations(n, offset=0):
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"question number {i}"},
+                {"role": "assistant", "content": f"answer number {i}"},
+            ]
+        }
+        for i in range(offset, offset + n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def data_cfg(path, **kw):
+    cfg = DataConfig(path=str(path), max_length=128, eval_fraction=0.25)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_build_datasets_split_shuffle_and_drop(tok, tmp_path):
+    rows = conversations(20) + [{"messages": [{"role": "user", "content": "no answer here"}]}]
+    file = write_jsonl(tmp_path / "d.jsonl", rows)
+    train, evaluation = build_datasets(data_cfg(file), tok)
+    assert (len(train), len(evaluation)) == (15, 5)  # the row without an assistant turn is dropped
+    assert set(train.column_names) == {"input_ids", "loss_mask"}
+    ids = lambda ds: list(ds["input_ids"])  # noqa: E731
+    again_train, again_eval = build_datasets(data_cfg(file), tok)
+    assert ids(again_train) == ids(train) and ids(again_eval) == ids(evaluation)
+    other, _ = build_datasets(data_cfg(file, shuffle_seed=1), tok)
+    assert ids(other) != ids(train)
+    everything = sorted(map(tuple, ids(train) + ids(evaluation)))
+    direct = sorted(tuple(tokenize_conversation(tok, c, 128)["input_ids"]) for c in load_conversations(str(file))[:20])
+    assert everything == direct  # split is a partition: no duplicates, no gaps
+    small, small_eval = build_datasets(data_cfg(file, max_examples=8, eval_fraction=0.0), tok)
+    assert (len(small), len(small_eval)) == (8, 0)
+
+
+def test_build_datasets_decontaminates_and_reports(tok, tmp_path, capsys):
+    leaked = "please write a short poem about the quiet autumn rain falling on the old stone bridge"
+    evalfile = write_jsonl(
+        tmp_path / "question.jsonl",
+        [{"question_id": 1, "category": "writing", "turns": [leaked.upper() + "!", "Now shorter."]}],
+    )
+    rows = conversations(6) + [
+        {"messages": [{"role": "user", "content": f"Hey: {leaked}, thanks"}, {"role": "assistant", "content": "ok"}]}
+    ]
+    file = write_jsonl(tmp_path / "d.jsonl", rows)
+    train, evaluation = build_datasets(data_cfg(file, decontaminate=[str(evalfile)]), tok)
+    assert len(train) + len(evaluation) == 6
+    assert "dropped 1 of 7" in capsys.readouterr().out
+
+
+def test_build_datasets_errors(tok, tmp_path):
+    with pytest.raises(SpecHeadsError, match="needs the target"):
+        build_datasets(DataConfig(path="builtin"), tok)
+    only_users = write_jsonl(tmp_path / "u.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(SpecHeadsError, match="no usable conversation"):
+        build_datasets(data_cfg(only_users), tok)
+    with pytest.raises(SpecHeadsError, match="eval_fraction"):
+        build_datasets(data_cfg(write_jsonl(tmp_path / "d.jsonl", conversations(3)), eval_fraction=1.5), tok)
+
+
+def test_collate_right_pads():
+    rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}]
+    batch = collate(rows, pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert all(t.dtype == torch.long for t in batch.values())
+
+
+def test_mix_adds_the_other_sources_and_names_them(tok, tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", conversations(6))
+    b = write_jsonl(tmp_path / "b.jsonl", conversations(6, offset=100))
+    alone = build_datasets(data_cfg(a, eval_fraction=0.0), tok)[0]
+    mixed = build_datasets(data_cfg(a, mix=[str(b)], eval_fraction=0.0), tok)[0]
+    assert (len(alone), len(mixed)) == (6, 12)
+    texts = {tok.decode(r) for r in mixed["input_ids"]}
+    assert any("number 103" in t for t in texts) and any("number 3" in t for t in texts)
+    assert f"6 conversations from {b}" in capsys.readouterr().out
+    with pytest.raises(SpecHeadsError, match="builtin"):
+        build_datasets(data_cfg(a, mix=["builtin"]), tok)
