@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import read_head_config
+from ..linear_layout import describe, install, measure_layouts
 from ..target import FrozenTarget, load_target, resolve_device
 
 
@@ -57,5 +59,9 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
     else:
         model_cfg = model_config_for_head(head_config, conf_dir)
     target = load_target(model_cfg, resolve_device(settings.device))
+    if settings.linear_layout == "auto" and target.device.type == "cpu":
+        layouts = measure_layouts(target.model)
+        if install(target.model, layouts):
+            print(describe(layouts), file=sys.stderr)
     head = open_head(head_dir, target) if head_dir else None
     return Session(target, head, head_dir, head_config)

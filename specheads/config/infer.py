@@ -70,12 +70,17 @@ class InferJobConfig:
     mark: str = "auto"  # auto | ansi | brackets | none
     seed: int = 0
     device: str = "auto"
+    # auto: on CPU, each linear layer of the target takes the matrix-product layout measured
+    # faster on this machine for the row count at hand (specheads.linear_layout); stock: nn.Linear
+    linear_layout: str = "auto"
     debug: bool = False
 
 
 def validate(settings: InferJobConfig) -> InferJobConfig:
     """The settings, checked (SpecHeadsError naming the bad key), with bench.output defaulted."""
     t, b = settings.tree, settings.bench
+    if settings.linear_layout not in ("auto", "stock"):
+        raise SpecHeadsError(f"linear_layout must be auto or stock, got {settings.linear_layout!r}")
     if t.kind not in TREE_KINDS:
         raise SpecHeadsError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {t.kind!r}")
     for name in ("depth", "top_k", "total_tokens", "max_nodes", "calibration_prompts", "calibration_tokens"):

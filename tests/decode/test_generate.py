@@ -14,6 +14,7 @@ from specheads.decode.drafters import grow_tree, make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
 from specheads.decode.policy import DynamicTreeSpec
 from specheads.decode.tree import TreeLayout, chain_paths, full_paths, static_tree
+from specheads.linear_layout import ROW_LADDER, RowLayouts, install, linear_layers, uninstall
 from specheads.target import FrozenTarget
 from specheads.tiny import tiny_target as build_tiny
 
@@ -354,3 +355,41 @@ def test_real_target_tree_verification_matches_greedy(smollm2_target):
     res = speculative_generate(tgt, drafter, prompt, SamplingConfig(max_new_tokens=40))
     assert res.output_ids == ref
     assert res.tau > 2  # long paths were accepted and compacted
+
+
+def all_weight_left(model):
+    """Every linear layer weight-left at every row count of the ladder (the layout under test)."""
+    return {tuple(layer.weight.shape): RowLayouts(ROW_LADDER) for layer in linear_layers(model)}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_weight_left_linear_layout_keeps_greedy_output(seed, target):
+    prompt = torch.randint(0, 256, (1, 5 + seed), generator=torch.Generator().manual_seed(10 + seed))
+    ref = hf_greedy(target, prompt, 30)  # stock layout: the target's own greedy output
+    routed = install(target.model, all_weight_left(target.model))
+    try:
+        assert routed == len(linear_layers(target.model))
+        drafter = RandomTreeDrafter(seed, oracle=greedy_oracle(target))
+        res = speculative_generate(target, drafter, prompt, SamplingConfig(max_new_tokens=30))
+    finally:
+        uninstall(target.model)
+    assert res.output_ids == ref
+    assert max(res.accept_lengths) > 1  # multi-row verifications went through the weight-left path
+
+
+@pytest.mark.slow
+def test_real_target_weight_left_layout_matches_greedy(smollm2_target):
+    tgt = smollm2_target
+    ids = tgt.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write two sentences about rivers."}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    prompt = torch.tensor([ids])
+    ref = hf_greedy(tgt, prompt, 40)
+    install(tgt.model, all_weight_left(tgt.model))
+    try:
+        res = speculative_generate(
+            tgt, FutureOracleDrafter(ids + ref, tgt.info.vocab_size), prompt, SamplingConfig(max_new_tokens=40)
+        )
+    finally:
+        uninstall(tgt.model)
+    assert res.output_ids == ref and res.tau > 2
