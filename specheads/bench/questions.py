@@ -1,4 +1,4 @@
-"""Benchmark questions: FastChat question.jsonl files (MT-Bench and its like), first turns only."""
+"""Benchmark questions: FastChat question.jsonl files (MT-Bench and its like)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..errors import SpecHeadsError
 
 
 def read_questions(path: str | os.PathLike, limit: int | None = None, per_category: int | None = None) -> list[dict]:
-    """FastChat question.jsonl rows: question_id, category, turns (the first turn is used).
+    """FastChat question.jsonl rows: question_id, category, prompt (the first turn), turns (all).
 
     per_category keeps the first N questions of every category (a quick run that still covers all).
     """
@@ -32,7 +32,14 @@ def read_questions(path: str | os.PathLike, limit: int | None = None, per_catego
             category = row.get("category", "all") or "all"
             if per_category is not None and sum(r["category"] == category for r in rows) >= per_category:
                 continue
-            rows.append({"question_id": row["question_id"], "category": category, "prompt": str(turns[0])})
+            rows.append(
+                {
+                    "question_id": row["question_id"],
+                    "category": category,
+                    "prompt": str(turns[0]),
+                    "turns": [str(t) for t in turns],
+                }
+            )
             if limit is not None and len(rows) >= limit:
                 break
     if not rows:

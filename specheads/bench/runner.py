@@ -1,8 +1,9 @@
 """Benchmark harness (docs/contracts.md): FastChat questions, methods interleaved per question in
 one process, one JSON row per (question, method), a summary per method and category.
 
-Methods: baseline = the target's own decoding with transformers `generate`; prompt_lookup =
-transformers' prompt lookup decoding; spec = this package's tree speculative decoding.
+Methods: baseline = the target's own decoding with transformers `generate`; plain = plain decoding
+through this package's own loop and forward path (no drafts); prompt_lookup = transformers' prompt
+lookup decoding; spec = this package's tree speculative decoding.
 Conventions: target_forwards counts decode-phase forwards (prefill excluded); tau = tokens
 produced by decode forwards / decode forwards (1.0 for plain decoding); speedup = tokens/s over
 baseline tokens/s on the same questions; overhead c = tau / speedup - 1.
@@ -23,11 +24,11 @@ from tqdm import tqdm
 
 from ..atomic import write_json
 from ..config.infer import InferJobConfig
-from ..decode.baselines import hf_generate
+from ..decode.baselines import PlainDrafter, hf_generate
 from ..decode.drafters import make_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
 from ..decode.policy import describe_policy, tree_policy_for
-from .inputs import encode_prompt, eos_token_ids, sampling_config
+from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .questions import read_questions
 
 SPEC_FIELDS = ("accept_lengths", "accepted_drafts", "tree_depths", "tree_sizes")
@@ -77,7 +78,7 @@ def summarize(rows: Sequence[dict], methods: Sequence[str]) -> dict:
                 out[m][c] = _stats(groups[m, c])
     for m in methods:
         for c, s in out[m].items():
-            for ref in ("baseline", "prompt_lookup"):
+            for ref in ("baseline", "plain", "prompt_lookup"):
                 base = out.get(ref, {}).get(c)
                 key = f"speedup_vs_{ref}"
                 s[key] = s["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
@@ -115,13 +116,16 @@ def cost_breakdown(rows: Sequence[dict]) -> dict | None:
     verify = sum(r["verify_s"] for r in spec) / steps
     # a plain step: everything after the prefill, per decode forward (the prefill is timed apart
     # for spec; for the baseline its share is removed using spec's prefill of the same prompts)
-    prefill = {r["question_id"]: r["prefill_s"] for r in spec}
-    base_step = sum(r["wall_s"] - prefill.get(r["question_id"], 0.0) for r in base) / sum(
+    prefill = {(r["question_id"], r.get("turn", 1)): r["prefill_s"] for r in spec}
+    base_step = sum(r["wall_s"] - prefill.get((r["question_id"], r.get("turn", 1)), 0.0) for r in base) / sum(
         r["target_forwards"] for r in base
     )
     sizes = [n for r in spec for n in r.get("tree_sizes", [])]
+    own = [r for r in rows if r["method"] == "plain" and r["target_forwards"]]
+    own_step = sum(r["wall_s"] - r["prefill_s"] for r in own) / sum(r["target_forwards"] for r in own) if own else None
     return {
         "plain_step_ms": 1e3 * base_step,
+        "own_plain_step_ms": 1e3 * own_step if own_step else None,
         "draft_ms": 1e3 * draft,
         "verify_ms": 1e3 * verify,
         "mean_tree_nodes": sum(sizes) / len(sizes) if sizes else None,
@@ -135,7 +139,9 @@ def cost_breakdown(rows: Sequence[dict]) -> dict | None:
 def format_costs(c: dict) -> str:
     return (
         f"spec step: draft {c['draft_ms']:.1f} ms + verify {c['verify_ms']:.1f} ms "
-        f"({c['mean_tree_nodes']:.1f} tree nodes) vs plain step {c['plain_step_ms']:.1f} ms; "
+        f"({c['mean_tree_nodes']:.1f} tree nodes) vs plain step {c['plain_step_ms']:.1f} ms"
+        + (f" (own loop {c['own_plain_step_ms']:.1f} ms)" if c.get("own_plain_step_ms") else "")
+        + "; "
         f"tau {c['tau']:.2f}, break-even tau {c['break_even_tau']:.2f}"
     )
 
@@ -162,7 +168,7 @@ def first_divergence(target, prompt_ids: list[int], base: list[int], other: list
 def format_table(summary: dict) -> str:
     head = (
         f"{'method':<14} {'category':<12} {'n':>4} {'tokens':>7} {'tau':>6} {'tok/s':>8} "
-        f"{'vs base':>8} {'vs pld':>8} {'c':>7}"
+        f"{'vs base':>8} {'vs plain':>8} {'vs pld':>8} {'c':>7}"
     )
     lines = [head, "-" * len(head)]
 
@@ -174,6 +180,7 @@ def format_table(summary: dict) -> str:
             lines.append(
                 f"{m:<14} {c[:12]:<12} {s['questions']:>4} {s['new_tokens']:>7} {s['tau']:>6.2f} "
                 f"{s['tokens_per_s']:>8.1f} {num(s['speedup_vs_baseline'], '>7.2f')}x "
+                f"{num(s['speedup_vs_plain'], '>7.2f')}x "
                 f"{num(s['speedup_vs_prompt_lookup'], '>7.2f')}x {num(s['overhead_c'], '>7.2f')}"
             )
     return "\n".join(lines)
@@ -205,49 +212,53 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     gen = torch.Generator(device=target.device).manual_seed(settings.seed)
     torch.manual_seed(settings.seed)  # transformers' sampling draws from the global generator
     lookup = (b.prompt_lookup_num_tokens, b.prompt_lookup_max_ngram)
-    prompts = [encode_prompt(target.tokenizer, q["prompt"], settings.system, settings.chat) for q in questions]
+    tok = target.tokenizer
+    first_prompts = [encode_prompt(tok, q["prompt"], settings.system, settings.chat) for q in questions]
 
     def run(method: str, prompt: torch.Tensor, c: SamplingConfig) -> dict:
         if method == "spec":
             return run_spec(target, drafter, prompt, c, generator=gen)
+        if method == "plain":
+            return run_spec(target, PlainDrafter(), prompt, c, generator=gen)
         return hf_generate(target, prompt, c, lookup if method == "prompt_lookup" else None)
 
     warm = sampling_config(settings, min(16, b.max_new_tokens), eos)
-    for ids in prompts[: b.warmup]:
+    for ids in first_prompts[: b.warmup]:
         for m in b.methods:
             run(m, torch.tensor([ids], device=target.device), warm)
 
     rows: list[dict] = []
+    prompts: dict[tuple, list[int]] = {}  # (question_id, turn, method) -> prompt ids
     tmp = paths["rows"].with_name(f".{paths['rows'].name}.tmp-{os.getpid()}")
     try:
         with tmp.open("w", encoding="utf-8") as f:
-            for qi, (q, ids) in enumerate(
-                tqdm(
-                    list(zip(questions, prompts)),
-                    desc="benchmark",
-                    unit="question",
-                    file=sys.stderr,
-                    dynamic_ncols=True,
-                )
+            for qi, q in enumerate(
+                tqdm(questions, desc="benchmark", unit="question", file=sys.stderr, dynamic_ncols=True)
             ):
-                prompt = torch.tensor([ids], device=target.device)
                 # rotate the order so that no method always runs first (caches, clocks)
                 order = list(b.methods[qi % len(b.methods) :]) + list(b.methods[: qi % len(b.methods)])
-                for m in order:
-                    r = run(m, prompt, cfg)
-                    row = {
-                        "question_id": q["question_id"],
-                        "category": q["category"],
-                        "method": m,
-                        "prompt_tokens": len(ids),
-                        "new_tokens": len(r["output_ids"]),
-                        **r,
-                    }
-                    row["tau"] = tau_of(row["new_tokens"], row["target_forwards"])
-                    row["tokens_per_s"] = row["new_tokens"] / row["wall_s"] if row["wall_s"] else 0.0
-                    rows.append(row)
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
+                turns = q["turns"] if b.turns == "all" else q["turns"][:1]
+                answers: dict[str, list[str]] = {m: [] for m in order}  # each method's own earlier answers
+                for turn in range(1, len(turns) + 1):
+                    for m in order:
+                        ids = encode_turns(tok, turns[:turn], answers[m], settings.system, settings.chat)
+                        prompts[q["question_id"], turn, m] = ids
+                        r = run(m, torch.tensor([ids], device=target.device), cfg)
+                        answers[m].append(tok.decode(r["output_ids"], skip_special_tokens=True))
+                        row = {
+                            "question_id": q["question_id"],
+                            "category": q["category"],
+                            "turn": turn,
+                            "method": m,
+                            "prompt_tokens": len(ids),
+                            "new_tokens": len(r["output_ids"]),
+                            **r,
+                        }
+                        row["tau"] = tau_of(row["new_tokens"], row["target_forwards"])
+                        row["tokens_per_s"] = row["new_tokens"] / row["wall_s"] if row["wall_s"] else 0.0
+                        rows.append(row)
+                        f.write(json.dumps(row) + "\n")
+                        f.flush()
         os.replace(tmp, paths["rows"])
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -265,6 +276,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         "top_p": settings.top_p,
         "max_new_tokens": b.max_new_tokens,
         "questions": len(questions),
+        "turns": b.turns,
         "methods": summary,
     }
     if "spec" in b.methods:
@@ -272,7 +284,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         report["costs"] = cost_breakdown(rows)
     if "baseline" in b.methods:
         report["identical_to_baseline"] = compare_to_baseline(
-            target, rows, prompts, questions, b.methods, greedy=settings.temperature <= 0
+            target, rows, prompts, b.methods, greedy=settings.temperature <= 0
         )
     write_json(paths["summary"], report)
     if b.plots:
@@ -286,7 +298,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         out.write(f"{m}: {cmp['equal']}/{cmp['total']} outputs identical to baseline\n")
         for d in cmp["divergences"]:
             out.write(
-                f"  question {d['question_id']}: first differs at token {d['index']} "
+                f"  question {d['question_id']} turn {d['turn']}: first differs at token {d['index']} "
                 f"(target top-2 logit margin there {d['top2_margin']:.4f})\n"
             )
     if report.get("costs"):
@@ -296,22 +308,25 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     return report
 
 
-def compare_to_baseline(target, rows, prompts, questions, methods, greedy: bool) -> dict:
-    """How many outputs equal the baseline's; at temperature 0 also where and how close the first
-    divergence is (a tiny top-2 margin means a numerical tie, not a verification bug)."""
-    by_key = {(r["question_id"], r["method"]): r for r in rows}
-    prompt_of = {q["question_id"]: ids for q, ids in zip(questions, prompts)}
+def compare_to_baseline(target, rows, prompts: dict, methods, greedy: bool) -> dict:
+    """How many answers equal the baseline's; at temperature 0 also where and how close the first
+    divergence is (a tiny top-2 margin means a numerical tie, not a verification bug).
+
+    prompts: (question_id, turn, method) -> prompt ids; an answer is compared with the baseline's
+    answer to the same question and turn."""
+    by_key = {(r["question_id"], r.get("turn", 1), r["method"]): r for r in rows}
+    answers = [(q, t) for (q, t, m) in by_key if m == "baseline"]
     out = {}
     for m in methods:
         if m == "baseline":
             continue
         equal, divergences = 0, []
-        for q in questions:
-            base, other = by_key[q["question_id"], "baseline"], by_key[q["question_id"], m]
+        for q, t in answers:
+            base, other = by_key[q, t, "baseline"], by_key[q, t, m]
             if base["output_ids"] == other["output_ids"]:
                 equal += 1
             elif greedy:
-                d = first_divergence(target, prompt_of[q["question_id"]], base["output_ids"], other["output_ids"])
-                divergences.append({"question_id": q["question_id"], **d})
-        out[m] = {"equal": equal, "total": len(questions), "divergences": divergences}
+                d = first_divergence(target, prompts[q, t, "baseline"], base["output_ids"], other["output_ids"])
+                divergences.append({"question_id": q, "turn": t, **d})
+        out[m] = {"equal": equal, "total": len(answers), "divergences": divergences}
     return out

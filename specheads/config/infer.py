@@ -14,7 +14,7 @@ from ..errors import SpecHeadsError
 from .model import ModelConfig
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
-METHODS = ("baseline", "prompt_lookup", "spec")
+METHODS = ("baseline", "plain", "prompt_lookup", "spec")
 DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is not given
 
 
@@ -46,6 +46,9 @@ class BenchConfig:
     prompt_lookup_max_ngram: int = 2
     limit: int | None = None
     per_category: int | None = None
+    # first: each question's first turn; all: every turn, each after the method's own answers to
+    # the turns before it (MT-bench turn 2 as the EAGLE and Spec-Bench harnesses run it)
+    turns: str = "first"
     warmup: int = 1
     plots: bool = True
 
@@ -86,6 +89,8 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     for name in ("depth", "top_k", "total_tokens", "max_nodes", "calibration_prompts", "calibration_tokens"):
         if getattr(t, name) < 1:
             raise SpecHeadsError(f"tree.{name} must be >= 1, got {getattr(t, name)}")
+    if b.turns not in ("first", "all"):
+        raise SpecHeadsError(f"bench.turns must be first or all, got {b.turns!r}")
     bad = [m for m in b.methods if m not in METHODS]
     if bad or not b.methods:
         raise SpecHeadsError(f"bench.methods must be a non-empty subset of {list(METHODS)}, got {b.methods}")

@@ -1,5 +1,7 @@
 """The baselines speculative decoding is measured against: the target's own decoding with
-transformers `generate`, plain or with prompt lookup decoding (drafts copied from the prompt)."""
+transformers `generate`, plain or with prompt lookup decoding (drafts copied from the prompt), and
+plain decoding through this package's own loop and forward path (`PlainDrafter`), so that a gain
+of the forward path itself is not counted as a gain of speculation."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from transformers import GenerationConfig
 
 from ..target import synchronize
 from .generate import SamplingConfig
+from .tree import TreeLayout
 
 
 @torch.no_grad()
@@ -54,3 +57,21 @@ def hf_generate(
             ids = ids[: i + 1]
             break
     return {"output_ids": ids, "target_forwards": max(calls[0] - 1, 0), "wall_s": wall}
+
+
+class PlainDrafter:
+    """Drafts nothing: each step verifies the root alone, so the speculative loop decodes one
+    token per target forward (tau 1.0) through the same forward path, cache and bookkeeping."""
+
+    layer_ids: tuple[int, ...] = ()
+    reads_final = False
+    _ROOT_ONLY = TreeLayout((-1,))
+
+    def start(self, prompt, states, root) -> None:
+        pass
+
+    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        return [root], self._ROOT_ONLY
+
+    def advance(self, states, accepted: list[int], bonus: int) -> None:
+        pass

@@ -45,39 +45,57 @@ def draft_llama_config(info: TargetInfo, intermediate_size: int) -> LlamaConfig:
 
 
 class DraftCache:
-    """Keys/values per draft layer, [B, kv_heads, S, head_dim], grown by concatenation."""
+    """Keys/values per draft layer, [B, kv_heads, S, head_dim], in buffers preallocated with spare
+    room and grown by doubling: appending writes in place (no concatenation of the whole cache at
+    every draft step), cropping only moves the length, compaction gathers into the front."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, capacity: int = 256):
+        self.capacity = capacity
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = [0] * num_layers
 
     @property
     def length(self) -> int:
         return self.layer_length(0)
 
     def layer_length(self, layer: int) -> int:
-        return 0 if self.keys[layer] is None else self.keys[layer].shape[2]
+        return self.lengths[layer]
+
+    def _reserve(self, layer: int, like: torch.Tensor, needed: int) -> None:
+        buf = self.keys[layer]
+        if buf is not None and buf.shape[2] >= needed:
+            return
+        size = max(self.capacity, needed, 2 * buf.shape[2] if buf is not None else 0)
+        b, h, _, d = like.shape
+        keys, values = (like.new_empty(b, h, size, d) for _ in range(2))
+        n = self.lengths[layer]
+        if buf is not None and n:
+            keys[:, :, :n] = buf[:, :, :n]
+            values[:, :, :n] = self.values[layer][:, :, :n]
+        self.keys[layer], self.values[layer] = keys, values
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+        """Write k, v after the layer's entries; returns views of all entries so far."""
+        start, n = self.lengths[layer], k.shape[2]
+        self._reserve(layer, k, start + n)
+        self.keys[layer][:, :, start : start + n] = k
+        self.values[layer][:, :, start : start + n] = v
+        self.lengths[layer] = start + n
+        return self.keys[layer][:, :, : start + n], self.values[layer][:, :, : start + n]
 
     def crop(self, n_keep: int) -> None:
         """Drop everything after the first n_keep slots."""
-        for i, k in enumerate(self.keys):
-            if k is not None:
-                self.keys[i] = k[:, :, :n_keep]
-                self.values[i] = self.values[i][:, :, :n_keep]
+        self.lengths = [min(n, n_keep) for n in self.lengths]
 
     def keep(self, indices: torch.Tensor) -> None:
         """Keep only the slots at `indices` (in that order): compaction after tree acceptance."""
         for i, k in enumerate(self.keys):
-            if k is not None:
-                self.keys[i] = k.index_select(2, indices)
-                self.values[i] = self.values[i].index_select(2, indices)
+            if k is not None and self.lengths[i]:
+                n = len(indices)
+                self.keys[i][:, :, :n] = k.index_select(2, indices)
+                self.values[i][:, :, :n] = self.values[i].index_select(2, indices)
+                self.lengths[i] = n
 
 
 class DraftAttention(nn.Module):

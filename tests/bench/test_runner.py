@@ -1,10 +1,12 @@
 """Benchmark harness: the summary arithmetic, divergence reports, and one in-process run."""
 
+import io
 import json
 
 import pytest
 import torch
 
+from specheads.bench.inputs import encode_turns
 from specheads.bench.runner import (
     acceptance_per_depth,
     cost_breakdown,
@@ -142,8 +144,8 @@ def test_run_benchmark_in_process(tmp_path, target, family):
 
     report = run_benchmark(settings, Session(target, head, tmp_path / "head", {}), out=Out())
     rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 * 3
-    assert {r["method"] for r in rows} == {"baseline", "prompt_lookup", "spec"}
+    assert len(rows) == 3 * 4
+    assert {r["method"] for r in rows} == {"baseline", "plain", "prompt_lookup", "spec"}
     for r in rows:
         assert ROW_FIELDS <= set(r)
         assert r["new_tokens"] == len(r["output_ids"]) <= 12
@@ -151,14 +153,75 @@ def test_run_benchmark_in_process(tmp_path, target, family):
     assert all("accept_lengths" in r and sum(r["accept_lengths"]) == r["new_tokens"] - 1 for r in spec_rows)
     # greedy: every method gives the target's own output
     assert report["identical_to_baseline"]["spec"] == {"equal": 3, "total": 3, "divergences": []}
+    assert report["identical_to_baseline"]["plain"]["equal"] == 3  # our own loop, no drafts
+    plain_rows = [r for r in rows if r["method"] == "plain"]
+    assert all(r["target_forwards"] == r["new_tokens"] - 1 and set(r["tree_sizes"]) == {1} for r in plain_rows)
     summary = json.loads((tmp_path / "out" / "res.summary.json").read_text())
-    assert set(summary["methods"]) == {"baseline", "prompt_lookup", "spec"}
+    assert set(summary["methods"]) == {"baseline", "plain", "prompt_lookup", "spec"}
+    assert summary["methods"]["plain"]["all"]["tau"] == 1.0
     assert set(summary["methods"]["spec"]) == {"all", "writing", "math"}
-    for key in ("tau", "tokens_per_s", "speedup_vs_baseline", "speedup_vs_prompt_lookup", "overhead_c"):
+    for key in (
+        "tau",
+        "tokens_per_s",
+        "speedup_vs_baseline",
+        "speedup_vs_plain",
+        "speedup_vs_prompt_lookup",
+        "overhead_c",
+    ):
         assert key in summary["methods"]["spec"]["all"]
     assert (tmp_path / "out" / "res.tau.png").stat().st_size > 0
     assert (tmp_path / "out" / "res.acceptance.png").stat().st_size > 0
     text = "".join(lines)
     assert "vs base" in text and "spec: 3/3 outputs identical to baseline" in text
     assert "break-even tau" in text and summary["costs"]["verify_ms"] > 0
+    assert summary["costs"]["own_plain_step_ms"] > 0 and "own loop" in text
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_all_turns_follow_each_methods_own_answers(tmp_path, target):
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), target)
+    settings = InferJobConfig(
+        tree=TreeConfig(kind="chain", depth=3),
+        bench=BenchConfig(
+            questions=str(write_questions(tmp_path / "q.jsonl", 2)),
+            output=str(tmp_path / "out" / "res.jsonl"),
+            max_new_tokens=8,
+            methods=["baseline", "plain", "spec"],
+            turns="all",
+            warmup=0,
+            plots=False,
+        ),
+    )
+    report = run_benchmark(settings, Session(target, head, None, {}), out=io.StringIO())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
+    assert sorted({(r["question_id"], r["turn"]) for r in rows}) == [(80, 1), (80, 2), (81, 1), (81, 2)]
+    tok = target.tokenizer
+    for r in rows:
+        if r["turn"] == 2:  # turn 2 is asked after the same method's own turn-1 answer
+            first = next(
+                x for x in rows if (x["question_id"], x["turn"], x["method"]) == (r["question_id"], 1, r["method"])
+            )
+            answer = tok.decode(first["output_ids"], skip_special_tokens=True)
+            expect = encode_turns(
+                tok,
+                [
+                    f"Question {r['question_id'] - 80}: tell me, briefly, about {(r['question_id'] - 80) * 7}.",
+                    "second turn",
+                ],
+                [answer],
+            )
+            assert r["prompt_tokens"] == len(expect) > first["prompt_tokens"] + len(first["output_ids"]) - 2
+    assert report["identical_to_baseline"]["spec"] == {"equal": 4, "total": 4, "divergences": []}
+    assert report["turns"] == "all" and report["methods"]["spec"]["all"]["questions"] == 4
+
+
+def test_encode_turns_alternates_user_and_answers():
+    from specheads.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    one = tok.decode(encode_turns(tok, ["hi"], []))
+    two = tok.decode(encode_turns(tok, ["hi", "more"], ["hello"]))
+    assert two.startswith(one.removesuffix("<|im_start|>assistant\n")) and two.index("hello") < two.index("more")
+    with pytest.raises(ValueError):
+        encode_turns(tok, ["hi", "more"], [])
