@@ -61,7 +61,7 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
     target = load_target(model_cfg, resolve_device(settings.device))
     if settings.linear_layout == "auto" and target.device.type == "cpu":
         layouts = measure_layouts(target.model)
-        if install(target.model, layouts):
-            print(describe(layouts), file=sys.stderr)
+        install(target.model, layouts)
+        print(describe(layouts), file=sys.stderr)
     head = open_head(head_dir, target) if head_dir else None
     return Session(target, head, head_dir, head_config)

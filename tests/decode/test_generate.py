@@ -357,16 +357,16 @@ def test_real_target_tree_verification_matches_greedy(smollm2_target):
     assert res.tau > 2  # long paths were accepted and compacted
 
 
-def all_weight_left(model):
+def all_weight_left():
     """Every linear layer weight-left at every row count of the ladder (the layout under test)."""
-    return {tuple(layer.weight.shape): RowLayouts(ROW_LADDER) for layer in linear_layers(model)}
+    return RowLayouts(ROW_LADDER)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_weight_left_linear_layout_keeps_greedy_output(seed, target):
     prompt = torch.randint(0, 256, (1, 5 + seed), generator=torch.Generator().manual_seed(10 + seed))
     ref = hf_greedy(target, prompt, 30)  # stock layout: the target's own greedy output
-    routed = install(target.model, all_weight_left(target.model))
+    routed = install(target.model, all_weight_left())
     try:
         assert routed == len(linear_layers(target.model))
         drafter = RandomTreeDrafter(seed, oracle=greedy_oracle(target))
@@ -385,7 +385,7 @@ def test_real_target_weight_left_layout_matches_greedy(smollm2_target):
     )["input_ids"]
     prompt = torch.tensor([ids])
     ref = hf_greedy(tgt, prompt, 40)
-    install(tgt.model, all_weight_left(tgt.model))
+    install(tgt.model, all_weight_left())
     try:
         res = speculative_generate(
             tgt, FutureOracleDrafter(ids + ref, tgt.info.vocab_size), prompt, SamplingConfig(max_new_tokens=40)
