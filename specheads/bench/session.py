@@ -59,9 +59,12 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
     else:
         model_cfg = model_config_for_head(head_config, conf_dir)
     target = load_target(model_cfg, resolve_device(settings.device))
+    head = open_head(head_dir, target) if head_dir else None
     if settings.linear_layout == "auto" and target.device.type == "cpu":
         layouts = measure_layouts(target.model)
-        install(target.model, layouts)
+        # the draft head's multi-row steps (tree levels, catch-up) meet the same small-row matmuls
+        for model in (target.model, head):
+            if model is not None:
+                install(model, layouts)
         print(describe(layouts), file=sys.stderr)
-    head = open_head(head_dir, target) if head_dir else None
     return Session(target, head, head_dir, head_config)
