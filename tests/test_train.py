@@ -86,6 +86,21 @@ def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
         assert_head_written(again, out)
 
 
+def test_hydra_head_trains_and_infer_py_runs_it(tmp_path):
+    """head=hydra end to end: train.py writes the head, infer.py loads it and drafts with it."""
+    data = write_conversations(tmp_path / "chats.jsonl")
+    out = tmp_path / "run"
+    proc = run([sys.executable, "train.py", "head=hydra", "train.max_steps=3", *tiny_args(data, out)])
+    assert_head_written(proc, out)
+    config = json.loads((out / "head" / "config.json").read_text())
+    assert config["family"] == "hydra" and config["head"]["num_heads"] == 4
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/acc_3" in r for r in records)  # one accuracy per head
+    infer = run([sys.executable, "infer.py", f"head={out / 'head'}", "prompt=hi", "max_new_tokens=8"])
+    last = infer.stdout.strip().splitlines()[-1]
+    assert "[hydra head" in last and "8 tokens" in last and "identical to plain greedy: yes" in last, last
+
+
 def test_two_ranks_zero2_on_cpu(tmp_path):
     data = write_conversations(tmp_path / "chats.jsonl", n=32)
     out = tmp_path / "run"

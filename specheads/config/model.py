@@ -5,6 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import MISSING
+
+
+@dataclass
+class ArchConfig:
+    """The target's sizes, copied from its published config.json, so that train.py's memory plan
+    (`dry_run=true`) needs no download. They describe model.path: a Hub id with `arch: null` has
+    its config.json (that file only) fetched instead; a local directory's config.json and the tiny
+    targets' own config always win over these numbers."""
+
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    intermediate_size: int = MISSING
+    vocab_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: int | None = None  # None = hidden_size // num_attention_heads
+    tie_word_embeddings: bool = False
+    # None = counted as a dense Llama-style decoder (embedding, attention, SwiGLU MLP, norms, LM head)
+    num_parameters: int | None = None
+
 
 @dataclass
 class ModelConfig:
@@ -20,3 +41,4 @@ class ModelConfig:
     trust_remote_code: bool = False
     # Only for the in-process tiny random targets (path "tiny:<arch>").
     tiny: dict[str, Any] = field(default_factory=dict)
+    arch: ArchConfig | None = None

@@ -35,6 +35,11 @@ class HeadConfig:
     draft_vocab_size: int = 8192
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    # hydra (also reads num_heads, num_layers, shared_lm_head and medusa_decay above)
+    # Hydra++ teacher distillation: soft CE against the target's next-token distribution
+    hydra_teacher_loss: bool = False
+    # Hydra++ prefix layer: one causal decoder layer over the target's final states feeds the heads
+    hydra_prefix_layer: bool = False
 
 
 @dataclass
@@ -114,6 +119,20 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The GPUs train.py's memory plan (specheads.train.plan) fits the run into: declared here, or
+    else the visible ones (in a launched run, one per rank)."""
+
+    gpus: int | None = None  # ranks, one GPU each
+    gpu_memory: str | None = None  # per GPU: "80GB" (10^9 bytes) or "80GiB" (2^30 bytes)
+    # tokens an offline feature cache would hold (its disk size); None = data.max_examples x
+    # data.max_length when max_examples is set, else an assumed 1M
+    tokens: int | None = None
+    # a GPU run whose plan does not fit is refused before anything is loaded; false: warn, go on
+    check: bool = True
+
+
+@dataclass
 class TrainJobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
@@ -125,3 +144,6 @@ class TrainJobConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     debug: bool = False
+    # print the per-rank memory plan for plan.gpus x plan.gpu_memory and exit, loading nothing
+    dry_run: bool = False
+    plan: PlanConfig = field(default_factory=PlanConfig)

@@ -231,8 +231,78 @@ class EagleDrafter:
             self.cache.crop(stable)
 
 
+def path_tokens(table: DraftTable, node: int) -> list[int]:
+    """The tokens from the root down to `node` (both included)."""
+    path = [table.tokens[node]]
+    while table.parents[node] >= 0:
+        node = table.parents[node]
+        path.append(table.tokens[node])
+    return path[::-1]
+
+
+class SequentialDrafter:
+    """Hydra: the children of a node at depth d come from head d, given the base state at the last
+    accepted token and the embeddings of the node's path (root included); the nodes of one level
+    go through their head in one call.
+
+    Without a prefix layer the base state is the target's final state there, as for Medusa. With
+    one, the layer's KV cache holds one entry per committed position; accepted positions are fed
+    lazily at the next draft (so that `rewind` can queue them again).
+    """
+
+    def __init__(self, head, policy: TreePolicy):
+        self.head = head
+        self.policy = policy
+        self.layer_ids: list[int] = []
+        self.reads_final = True
+        self.cache = None
+        self.pending: torch.Tensor | None = None  # final states of positions not fed yet [1, n, H]
+        self.last_fed: torch.Tensor | None = None
+        self.base: torch.Tensor | None = None  # [H] the heads' base state at the last accepted token
+
+    def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
+        self.cache = self.head.new_prefix_cache()
+        self.pending = states["final"]
+
+    def advance(self, states: dict, tokens: Sequence[int], bonus: int) -> None:
+        self.pending = states["final"]
+
+    def rewind(self, n: int) -> None:
+        """Queue the last n fed positions again (the prefix layer's cache forgets them)."""
+        n = min(n, self.last_fed.shape[1])
+        if self.cache is not None:
+            self.cache.crop(self.cache.length - n)
+        self.pending = self.last_fed[:, -n:]
+
+    def _catch_up(self) -> torch.Tensor:
+        if self.pending is not None:
+            fed, self.pending = self.pending, None
+            self.base = self.head.base_states(fed, self.cache)[0, -1]
+            self.last_fed = fed
+        return self.base
+
+    def child_logp(self, base: torch.Tensor, ids: list[int], table: DraftTable) -> torch.Tensor:
+        """[len(ids), V] log-probs of each node's children: one head call per depth among ids."""
+        rows: dict[int, torch.Tensor] = {}
+        for d in sorted({table.depths[i] for i in ids}):
+            if d >= self.head.spec.num_heads:
+                raise RuntimeError(f"a {self.head.title} head has no head for depth {d + 1}")
+            level = [i for i in ids if table.depths[i] == d]
+            paths = torch.tensor([path_tokens(table, i) for i in level], device=base.device)
+            logits = self.head.head_logits(d, base.expand(len(level), -1), paths)
+            logp = torch.log_softmax(logits, dim=-1)
+            rows.update({i: logp[r] for r, i in enumerate(level)})
+        return torch.stack([rows[i] for i in ids])
+
+    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        base = self._catch_up()
+        return grow_tree(
+            root, lambda ids, table: self.child_logp(base, ids, table), lambda ids: ids, self.policy, max_depth
+        )
+
+
 # the drafter for each head's draft_kind
-DRAFTERS = {"parallel": MedusaDrafter, "autoregressive": EagleDrafter}
+DRAFTERS = {"parallel": MedusaDrafter, "autoregressive": EagleDrafter, "sequential": SequentialDrafter}
 
 
 def make_drafter(head, policy: TreePolicy):

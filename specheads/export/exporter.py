@@ -55,6 +55,20 @@ def formats_for(family: str) -> list[str]:
     return [name for name, m in FORMATS.items() if family in m.FAMILIES]
 
 
+def check_servable(family: str) -> None:
+    """Refuse, in one line, a head family that no engine format holds (Hydra: no engine loads one)."""
+    if formats_for(family):
+        return
+    from ..heads import HEADS
+
+    title = HEADS[family].title if family in HEADS else family
+    served = sorted({f for m in FORMATS.values() for f in m.FAMILIES})
+    raise SpecHeadsError(
+        f"no serving-engine format serves {title} heads (the formats hold {', '.join(served)} heads); "
+        f"a {family} head drafts with infer.py only"
+    )
+
+
 def export_head(
     head: str | os.PathLike | HeadSource,
     fmt: str,
@@ -76,6 +90,7 @@ def export_head(
     if fmt not in FORMATS:
         raise SpecHeadsError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
     module = FORMATS[fmt]
+    check_servable(src.family)
     if src.family not in module.FAMILIES:
         raise SpecHeadsError(
             f"format {fmt} holds {'/'.join(module.FAMILIES)} heads; this is a {src.family} "

@@ -13,7 +13,7 @@ from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 from ..target import EMBEDDED_PREFIX, EMBEDDED_TARGETS, TargetInfo
 from .common import HeadSource
-from .exporter import FORMATS, ExportResult, export_head, formats_for
+from .exporter import FORMATS, ExportResult, check_servable, export_head, formats_for
 from .hub import push_to_hub, resolve_head_path
 from .model_card import model_card, read_bench_summary
 
@@ -69,6 +69,7 @@ def run_export(cfg: ExportJobConfig) -> ExportResult:
     if not cfg.out and not cfg.push_to_hub:
         raise SpecHeadsError("out=DIR is required (or push_to_hub=true repo_id=org/name)")
     src = HeadSource.read(resolve_head_path(cfg.head_path))
+    check_servable(src.family)
     if src.family not in FORMATS[fmt].FAMILIES:
         raise SpecHeadsError(
             f"format={fmt} does not hold {src.family} heads; use one of {', '.join(formats_for(src.family))}"

@@ -3,6 +3,7 @@
 from .base import DraftHead, check_compatible
 from .eagle import AutoregressiveHead, EagleHead
 from .eagle3 import Eagle3Head
+from .hydra import HydraHead
 from .io import load_head, read_head_config, save_head
 from .layers import DraftCache
 from .medusa import MedusaHead
@@ -17,6 +18,7 @@ __all__ = [
     "Eagle3Head",
     "EagleHead",
     "HeadSpec",
+    "HydraHead",
     "MedusaHead",
     "build_head",
     "check_compatible",

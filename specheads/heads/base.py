@@ -29,8 +29,9 @@ class FrozenParts:
 class DraftHead(nn.Module):
     family: ClassVar[str] = ""
     title: ClassVar[str] = ""  # the family's name in prose (model cards)
-    # How inference drafts a tree: "parallel" (every depth from the last accepted target state)
-    # or "autoregressive" (a draft decoder run level by level); decode picks the drafter by it.
+    # How inference drafts a tree: "parallel" (every depth from the last accepted target state),
+    # "sequential" (level by level, a node's children from the head of its depth given the node's
+    # path) or "autoregressive" (a draft decoder run level by level); decode picks the drafter by it.
     draft_kind: ClassVar[str] = ""
     # The static tree (rank paths) drafted when the head stores no default_tree; None: a dynamic tree.
     fallback_tree: ClassVar[tuple[tuple[int, ...], ...] | None] = None
@@ -71,7 +72,7 @@ class DraftHead(nn.Module):
         return next(self.parameters()).device
 
     # -- what the head reads ---------------------------------------------------------------
-    # Medusa and EAGLE-1 read only the post-norm final state; EAGLE-3 reads fused layer states.
+    # Medusa, Hydra and EAGLE-1 read only the post-norm final state; EAGLE-3 reads fused layer states.
     reads_final_state: ClassVar[bool] = False
 
     def target_layer_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ from ..target import FrozenTarget
 from .base import DraftHead
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
+from .hydra import HydraHead
 from .medusa import MedusaHead
 from .spec import HeadSpec
 from .vocab import build_draft_vocab
@@ -16,6 +17,7 @@ HEADS: dict[str, type[DraftHead]] = {
     MedusaHead.family: MedusaHead,
     EagleHead.family: EagleHead,
     Eagle3Head.family: Eagle3Head,
+    HydraHead.family: HydraHead,
 }
 
 

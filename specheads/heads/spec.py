@@ -10,7 +10,7 @@ from ..config.train import HeadConfig
 from ..errors import SpecHeadsError
 from ..target import TargetInfo
 
-FAMILIES = ("medusa", "eagle", "eagle3")
+FAMILIES = ("medusa", "eagle", "eagle3", "hydra")
 
 
 @dataclass
@@ -38,8 +38,8 @@ class HeadSpec(HeadConfig):
             spec.draft_vocab_size = min(spec.draft_vocab_size or info.vocab_size, info.vocab_size)
         else:
             spec.draft_vocab_size = info.vocab_size
-        if family == "medusa":
-            spec.eval_depth = spec.num_heads
+        if family in ("medusa", "hydra"):
+            spec.eval_depth = spec.num_heads  # one head per depth
         elif family == "eagle3":
             spec.eval_depth = max(spec.eval_depth, spec.ttt_steps)
         spec.validate(info)
@@ -68,7 +68,7 @@ class HeadSpec(HeadConfig):
 
 
 def default_layer_ids(family: str, num_layers: int) -> list[int]:
-    """Our convention (residual stream entering layer k). Medusa/EAGLE-1 read the final state."""
+    """Our convention (residual stream entering layer k). Medusa/EAGLE-1/Hydra read the final state."""
     if family == "eagle3":
         # EAGLE-3 / vLLM default aux layers: low, mid, high.
         return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})

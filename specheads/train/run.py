@@ -23,6 +23,7 @@ from ..provenance import provenance
 from ..target import FrozenTarget, load_target
 from .distributed import Dist, main_rank_first, quiet_deepspeed, setup_distributed
 from .metrics import MetricsLog, plot_metrics
+from .plan import check_fits, dry_run
 from .state_source import OfflineStates, OnlineStates, StateSource
 from .trainer import Trainer
 
@@ -75,9 +76,17 @@ def ensure_auto_features(
 
 
 def train(cfg: TrainJobConfig) -> Path | None:
-    """Run (or resume) the training job described by cfg. Returns output_dir/head on rank 0."""
+    """Run (or resume) the training job described by cfg. Returns output_dir/head on rank 0;
+    with dry_run, prints the memory plan instead and returns None, having loaded nothing."""
+    if cfg.dry_run:
+        print(dry_run(cfg), flush=True)
+        return None
     d = setup_distributed(cfg.device)
     quiet_deepspeed(cfg.debug)
+    # before the target is loaded: a run whose whole target cannot fit a rank is refused here
+    warning = check_fits(cfg, d.world_size, on_gpu=d.device.type == "cuda")
+    if warning and d.is_main:
+        print(warning, file=sys.stderr)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)  # the same head initialisation on every rank

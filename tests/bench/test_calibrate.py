@@ -48,7 +48,7 @@ def test_path_frequencies_and_best_paths_are_prefix_closed():
         static_tree([list(p) for p in paths])  # a valid tree
 
 
-@pytest.mark.parametrize("family", ["medusa", "eagle3"])
+@pytest.mark.parametrize("family", ["medusa", "eagle3", "hydra"])
 def test_rank_vectors_predict_what_the_loop_accepts(family, target, sequences):
     """Two implementations agree: teacher-forced ranks vs the real drafting + verification."""
     head = quick_head(target, family, sequences, steps=60)
@@ -71,8 +71,9 @@ def test_rank_vectors_predict_what_the_loop_accepts(family, target, sequences):
     assert checked >= 3 and max(res.accepted_drafts) >= 2
 
 
-def test_calibrate_tree_picks_and_stores_a_tree(tmp_path, target, sequences):
-    head = quick_head(target, "eagle", sequences, steps=30)
+@pytest.mark.parametrize("family", ["eagle", "hydra"])
+def test_calibrate_tree_picks_and_stores_a_tree(family, tmp_path, target, sequences):
+    head = quick_head(target, family, sequences, steps=30)
     head_dir = save_head(head, tmp_path / "head")
     settings = InferJobConfig(
         head_path=str(head_dir),

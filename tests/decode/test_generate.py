@@ -18,7 +18,7 @@ from specheads.linear_layout import ROW_LADDER, RowLayouts, install, linear_laye
 from specheads.target import FrozenTarget
 from specheads.tiny import tiny_target as build_tiny
 
-FAMILIES = ["medusa", "eagle", "eagle3"]
+FAMILIES = ["medusa", "eagle", "eagle3", "hydra"]
 POLICIES = {
     "chain": static_tree(chain_paths(4)),
     "wide": static_tree(full_paths(2, 3)),

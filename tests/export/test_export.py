@@ -289,6 +289,18 @@ def test_cli_exports_and_rejects_a_typo_in_one_line(tiny_target, tmp_path):
     assert "outt" in typo.stderr
 
 
+def test_no_format_serves_hydra_heads(tiny_target, tmp_path):
+    """Every format refuses a Hydra head in one line that says why (no engine loads Hydra heads)."""
+    src = make_head_dir(tiny_target, tmp_path / "head", "hydra")
+    for fmt in ("eagle3", "speculators", "eagle", "vllm-medusa", "medusa"):
+        with pytest.raises(SpecHeadsError, match="no serving-engine format serves Hydra heads"):
+            export_head(src, fmt, tmp_path / "x")
+    proc = run_cli(f"head={src}", "format=medusa", f"out={tmp_path / 'out'}", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "no serving-engine format serves Hydra heads" in proc.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "out").exists()
+
+
 def compose_export(overrides):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -1,0 +1,391 @@
+"""The memory plan of a training run, from the target's sizes alone (specheads.train.arch).
+
+Per rank it counts the frozen target's weights, the head's parameters, gradients and AdamW states
+under the run's ZeRO stage, and an estimate of the activations of one micro-batch, for three ways
+of running, and picks the first that fits the GPUs:
+  (a) online, the whole target on every rank (what train.py does);
+  (b) online, the target's decoder layers sharded across the ranks (one gathered at a time), its
+      embedding and LM head whole on every rank;
+  (c) offline features: the states read from a cache on disk, only the embedding and LM head on
+      the GPU (the cache is written by one target pass: distill.py or data.features=auto);
+  (d) none: refused, with the numbers.
+train.py runs (a) only, loading the whole target even beside offline features: (b) and (c) say
+what would fit, and a run is refused unless (a) fits (specheads.train.run checks it first).
+
+Bytes follow the ZeRO paper: with bf16 weights, 2 bytes a parameter each for the weights and the
+gradients, 12 for the optimizer (fp32 master copy + Adam's two moments); stage 1 shards the
+optimizer states across the ranks, stage 2 the gradients too, stage 3 the parameters too.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config.train import TrainJobConfig
+from ..errors import SpecHeadsError
+from ..heads import HEADS, DraftHead
+from ..heads.spec import HeadSpec
+from ..target import TargetInfo, resolve_dtype
+from .arch import TargetArch, read_arch
+
+GB = 10**9
+# of a GPU's memory, what the plan may use: the rest is for the CUDA context, NCCL and DeepSpeed's
+# communication buckets, and the allocator's fragmentation
+USABLE = 0.9
+ASSUMED_TOKENS = 1_000_000
+FEATURE_BYTES = 2  # feature caches hold bf16 states on GPU runs
+# bytes per element kept by an explicitly computed attention (TTT steps >= 1 of EAGLE-1/3's draft
+# layer): bf16 scores, their fp32 softmax and its bf16 copy
+SCORE_BYTES = 8
+MODES = ("replicated", "sharded", "offline")
+TITLES = {
+    "replicated": ("(a) online", "whole target"),
+    "sharded": ("(b) online", "target sharded"),
+    "offline": ("(c) offline", "features"),
+}
+UNITS = {"gb": 10**9, "gib": 2**30, "mb": 10**6, "mib": 2**20, "tb": 10**12, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of "80GB" (10^9 bytes a GB), "80GiB" (2^30), also MB, MiB, TB, TiB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in UNITS:
+        raise SpecHeadsError(f"plan.gpu_memory={text!r}: write a size such as 80GB or 80GiB")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def _meta_head(spec: HeadSpec, info: TargetInfo) -> DraftHead:
+    """The head `spec` builds, on the meta device: its shapes without its memory."""
+    if spec.family not in HEADS:
+        raise SpecHeadsError(f"unknown head family {spec.family!r}")
+    with torch.device("meta"):
+        return HEADS[spec.family](spec, info)
+
+
+def head_parameters(spec: HeadSpec, info: TargetInfo) -> int:
+    """The parameter count of the head `spec` builds (counted on the meta device, so any family
+    and any size is exact and costs no memory)."""
+    return sum(p.numel() for p in _meta_head(spec, info).parameters())
+
+
+def state_count(spec: HeadSpec, info: TargetInfo) -> int:
+    """Target states a head trains on: the layers it reads and the post-norm final state."""
+    layer_ids, final = _meta_head(spec, info).training_states()
+    return len(layer_ids) + int(final)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Bytes per rank."""
+
+    target: float
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.target + self.params + self.grads + self.optimizer + self.activations
+
+
+def head_state(
+    n: int, stage: int, world: int, weight_bytes: int, offload_optimizer: bool = False, offload_param: bool = False
+) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer states) bytes per rank of a head of n parameters."""
+    if stage not in (0, 1, 2, 3):
+        raise SpecHeadsError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {stage}")
+    optimizer_bytes = 12 if weight_bytes < 4 else 8  # mixed precision adds an fp32 master copy
+    params = n * weight_bytes / (world if stage >= 3 else 1)
+    grads = n * weight_bytes / (world if stage >= 2 else 1)
+    optimizer = n * optimizer_bytes / (world if stage >= 1 else 1)
+    return (0.0 if offload_param else params), grads, (0.0 if offload_optimizer else optimizer)
+
+
+def layer_activations(info: TargetInfo, tokens: int, weight_bytes: int, width: int, intermediate: int) -> float:
+    """What one decoder layer keeps for its backward: input, q/k/v, attention output, residual,
+    norm, and the MLP's gate, up, activation and product."""
+    q, kv = info.num_attention_heads * info.head_dim, info.num_key_value_heads * info.head_dim
+    return tokens * weight_bytes * (width + 2 * q + 2 * kv + 3 * info.hidden_size + 4 * intermediate)
+
+
+def activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weight_bytes: int, online: bool) -> float:
+    """An estimate (not a measurement) of a micro-batch's peak, bytes per rank.
+
+    Counted: the target states the head reads (captured by a forward, or read from the cache);
+    online, one target decoder layer's tensors (no grad: the layers do not pile up); the target's
+    fp32 logits, which every family's loss reads; then per draft step (Medusa head, EAGLE-1's one
+    step, EAGLE-3's ttt_steps) the draft layers' saved tensors, the fp32 draft logits with their
+    log-softmax and target distribution, and, for EAGLE-3's steps after the first, the attention
+    scores the unrolled draft computes explicitly ([B, heads, T, T]). Left out: the padding-free
+    small tensors, and the evaluation passes (no grad, smaller).
+    """
+    h, v, n = info.hidden_size, info.vocab_size, batch * length
+    head = HEADS[spec.family]
+    total = state_count(spec, info) * n * h * weight_bytes + n * v * 4
+    if online:
+        total += layer_activations(info, n, weight_bytes, h, info.intermediate_size)
+    if head.draft_kind != "autoregressive":  # Medusa, Hydra: one block stack and LM head per head
+        per_head = n * v * (weight_bytes + 8) + spec.num_layers * 2 * n * h * weight_bytes
+        return total + spec.num_heads * per_head
+    steps, vd = (spec.ttt_steps, spec.draft_vocab_size) if spec.family == "eagle3" else (1, v)
+    factor = 2 if spec.family == "eagle3" else 1
+    layers = sum(
+        layer_activations(info, n, weight_bytes, h * factor if i == 0 else h, spec.intermediate_size)
+        for i in range(spec.num_decoder_layers)
+    )
+    fuse_in = (len(spec.layer_ids) if spec.family == "eagle3" else 2) * n * h * weight_bytes
+    scores = batch * info.num_attention_heads * length * length * SCORE_BYTES * spec.num_decoder_layers
+    total += fuse_in + steps * (layers + 3 * n * vd * 4) + (steps - 1) * scores
+    if spec.family == "eagle3":
+        total += n * vd * 4  # the target's logits over the draft vocab
+    return total
+
+
+@dataclass(frozen=True)
+class Gpus:
+    count: int
+    memory: int  # bytes per GPU
+    source: str  # "declared" or "visible"
+
+    @property
+    def usable(self) -> float:
+        return self.memory * USABLE
+
+
+@dataclass(frozen=True)
+class Plan:
+    arch: TargetArch
+    spec: HeadSpec
+    head_parameters: int
+    zero_stage: int
+    world: int
+    batch: int
+    length: int
+    weight_bytes: int
+    gpus: Gpus | None
+    usage: dict[str, Usage]  # per mode (MODES), bytes per rank
+    disk: float  # bytes of the feature cache (c) reads
+    tokens: int
+    tokens_note: str
+    choice: str | None  # the first mode that fits; None when nothing fits or no GPU is known
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes worth showing: sharding over one rank is (a) again."""
+        return MODES if self.world > 1 else ("replicated", "offline")
+
+    def fits(self, mode: str) -> bool:
+        return self.gpus is not None and self.usage[mode].total <= self.gpus.usable
+
+
+def feature_tokens(cfg: TrainJobConfig) -> tuple[int, str]:
+    """How many tokens a feature cache would hold, and where that number comes from."""
+    if cfg.plan.tokens is not None:
+        return cfg.plan.tokens, "plan.tokens"
+    if cfg.data.max_examples is not None:
+        return cfg.data.max_examples * cfg.data.max_length, "data.max_examples x data.max_length, at most"
+    return ASSUMED_TOKENS, "assumed; set plan.tokens"
+
+
+def make_plan(cfg: TrainJobConfig, arch: TargetArch, gpus: Gpus | None, world: int | None = None) -> Plan:
+    """The per-rank usage of every mode, and the first that fits `gpus` (world: gpus.count, or 1)."""
+    info = arch.info
+    spec = HeadSpec.from_config(cfg.head, info)
+    n_head = head_parameters(spec, info)
+    world = world or (gpus.count if gpus else 1)
+    weight_bytes = resolve_dtype(cfg.model.dtype, torch.device("cuda")).itemsize  # auto = bf16 on GPU
+    z = cfg.deepspeed
+    params, grads, optimizer = head_state(
+        n_head, z.zero_stage, world, weight_bytes, z.offload_optimizer, z.offload_param
+    )
+    batch, length = cfg.train.batch_size, cfg.data.max_length
+
+    def usage(target_params: float, online: bool) -> Usage:
+        acts = activations(info, spec, batch, length, weight_bytes, online)
+        return Usage(target_params * weight_bytes, params, grads, optimizer, acts)
+
+    layers = info.num_layers * arch.layer_parameters
+    whole = arch.num_parameters
+    sharded = math.ceil(layers / world) + arch.layer_parameters + arch.vocab_parameters
+    usages = {
+        "replicated": usage(whole, True),
+        "sharded": usage(min(sharded, whole), True),
+        "offline": usage(arch.vocab_parameters, False),
+    }
+    tokens, note = feature_tokens(cfg)
+    disk = tokens * state_count(spec, info) * info.hidden_size * FEATURE_BYTES
+    plan = Plan(
+        arch=arch,
+        spec=spec,
+        head_parameters=n_head,
+        zero_stage=z.zero_stage,
+        world=world,
+        batch=batch,
+        length=length,
+        weight_bytes=weight_bytes,
+        gpus=gpus,
+        usage=usages,
+        disk=disk,
+        tokens=tokens,
+        tokens_note=note,
+        choice=None,
+    )
+    return replace(plan, choice=next((m for m in plan.modes if plan.fits(m)), None))
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.1f}"
+
+
+def millions(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def verdict(plan: Plan) -> str:
+    """One line: the chosen mode and why, or the refusal with the numbers."""
+    if plan.gpus is None:
+        return "verdict: no GPU memory known (none visible, plan.gpu_memory unset): set plan.gpu_memory=80GB"
+    u, usable = plan.usage, gb(plan.gpus.usable)
+    whole = f"the whole target needs {gb(u['replicated'].total)} GB per rank"
+    if plan.choice == "replicated":
+        return f"verdict: (a) online, the whole target on every rank: {gb(u['replicated'].total)} of {usable} GB usable"
+    if plan.choice == "sharded":
+        return (
+            f"verdict: (b) online, the target sharded over {plan.world} ranks: {gb(u['sharded'].total)} of {usable} "
+            f"GB usable per rank ({whole}); train.py does not shard the frozen target yet and refuses this run"
+        )
+    if plan.choice == "offline":
+        return (
+            f"verdict: (c) offline features (data.features): {gb(u['offline'].total)} of {usable} GB usable per "
+            f"rank and {gb(plan.disk)} GB of disk ({whole}); train.py still loads the whole target beside the "
+            "features and refuses this run"
+        )
+    needs = ", ".join(f"{TITLES[m][0][:3]} {gb(u[m].total)}" for m in plan.modes)
+    zero3 = ", deepspeed=zero3" if plan.zero_stage < 3 else ""
+    return (
+        f"verdict: (d) refused: nothing fits {usable} GB usable per rank ({needs} GB); "
+        f"use more or larger GPUs{zero3}, or a smaller train.batch_size or data.max_length"
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    """The readable per-rank table, its assumptions, then the verdict line."""
+    info, spec, modes = plan.arch.info, plan.spec, plan.modes
+    dtype = {2: "bf16", 4: "fp32"}.get(plan.weight_bytes, f"{plan.weight_bytes}-byte")
+    gpus = (
+        "none visible or declared"
+        if plan.gpus is None
+        else (
+            f"{plan.gpus.count} x {gb(plan.gpus.memory)} GB ({plan.gpus.source}), "
+            f"{gb(plan.gpus.usable)} GB usable each ({USABLE:.0%})"
+        )
+    )
+    lines = [
+        f"target  {info.name}: {millions(plan.arch.num_parameters)} parameters, {info.num_layers} layers, "
+        f"hidden {info.hidden_size}, vocab {info.vocab_size} (sizes from {plan.arch.source})",
+        f"head    {spec.family}: {millions(plan.head_parameters)} parameters",
+        f"run     ZeRO-{plan.zero_stage} over {plan.world} rank{'s' if plan.world > 1 else ''}, "
+        f"{plan.batch} rows x {plan.length} tokens per rank, {dtype} weights",
+        f"GPUs    {gpus}",
+        "",
+    ]
+    rows = [
+        ("per rank, GB", *(TITLES[m][0] for m in modes)),
+        ("", *(TITLES[m][1] for m in modes)),
+        (f"target weights ({dtype})", *(gb(plan.usage[m].target) for m in modes)),
+        ("head parameters", *(gb(plan.usage[m].params) for m in modes)),
+        ("head gradients", *(gb(plan.usage[m].grads) for m in modes)),
+        ("optimizer (AdamW)", *(gb(plan.usage[m].optimizer) for m in modes)),
+        ("activations (estimate)", *(gb(plan.usage[m].activations) for m in modes)),
+        ("total", *(gb(plan.usage[m].total) for m in modes)),
+    ]
+    if plan.gpus is not None:
+        rows.append(("fits", *("yes" if plan.fits(m) else "no" for m in modes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(max(widths[i + 1], 14)) for i, c in enumerate(row[1:])]
+        lines.append("  ".join(cells).rstrip())
+    n_states = state_count(spec, info)
+    states = f"{n_states} state{'s' if n_states > 1 else ''}"
+    lines.append("")
+    if "sharded" in modes:
+        lines.append(
+            f"(b) 1/{plan.world} of the decoder layers per rank, one more gathered at a time; "
+            "the embedding and LM head whole"
+        )
+    lines += [
+        f"(c) disk: {gb(plan.disk)} GB of bf16 features for {plan.tokens:,} tokens ({plan.tokens_note}), "
+        f"{states} x hidden {info.hidden_size} x 2 bytes a token",
+        verdict(plan),
+    ]
+    return "\n".join(lines)
+
+
+def visible_gpus() -> tuple[int, int]:
+    """(count, bytes of the smallest) of the GPUs torch sees; (0, 0) on a CPU machine."""
+    if not torch.cuda.is_available():
+        return 0, 0
+    n = torch.cuda.device_count()
+    return n, min(torch.cuda.get_device_properties(i).total_memory for i in range(n))
+
+
+def planned_gpus(cfg: TrainJobConfig, world: int | None = None) -> Gpus | None:
+    """The GPUs to plan for: plan.gpus / plan.gpu_memory where declared, else the visible ones;
+    a launched run (world given) plans for its own ranks. None when no GPU memory is known."""
+    count, memory = visible_gpus()
+    declared = cfg.plan.gpu_memory is not None or (cfg.plan.gpus is not None and world is None)
+    if cfg.plan.gpu_memory is not None:
+        memory = parse_memory(cfg.plan.gpu_memory)
+    if world is not None:
+        count = world
+    elif cfg.plan.gpus is not None:
+        if cfg.plan.gpus < 1:
+            raise SpecHeadsError(f"plan.gpus must be >= 1, got {cfg.plan.gpus}")
+        count = cfg.plan.gpus
+    if not memory or not count:
+        return None
+    return Gpus(count, memory, "declared" if declared else "visible")
+
+
+def dry_run(cfg: TrainJobConfig) -> str:
+    """train.py dry_run=true: the plan for the declared or visible GPUs, nothing loaded."""
+    gpus = planned_gpus(cfg)
+    world = gpus.count if gpus else (cfg.plan.gpus or 1)
+    return format_plan(make_plan(cfg, read_arch(cfg.model), gpus, world))
+
+
+def check_fits(cfg: TrainJobConfig, world: int, on_gpu: bool) -> str | None:
+    """Before a run loads anything, whether (a), what train.py does, fits a rank: SpecHeadsError
+    when not (a warning line instead with plan.check=false), a warning line when no plan can be
+    made, None when it fits or nothing is checked (a CPU run with no plan.gpu_memory)."""
+    if not on_gpu and cfg.plan.gpu_memory is None:
+        return None
+    gpus = planned_gpus(cfg, world)
+    if gpus is None:
+        return None
+    try:  # a plan that cannot be made (sizes unreadable, a family it does not know) blocks no run
+        plan = make_plan(cfg, read_arch(cfg.model), gpus, world)
+    except SpecHeadsError as err:
+        return f"warning: memory plan skipped: {err}"
+    need = plan.usage["replicated"]
+    if cfg.data.features and cfg.data.features != "auto":  # no target forwards; the target is loaded all the same
+        need = replace(need, activations=plan.usage["offline"].activations)
+    if need.total <= gpus.usable:
+        return None
+    others = [f"{TITLES[m][0]} {TITLES[m][1]} {gb(plan.usage[m].total)} GB" for m in plan.modes if plan.fits(m)]
+    message = (
+        f"the whole target does not fit: {gb(need.total)} GB per rank (target {gb(need.target)}, head state "
+        f"{gb(need.params + need.grads + need.optimizer)}, activations {gb(need.activations)}) > "
+        f"{gb(gpus.usable)} GB usable ({USABLE:.0%} of {gb(gpus.memory)} GB)"
+        + (f"; would fit: {', '.join(others)}, which train.py does not do yet" if others else "")
+        + "; see dry_run=true, or plan.check=false to run anyway"
+    )
+    if not cfg.plan.check:
+        return f"warning: {message}"
+    raise SpecHeadsError(message)

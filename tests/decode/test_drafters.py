@@ -1,0 +1,162 @@
+"""The sequential (Hydra) drafter: a node's children come from the head of its depth given the node's
+path, one head call per level; with the Hydra++ prefix layer its KV cache follows the committed text."""
+
+import pytest
+import torch
+
+from specheads.config.infer import TreeConfig
+from specheads.config.train import HeadConfig
+from specheads.decode.drafters import DraftTable, MedusaDrafter, SequentialDrafter, make_drafter, path_tokens
+from specheads.decode.generate import SamplingConfig, speculative_generate
+from specheads.decode.policy import DynamicTreeSpec, tree_policy_for
+from specheads.decode.tree import chain_paths, full_paths, static_tree
+from specheads.errors import SpecHeadsError
+from specheads.heads import MedusaHead, build_head
+
+POLICIES = {
+    "chain": static_tree(chain_paths(4)),
+    "wide": static_tree(full_paths(2, 3)),
+    "medusa-like": static_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
+    "dynamic": DynamicTreeSpec(depth=4, top_k=3, total_tokens=12),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def sequences(tiny_target):
+    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    return tiny_target.model.generate(
+        prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False
+    )
+
+
+def nudged(head, scale=0.05, seed=0):
+    """Off the initialisation, whose weights on the path embeddings are zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return head.eval()
+
+
+def hf_greedy(target, prompt, n):
+    out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False)
+    return out[0, prompt.shape[1] :].tolist()
+
+
+def two_parents(root=5):
+    """A table: the root with two children (tokens 7 and 9) at depth 1."""
+    table = DraftTable()
+    table.add(root, -1, 0.0)
+    table.add(7, 0, 0.0)
+    table.add(9, 0, 0.0)
+    return table
+
+
+def test_hydra_picks_the_sequential_drafter_and_its_depth(tiny_target):
+    head = build_head(HeadConfig(family="hydra", num_heads=3), tiny_target)
+    assert isinstance(make_drafter(head, static_tree(chain_paths(3))), SequentialDrafter)
+    with pytest.raises(SpecHeadsError, match="Hydra head drafts at most 3 deep"):
+        make_drafter(head, static_tree(chain_paths(4)))
+    # no stored tree: Medusa's default tree cut to the depth, completed by the top-1 chain
+    default = tree_policy_for(head, TreeConfig(kind="default"))
+    assert set(default.paths) == {p for p in MedusaHead.fallback_tree if len(p) <= 3} | {
+        tuple(p) for p in chain_paths(3)
+    }
+
+
+def test_children_depend_on_the_parent_path(tiny_target):
+    """Two parents at depth 1 get different child distributions; a Medusa drafter fails this check."""
+    head = nudged(build_head(HeadConfig(family="hydra", num_heads=3), tiny_target))
+    drafter = SequentialDrafter(head, POLICIES["chain"])
+    base = tiny_target.states(torch.tensor([[1, 2, 3, 4]]), final=True).final[0, -1]
+    table = two_parents()
+    with torch.no_grad():
+        rows = drafter.child_logp(base, [1, 2], table)
+    assert rows.shape == (2, tiny_target.info.vocab_size)
+    assert (rows[0] - rows[1]).abs().max() > 1e-3
+    # the same check on Medusa: children depend on the depth only, so both rows are equal
+    medusa = nudged(build_head(HeadConfig(family="medusa", num_heads=3), tiny_target))
+    m = MedusaDrafter(medusa, POLICIES["chain"])
+    m.final = base[None, None]
+    logits = torch.log_softmax(medusa.medusa_logits(m.final)[:, 0, 0], -1)
+    medusa_rows = logits[torch.tensor([table.depths[i] for i in [1, 2]])]
+    assert torch.equal(medusa_rows[0], medusa_rows[1])
+
+
+def test_one_head_call_per_level_matches_a_node_by_node_loop(tiny_target):
+    head = nudged(build_head(HeadConfig(family="hydra", num_heads=3, num_layers=2), tiny_target))
+    drafter = SequentialDrafter(head, POLICIES["chain"])
+    base = tiny_target.states(torch.tensor([[3, 1, 4, 1, 5]]), final=True).final[0, -1]
+    table = two_parents()
+    for parent, token in [(1, 11), (1, 12), (2, 13), (0, 14)]:
+        table.add(token, parent, 0.0)
+    ids = [3, 1, 5, 4, 0, 6]  # mixed depths, in any order
+    assert path_tokens(table, 5) == [5, 9, 13]
+    with torch.no_grad():
+        batched = drafter.child_logp(base, ids, table)
+        for r, i in enumerate(ids):
+            d = table.depths[i]
+            path = torch.tensor(path_tokens(table, i))
+            plain = torch.log_softmax(head.head_logits(d, base, path), -1)
+            torch.testing.assert_close(batched[r], plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [{}, {"hydra_prefix_layer": True}], ids=["hydra", "hydra-prefix"])
+def test_trained_hydra_gives_exact_greedy_output(flags, tiny_target, sequences):
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(family="hydra", num_heads=4, **flags), tiny_target)
+    batch = {k: torch.ones_like(sequences) for k in ("attention_mask", "loss_mask")}
+    batch["input_ids"] = sequences
+    s = tiny_target.states(sequences, batch["attention_mask"], final=True)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    head.train()
+    for _ in range(40):
+        loss, _ = head.loss(batch, {"final": s.final})
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval()
+    prompts = [sequences[1:2, :8], sequences[3:4, :8], torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])]
+    refs = [hf_greedy(tiny_target, p, 24) for p in prompts]
+    accepted = []
+    for name, policy in POLICIES.items():
+        for prompt, ref in zip(prompts, refs):
+            res = speculative_generate(
+                tiny_target, make_drafter(head, policy), prompt, SamplingConfig(max_new_tokens=24)
+            )
+            assert res.output_ids == ref, (name, flags)
+            accepted += res.accept_lengths
+    assert max(accepted) > 1  # drafts were accepted, so KV compaction and catch-up were exercised
+
+
+def test_prefix_drafter_base_state_follows_the_committed_text(tiny_target, sequences):
+    """Fed piece by piece (start, advance), the drafter's base state is the prefix layer over the
+    whole committed text (a plain full recomputation); rewind then redraft gives the same tree."""
+    head = nudged(build_head(HeadConfig(family="hydra", num_heads=3, hydra_prefix_layer=True), tiny_target))
+    drafter = make_drafter(head, POLICIES["wide"])
+    text = sequences[2:3, :20]
+    final = tiny_target.states(text, final=True).final
+    ids = text[0].tolist()
+    with torch.no_grad():
+        drafter.start(text[:, :8], {"final": final[:, :8]}, ids[8])
+        prev = 8
+        for end in (8, 11, 12, 16):
+            if end > 8:  # the accepted path ids[prev:end] (root first), then the bonus ids[end]
+                drafter.advance({"final": final[:, prev:end]}, ids[prev:end], ids[end])
+            tree = drafter.draft(ids[end], end, 3)
+            full = head.base_states(final[:, :end])[0, -1]
+            torch.testing.assert_close(drafter.base, full, atol=1e-5, rtol=1e-5)
+            assert drafter.cache.length == end
+            prev = end
+        drafter.rewind(3)
+        assert drafter.cache.length == 13
+        assert drafter.draft(ids[16], 16, 3) == tree
+        assert drafter.cache.length == 16

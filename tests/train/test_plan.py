@@ -1,0 +1,270 @@
+"""The memory plan: head counts equal the built heads', ZeRO arithmetic, the four verdicts, and
+train.py dry_run=true answering from the config alone (no weights, no network)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from specheads.config import register_configs, typed
+from specheads.config.model import ModelConfig
+from specheads.config.train import HeadConfig
+from specheads.errors import SpecHeadsError
+from specheads.heads import build_head
+from specheads.train.arch import from_arch_config, read_arch
+from specheads.train.plan import (
+    GB,
+    Gpus,
+    check_fits,
+    dry_run,
+    format_plan,
+    head_parameters,
+    head_state,
+    make_plan,
+    parse_memory,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+# published parameter counts of the conf/model targets (their model cards)
+PUBLISHED = {
+    "llama-70b": 70.6e9,
+    "llama-3.1-8b": 8.03e9,
+    "qwen2.5-7b": 7.62e9,
+    "qwen3-8b": 8.19e9,
+    "mistral-7b": 7.25e9,
+    "vicuna-7b": 6.74e9,
+    "smollm2-135m": 134.5e6,
+}
+
+
+def job(*overrides):
+    """train.py's typed config for these overrides, composed as train.py composes it."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+            return typed(compose("config", list(overrides)))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def gpus(count, memory):
+    return Gpus(count, parse_memory(memory), "declared")
+
+
+@pytest.mark.parametrize(
+    "head_cfg",
+    [
+        HeadConfig(family="medusa"),
+        HeadConfig(family="medusa", num_heads=3, num_layers=2, shared_lm_head=True),
+        HeadConfig(family="eagle"),
+        HeadConfig(family="eagle", num_decoder_layers=2, fc_bias=True, intermediate_size=96),
+        HeadConfig(family="eagle3", draft_vocab_size=200),
+        HeadConfig(family="eagle3", draft_vocab_size=200, num_decoder_layers=2, layer_ids=[1, 3], fc_bias=True),
+        HeadConfig(family="eagle3", draft_vocab_size=100000),  # clipped to the target's vocab
+        HeadConfig(family="hydra"),
+        HeadConfig(family="hydra", num_heads=3, num_layers=2, shared_lm_head=True, hydra_prefix_layer=True),
+    ],
+    ids=lambda c: f"{c.family}-{c.num_decoder_layers}-{c.num_layers}-{c.shared_lm_head}-{c.draft_vocab_size}",
+)
+def test_head_parameters_equal_the_built_heads(tiny_target, head_cfg):
+    rows = [{"input_ids": list(range(320)), "loss_mask": [1] * 320}]
+    head = build_head(head_cfg, tiny_target, train_rows=rows)
+    assert head_parameters(head.spec, tiny_target.info) == sum(p.numel() for p in head.parameters())
+
+
+def test_target_count_and_sizes_equal_the_tiny_target(tiny_target):
+    arch = read_arch(ModelConfig(name="tiny-random", path="tiny:llama"))
+    assert arch.num_parameters == sum(p.numel() for p in tiny_target.model.parameters())
+    assert arch.info == tiny_target.info
+    # conf/model/tiny-random.yaml carries the same numbers as specheads/tiny.py
+    carried = from_arch_config("tiny-random", job("model=tiny-random").model.arch)
+    assert carried.num_parameters == arch.num_parameters
+    fields = ("hidden_size", "vocab_size", "num_layers", "intermediate_size", "num_attention_heads")
+    fields += ("num_key_value_heads", "head_dim")
+    assert all(getattr(carried.info, f) == getattr(arch.info, f) for f in fields)
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED))
+def test_every_model_carries_its_published_size(model):
+    cfg = job(f"model={model}")
+    assert cfg.model.arch is not None
+    arch = read_arch(cfg.model)
+    assert arch.source == "model.arch"
+    assert abs(arch.num_parameters - PUBLISHED[model]) / PUBLISHED[model] < 0.005
+
+
+@pytest.mark.parametrize("weight_bytes,optimizer_bytes", [(2, 12), (4, 8)])
+def test_zero_stages_shard_optimizer_then_gradients_then_parameters(weight_bytes, optimizer_bytes):
+    n, world = 1_000_000, 8
+    stage0 = head_state(n, 0, world, weight_bytes)
+    assert stage0 == (n * weight_bytes, n * weight_bytes, n * optimizer_bytes)
+    stage1, stage2, stage3 = (head_state(n, s, world, weight_bytes) for s in (1, 2, 3))
+    assert stage1 == (stage0[0], stage0[1], stage0[2] / world)
+    assert stage2 == (stage0[0], stage0[1] / world, stage0[2] / world)
+    assert stage3 == tuple(b / world for b in stage0)
+    assert head_state(n, 2, world, weight_bytes, offload_optimizer=True)[2] == 0
+    with pytest.raises(SpecHeadsError, match="zero_stage"):
+        head_state(n, 4, world, weight_bytes)
+
+
+def test_zero3_plan_divides_the_head_state_by_the_world():
+    arch = read_arch(job("model=llama-70b").model)
+    zero0 = make_plan(job("model=llama-70b", "head=eagle", "deepspeed=zero0"), arch, gpus(8, "80GB"))
+    zero3 = make_plan(job("model=llama-70b", "head=eagle", "deepspeed=zero3"), arch, gpus(8, "80GB"))
+    for part in ("params", "grads", "optimizer"):
+        assert getattr(zero3.usage["replicated"], part) == pytest.approx(getattr(zero0.usage["replicated"], part) / 8)
+    assert zero3.usage["replicated"].target == zero0.usage["replicated"].target  # the frozen target is not the head
+
+
+def test_a_plan_that_fits_replicated():
+    cfg = job("model=llama-3.1-8b", "head=eagle3")
+    plan = make_plan(cfg, read_arch(cfg.model), gpus(1, "80GB"))
+    assert plan.choice == "replicated"
+    assert plan.usage["replicated"].target == pytest.approx(8.03e9 * 2, rel=0.01)
+    assert plan.modes == ("replicated", "offline")  # nothing to shard over on one GPU
+    text = format_plan(plan)
+    assert text.splitlines()[-1].startswith("verdict: (a) online, the whole target on every rank")
+
+
+def test_a_plan_that_needs_a_sharded_target():
+    cfg = job("model=llama-70b", "head=eagle")
+    plan = make_plan(cfg, read_arch(cfg.model), gpus(8, "80GB"))
+    assert plan.choice == "sharded"
+    replicated, sharded = plan.usage["replicated"], plan.usage["sharded"]
+    assert replicated.target == pytest.approx(70.55e9 * 2, rel=0.001)
+    assert sharded.target < replicated.target / 4 and sharded.total <= 0.9 * 80 * GB < replicated.total
+    assert "train.py does not shard the frozen target yet" in format_plan(plan).splitlines()[-1]
+
+
+def test_a_plan_that_needs_offline_features_with_their_disk():
+    cfg = job("model=llama-70b", "head=eagle3", "data.max_examples=1000", "data.max_length=1024")
+    plan = make_plan(cfg, read_arch(cfg.model), gpus(2, "80GB"))
+    assert plan.choice == "offline"
+    assert not plan.fits("replicated") and not plan.fits("sharded")
+    assert plan.tokens == 1000 * 1024 and "data.max_examples" in plan.tokens_note
+    assert plan.disk == 1000 * 1024 * 4 * 8192 * 2  # 3 fused layers + the final state, bf16
+    last = format_plan(plan).splitlines()[-1]
+    assert last.startswith("verdict: (c) offline features") and f"{plan.disk / GB:.1f} GB of disk" in last
+    assumed = make_plan(job("model=llama-70b", "head=eagle3"), plan.arch, gpus(2, "80GB"))
+    assert assumed.tokens == 1_000_000 and "assumed" in format_plan(assumed)
+
+
+def test_a_plan_that_nothing_fits_is_refused_with_its_numbers():
+    cfg = job("model=llama-70b", "head=medusa")
+    plan = make_plan(cfg, read_arch(cfg.model), gpus(2, "40GB"))
+    assert plan.choice is None
+    last = format_plan(plan).splitlines()[-1]
+    assert last.startswith("verdict: (d) refused: nothing fits 36.0 GB usable per rank")
+    assert all(f"{plan.usage[m].total / GB:.1f}" in last for m in plan.modes)
+
+
+def test_the_table_shows_every_part_per_rank_in_gb():
+    cfg = job("model=llama-70b", "head=eagle")
+    text = format_plan(make_plan(cfg, read_arch(cfg.model), gpus(8, "80GB")))
+    table = {line.split("  ")[0]: line.split()[-3:] for line in text.splitlines() if "  " in line}
+    for row in ("head parameters", "head gradients", "optimizer (AdamW)", "activations (estimate)", "total"):
+        assert row in table and all(cell.count(".") == 1 and len(cell.split(".")[1]) == 1 for cell in table[row])
+    assert table["fits"] == ["no", "yes", "yes"]
+
+
+def test_gpu_memory_sizes():
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("40.5 gb") == int(40.5e9)
+    with pytest.raises(SpecHeadsError, match="80GB"):
+        parse_memory("80")
+
+
+def test_a_local_directory_config_json_is_planned(tmp_path):
+    config = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = job("model=llama-3.1-8b", f"model.path={tmp_path}", "head=eagle3", "plan.gpus=1", "plan.gpu_memory=80GB")
+    arch = read_arch(cfg.model)
+    assert arch.source == str(tmp_path / "config.json")  # the directory wins over the group's model.arch
+    assert arch.num_parameters == read_arch(job("model=llama-3.1-8b").model).num_parameters
+    text = dry_run(cfg)
+    assert f"sizes from {tmp_path / 'config.json'}" in text and text.splitlines()[-1].startswith("verdict: (a)")
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(SpecHeadsError, match="no config.json"):
+        read_arch(cfg.model)
+
+
+def test_dry_run_loads_nothing(monkeypatch, capsys):
+    import specheads.train.run as run
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a dry run must not set up ranks or load the target")
+
+    monkeypatch.setattr(run, "setup_distributed", forbidden)
+    monkeypatch.setattr(run, "load_target", forbidden)
+    cfg = job("model=llama-70b", "head=eagle", "dry_run=true", "plan.gpus=8", "plan.gpu_memory=80GB")
+    assert run.train(cfg) is None
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verdict: (b)")
+
+
+def test_a_run_that_cannot_fit_is_refused_before_loading():
+    cfg = job("model=llama-70b", "head=eagle", "plan.gpu_memory=80GB")
+    with pytest.raises(SpecHeadsError, match=r"whole target does not fit: 150\.\d GB per rank .* 72\.0 GB usable"):
+        check_fits(cfg, world=8, on_gpu=True)
+    warning = check_fits(dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, check=False)), 8, True)
+    assert warning.startswith("warning: the whole target does not fit")
+    fits = job("model=llama-3.1-8b", "head=eagle3", "plan.gpu_memory=80GB")
+    assert check_fits(fits, world=1, on_gpu=True) is None
+    # a plan that cannot be made warns and blocks nothing
+    unknown = dataclasses.replace(fits, head=dataclasses.replace(fits.head, family="no-such-family"))
+    assert check_fits(unknown, world=1, on_gpu=True).startswith("warning: memory plan skipped")
+    # a CPU run with no GPU declared is not checked (the default run is unchanged)
+    assert check_fits(job(), world=1, on_gpu=False) is None
+    assert check_fits(job("model=llama-70b"), world=1, on_gpu=False) is None
+
+
+def clean_env(tmp_path: Path) -> dict:
+    """No network and an empty Hub cache: anything that tried to download would fail."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    return env
+
+
+def train_py(tmp_path, *args):
+    return subprocess.run(
+        [sys.executable, "train.py", *args, f"output_dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        env=clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_train_py_dry_run_prints_the_plan_and_exits_0(tmp_path):
+    proc = train_py(tmp_path, "model=llama-70b", "head=eagle", "dry_run=true", "plan.gpus=8", "plan.gpu_memory=80GB")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("target  llama-3.3-70b: 70.6B parameters") and "(sizes from model.arch)" in lines[0]
+    assert any(line.startswith("target weights (bf16)") and "141.1" in line for line in lines)
+    assert lines[-1].startswith("verdict: (b) online, the target sharded over 8 ranks")
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "hf" / "hub").exists()
+
+
+def test_train_py_dry_run_of_an_unreachable_hub_id_is_one_line(tmp_path):
+    proc = train_py(tmp_path, "model=llama-70b", "model.arch=null", "dry_run=true")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot fetch the config.json of"), proc.stderr
+    assert "meta-llama/Llama-3.3-70B-Instruct" in lines[0] and "model.arch" in lines[0]
