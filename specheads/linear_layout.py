@@ -89,7 +89,7 @@ def uninstall(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def time_forwards(model: nn.Module, rows: int, context: int = 128, repeats: int = 8) -> tuple[float, float]:
+def time_forwards(model: nn.Module, rows: int, context: int = 128, repeats: int = 5) -> tuple[float, float]:
     """(stock, weight-left) median seconds of a forward of `rows` query tokens after a cached
     context of `context` tokens, the two layouts interleaved so that drift hits both alike."""
     device = next(model.parameters()).device
@@ -114,7 +114,7 @@ def time_forwards(model: nn.Module, rows: int, context: int = 128, repeats: int 
     return statistics.median(times[False]), statistics.median(times[True])
 
 
-def choose(model: nn.Module, ladder=ROW_LADDER, repeats: int = 8, margin: float = 0.95) -> RowLayouts:
+def choose(model: nn.Module, ladder=ROW_LADDER, repeats: int = 5, margin: float = 0.95) -> RowLayouts:
     """The rungs where weight-left forwards beat stock ones by at least 1 - margin (noise stays
     stock)."""
     chosen = RowLayouts()
@@ -152,7 +152,7 @@ def _cpu_model() -> str:
         return ""
 
 
-def measure_layouts(model: nn.Module, repeats: int = 8, cache: bool = True) -> RowLayouts:
+def measure_layouts(model: nn.Module, repeats: int = 5, cache: bool = True) -> RowLayouts:
     """The rungs that run faster weight-left on this machine (timed once, then read from disk)."""
     path = cache_root() / "linear_layouts" / f"{machine_key(model)}.json"
     if cache and path.is_file():

@@ -43,7 +43,7 @@ def test_install_routes_by_rows_and_uninstall_restores(monkeypatch):
 
 def test_choose_keeps_what_the_timer_says_is_faster(monkeypatch):
     # a fake timer: weight-left is faster only from 8 rows on, and only just faster at 4
-    def fake_time(model, rows, repeats=8):
+    def fake_time(model, rows, repeats=5):
         return (1.0, 0.5) if rows >= 8 else ((1.0, 0.97) if rows == 4 else (1.0, 1.2))
 
     monkeypatch.setattr(linear_layout, "time_forwards", fake_time)
@@ -62,7 +62,7 @@ def test_real_forwards_are_timed_and_the_model_left_as_it_was():
 def test_measured_layouts_are_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     timed = []
-    monkeypatch.setattr(linear_layout, "time_forwards", lambda m, rows, repeats=8: timed.append(rows) or (1.0, 0.5))
+    monkeypatch.setattr(linear_layout, "time_forwards", lambda m, rows, repeats=5: timed.append(rows) or (1.0, 0.5))
     model, _ = tiny_target("llama")
     first = linear_layout.measure_layouts(model)
     assert first.rungs == frozenset(ROW_LADDER) and len(timed) == len(ROW_LADDER)
