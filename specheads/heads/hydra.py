@@ -73,16 +73,10 @@ class HydraHead(DraftHead):
             nn.init.zeros_(self.prefix.self_attn.o_proj.weight)
             nn.init.zeros_(self.prefix.mlp.down_proj.weight)
 
-    def init_from_target(self) -> None:
-        """Per-head LM heads start as copies of the target's, as in Hydra's reference code."""
-        if self.lm_heads is not None:
-            with torch.no_grad():
-                for lm in self.lm_heads:
-                    lm.weight.copy_(self.frozen.lm_head.weight.to(lm.weight.dtype))
-
-    @classmethod
-    def max_draft_depth(cls, spec: HeadSpec) -> int:
-        return spec.num_heads  # one head per depth
+    # Per-head LM heads start as copies of the target's (Hydra's reference code does as Medusa's),
+    # and each head drafts one depth: the same as Medusa, so the same code.
+    init_from_target = MedusaHead.init_from_target
+    max_draft_depth = MedusaHead.__dict__["max_draft_depth"]
 
     @classmethod
     def describe(cls, spec: HeadSpec, info: TargetInfo, layer_ids: list[int]) -> str:
