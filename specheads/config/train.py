@@ -51,6 +51,10 @@ class DataConfig:
     # More sources mixed into `path` (files, distill.py outputs, Hub ids; not "builtin"), e.g. the
     # self-distilled conversations of a GPU run next to the diverse ones distill.py made here.
     mix: list[str] = field(default_factory=list)
+    # at most this many conversations from each source (a seeded random subset); null = all
+    max_per_source: int | None = None
+    # a distill.py output that is still being written: train on its completed shards
+    partial_distill: bool = False
     format: str = "auto"  # auto | sharegpt | openai
     split: str = "train"
     max_length: int = 512

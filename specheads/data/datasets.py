@@ -21,11 +21,17 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
     sources = [data_cfg.path, *data_cfg.mix]
     if "builtin" in sources:  # the trainer builds it first (specheads.distill.builtin)
         raise SpecHeadsError("data.path=builtin needs the target to write its own data first")
+    if data_cfg.max_per_source is not None and data_cfg.max_per_source < 1:
+        raise SpecHeadsError(f"data.max_per_source must be a positive count, got {data_cfg.max_per_source}")
     conversations = []
     for source in sources:
-        loaded = load_conversations(source, data_cfg.format, data_cfg.split)
-        if len(sources) > 1:
-            print(f"data: {len(loaded)} conversations from {source}")
+        loaded = load_conversations(source, data_cfg.format, data_cfg.split, data_cfg.partial_distill)
+        total = len(loaded)
+        if data_cfg.max_per_source is not None and total > data_cfg.max_per_source:
+            # a seeded random subset, so a small diverse source is not drowned by a large one
+            loaded = random.Random(f"{data_cfg.shuffle_seed}:{source}").sample(loaded, data_cfg.max_per_source)
+        if len(sources) > 1 or len(loaded) < total:
+            print(f"data: {len(loaded)} of {total} conversations from {source}")
         conversations += loaded
     eval_files = resolve_eval_files(data_cfg.decontaminate)
     if eval_files:

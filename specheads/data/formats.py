@@ -35,23 +35,26 @@ OPENAI_ROLES = {"user", "assistant", "system"}
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
 
 
-def load_conversations(path: str, format: str = "auto", split: str = "train") -> list[Conversation]:
-    """Read conversations as lists of {"role", "content"} messages; malformed rows raise."""
+def load_conversations(
+    path: str, format: str = "auto", split: str = "train", partial_distill: bool = False
+) -> list[Conversation]:
+    """Read conversations as lists of {"role", "content"} messages; malformed rows raise.
+    `partial_distill` reads the completed shards of an unfinished distill.py output."""
     if format not in ("auto", "sharegpt", "openai"):
         raise SpecHeadsError(f"unknown data format {format!r}; use auto, sharegpt or openai")
     conversations = []
-    for where, row in iter_rows(path, split):
+    for where, row in iter_rows(path, split, partial_distill):
         conversations.append(row_to_conversation(row, format, where))
     return conversations
 
 
-def iter_rows(path: str, split: str = "train") -> Iterable[tuple[str, Any]]:
+def iter_rows(path: str, split: str = "train", partial_distill: bool = False) -> Iterable[tuple[str, Any]]:
     """(location for error messages, row) for every row of a file, directory or Hub data set."""
     local = Path(path).expanduser()
     if local.is_file():
         yield from _file_rows(local)
     elif local.is_dir():
-        yield from _dir_rows(local, split)
+        yield from _dir_rows(local, split, partial_distill)
     elif path.startswith((".", "/", "~")) or _data_suffix(local):
         raise SpecHeadsError(f"data file {path} does not exist")
     else:
@@ -113,9 +116,9 @@ def _rows_of(file: Path, suffix: str) -> Iterable[tuple[str, Any]]:
         raise SpecHeadsError(f"{file}: unsupported data file type; use .json, .jsonl (optionally .gz) or .parquet")
 
 
-def _dir_rows(directory: Path, split: str) -> Iterable[tuple[str, Any]]:
+def _dir_rows(directory: Path, split: str, partial_distill: bool = False) -> Iterable[tuple[str, Any]]:
     if is_distill_output(directory):
-        for file in completed_shard_files(directory):
+        for file in completed_shard_files(directory, partial_distill):
             yield from _file_rows(file)
         return
     if (directory / "dataset_info.json").is_file() or (directory / "dataset_dict.json").is_file():

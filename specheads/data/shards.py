@@ -28,12 +28,17 @@ def read_manifest(directory: Path) -> dict:
         raise SpecHeadsError(f"{directory}/{MANIFEST} is unreadable ({err})") from None
 
 
-def completed_shard_files(directory: Path) -> list[Path]:
-    """The shard files of a finished distillation, in order."""
+def completed_shard_files(directory: Path, partial: bool = False) -> list[Path]:
+    """The shard files of a finished distillation, in order. With `partial`, those of an unfinished
+    one that are complete (so a head can train while distill.py is still writing)."""
     manifest = read_manifest(directory)
+    done = sorted(int(k) for k in manifest.get("shards", {}))
     if not manifest.get("complete"):
-        raise SpecHeadsError(
-            f"{directory} is an unfinished distillation ({len(manifest.get('shards', {}))} of "
-            f"{manifest.get('num_shards')} shards); run the same distill.py command to finish it"
-        )
-    return [Path(directory) / manifest["shards"][str(k)]["file"] for k in range(manifest["num_shards"])]
+        progress = f"{len(done)} of {manifest.get('num_shards')} shards"
+        if not partial:
+            raise SpecHeadsError(
+                f"{directory} is an unfinished distillation ({progress}); run the same distill.py command "
+                "to finish it, or set data.partial_distill=true to use the completed shards"
+            )
+        print(f"data: {directory} is an unfinished distillation; using its {progress}")
+    return [Path(directory) / manifest["shards"][str(k)]["file"] for k in done]
