@@ -155,6 +155,8 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
         (["head_path=/tmp", "prompt=hi", "tree.kind=weird"], "tree.kind"),
         (["head_path=/tmp", "prompt=hi", "bench.methods=[spec,eagle]"], "bench.methods"),
         (["head_path=/tmp", "prompt=hi", "acceptance=typical"], "temperature > 0"),
+        (["head_path=/tmp", "prompt=hi", "bench.heads=[/tmp]"], "bench.heads compares heads in the benchmark"),
+        (["head_path=/tmp", "prompt=hi", "bench.heads=[/no/such/head]"], "bench.heads: /no/such/head does not exist"),
     ],
 )
 def test_settings_are_checked(overrides, message):

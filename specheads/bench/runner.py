@@ -28,6 +28,7 @@ from ..decode.baselines import PlainDrafter, hf_generate
 from ..decode.drafters import make_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
 from ..decode.policy import describe_policy, tree_policy_for
+from .compared import open_compared_heads
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .questions import read_questions
 
@@ -99,14 +100,14 @@ def acceptance_per_depth(rows: Sequence[dict]) -> list[float]:
     return [accepted[d] / reached[d] for d in sorted(reached) if reached[d]]
 
 
-def cost_breakdown(rows: Sequence[dict]) -> dict | None:
-    """Where a speculative step's time goes, against one plain decoding step.
+def cost_breakdown(rows: Sequence[dict], method: str = "spec") -> dict | None:
+    """Where a speculative step's time goes (for `method`), against one plain decoding step.
 
     speedup = tau * base_step / (draft + verify), so the three terms are the head's acceptance
     (tau), the drafting cost and the cost of verifying a whole tree instead of one token. The
     tau needed to break even is (draft + verify) / base_step.
     """
-    spec = [r for r in rows if r["method"] == "spec" and r["target_forwards"]]
+    spec = [r for r in rows if r["method"] == method and r["target_forwards"]]
     base = [r for r in rows if r["method"] == "baseline" and r["target_forwards"]]
     if not spec or not base:
         return None
@@ -166,8 +167,9 @@ def first_divergence(target, prompt_ids: list[int], base: list[int], other: list
 
 
 def format_table(summary: dict) -> str:
+    w = max([14, *(len(m) for m in summary)])
     head = (
-        f"{'method':<14} {'category':<12} {'n':>4} {'tokens':>7} {'tau':>6} {'tok/s':>8} "
+        f"{'method':<{w}} {'category':<12} {'n':>4} {'tokens':>7} {'tau':>6} {'tok/s':>8} "
         f"{'vs base':>8} {'vs plain':>8} {'vs pld':>8} {'c':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -178,7 +180,7 @@ def format_table(summary: dict) -> str:
     for m, cats in summary.items():
         for c, s in cats.items():
             lines.append(
-                f"{m:<14} {c[:12]:<12} {s['questions']:>4} {s['new_tokens']:>7} {s['tau']:>6.2f} "
+                f"{m:<{w}} {c[:12]:<12} {s['questions']:>4} {s['new_tokens']:>7} {s['tau']:>6.2f} "
                 f"{s['tokens_per_s']:>8.1f} {num(s['speedup_vs_baseline'], '>7.2f')}x "
                 f"{num(s['speedup_vs_plain'], '>7.2f')}x "
                 f"{num(s['speedup_vs_prompt_lookup'], '>7.2f')}x {num(s['overhead_c'], '>7.2f')}"
@@ -205,10 +207,12 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     paths["rows"].parent.mkdir(parents=True, exist_ok=True)
     eos = eos_token_ids(target)
     cfg = sampling_config(settings, b.max_new_tokens, eos)
-    drafter, policy = None, None
+    spec_heads = {}  # method -> (drafter, tree policy)
     if "spec" in b.methods:
         policy = tree_policy_for(session.head, settings.tree)
-        drafter = make_drafter(session.head, policy)
+        spec_heads["spec"] = (make_drafter(session.head, policy), policy)
+    spec_heads.update(open_compared_heads(b.heads, session))
+    methods = list(b.methods) + [m for m in spec_heads if m not in b.methods]
     gen = torch.Generator(device=target.device).manual_seed(settings.seed)
     torch.manual_seed(settings.seed)  # transformers' sampling draws from the global generator
     lookup = (b.prompt_lookup_num_tokens, b.prompt_lookup_max_ngram)
@@ -216,15 +220,15 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     first_prompts = [encode_prompt(tok, q["prompt"], settings.system, settings.chat) for q in questions]
 
     def run(method: str, prompt: torch.Tensor, c: SamplingConfig) -> dict:
-        if method == "spec":
-            return run_spec(target, drafter, prompt, c, generator=gen)
+        if method in spec_heads:
+            return run_spec(target, spec_heads[method][0], prompt, c, generator=gen)
         if method == "plain":
             return run_spec(target, PlainDrafter(), prompt, c, generator=gen)
         return hf_generate(target, prompt, c, lookup if method == "prompt_lookup" else None)
 
     warm = sampling_config(settings, min(16, b.max_new_tokens), eos)
     for ids in first_prompts[: b.warmup]:
-        for m in b.methods:
+        for m in methods:
             run(m, torch.tensor([ids], device=target.device), warm)
 
     rows: list[dict] = []
@@ -236,7 +240,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
                 tqdm(questions, desc="benchmark", unit="question", file=sys.stderr, dynamic_ncols=True)
             ):
                 # rotate the order so that no method always runs first (caches, clocks)
-                order = list(b.methods[qi % len(b.methods) :]) + list(b.methods[: qi % len(b.methods)])
+                order = methods[qi % len(methods) :] + methods[: qi % len(methods)]
                 turns = q["turns"] if b.turns == "all" else q["turns"][:1]
                 answers: dict[str, list[str]] = {m: [] for m in order}  # each method's own earlier answers
                 for turn in range(1, len(turns) + 1):
@@ -264,12 +268,12 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         tmp.unlink(missing_ok=True)
         raise
 
-    summary = summarize(rows, b.methods)
+    summary = summarize(rows, methods)
     report: dict[str, Any] = {
         "target": target.info.name,
         "head": str(session.head_dir) if session.head_dir else None,
         "family": session.head.family if session.head is not None else None,
-        "tree": describe_policy(policy) if policy is not None else None,
+        "tree": describe_policy(spec_heads["spec"][1]) if "spec" in spec_heads else None,
         "device": str(target.device),
         "dtype": str(target.dtype).replace("torch.", ""),
         "temperature": settings.temperature,
@@ -279,12 +283,23 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         "turns": b.turns,
         "methods": summary,
     }
-    if "spec" in b.methods:
+    if "spec" in spec_heads:
         report["acceptance_per_depth"] = acceptance_per_depth([r for r in rows if r["method"] == "spec"])
         report["costs"] = cost_breakdown(rows)
-    if "baseline" in b.methods:
+    compared = {m: v for m, v in spec_heads.items() if m != "spec"}
+    if compared:
+        report["compared_heads"] = {
+            m: {
+                "head": path,
+                "tree": describe_policy(policy),
+                "acceptance_per_depth": acceptance_per_depth([r for r in rows if r["method"] == m]),
+                "costs": cost_breakdown(rows, m),
+            }
+            for path, (m, (_, policy)) in zip(b.heads, compared.items())
+        }
+    if "baseline" in methods:
         report["identical_to_baseline"] = compare_to_baseline(
-            target, rows, prompts, b.methods, greedy=settings.temperature <= 0
+            target, rows, prompts, methods, greedy=settings.temperature <= 0
         )
     write_json(paths["summary"], report)
     if b.plots:
@@ -303,6 +318,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             )
     if report.get("costs"):
         out.write(format_costs(report["costs"]) + "\n")
+    for m, info in report.get("compared_heads", {}).items():
+        if info["costs"]:
+            out.write(f"{m}: {format_costs(info['costs'])}\n")
     out.write(f"rows: {paths['rows']}\nsummary: {paths['summary']}\n")
     out.flush()
     return report

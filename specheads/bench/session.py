@@ -24,6 +24,7 @@ class Session:
     head: Any  # DraftHead or None (baseline-only benchmark)
     head_dir: Path | None
     head_config: dict
+    layouts: Any = None  # the measured linear layouts installed on the target (linear_layout=auto)
 
 
 def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:
@@ -60,6 +61,7 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
         model_cfg = model_config_for_head(head_config, conf_dir)
     target = load_target(model_cfg, resolve_device(settings.device))
     head = open_head(head_dir, target) if head_dir else None
+    layouts = None
     if settings.linear_layout == "auto" and target.device.type == "cpu":
         layouts = measure_layouts(target.model)
         # the draft head's multi-row steps (tree levels, catch-up) meet the same small-row matmuls
@@ -67,4 +69,4 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
             if model is not None:
                 install(model, layouts)
         print(describe(layouts), file=sys.stderr)
-    return Session(target, head, head_dir, head_config)
+    return Session(target, head, head_dir, head_config, layouts)

@@ -51,6 +51,9 @@ class BenchConfig:
     turns: str = "first"
     warmup: int = 1
     plots: bool = True
+    # more head directories (same target) run side by side as methods spec:<name>, each with its
+    # own stored tree, against the same baselines in the same run
+    heads: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -110,6 +113,11 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError("bench.output is set but bench.questions=FILE.jsonl is not")
     if b.questions and not b.output:
         b.output = str(Path(DEFAULT_BENCH_DIR) / f"{Path(b.questions).stem}.jsonl")
+    for extra in b.heads:
+        if extra.startswith((".", "/", "~")) and not Path(extra).expanduser().exists():
+            raise SpecHeadsError(f"bench.heads: {extra} does not exist")
+    if b.heads and not b.questions:
+        raise SpecHeadsError("bench.heads compares heads in the benchmark: give bench.questions=FILE.jsonl")
     if not settings.head_path and (not b.questions or "spec" in b.methods):
         raise SpecHeadsError("give the draft head: head=DIR_OR_HUB_ID")
     if not settings.head_path and settings.model is None:

@@ -49,7 +49,7 @@ def feature_cache_key(target: FrozenTarget, layer_ids: Iterable[int], final: boo
         "target": target.info.name,
         "revision": target.info.revision,
         "target_shape": [target.info.hidden_size, target.info.num_layers, target.info.vocab_size],
-        "layer_ids": sorted(int(k) for k in layer_ids),
+        "layer_ids": sorted({int(k) for k in layer_ids}),
         "layer_convention": LAYER_CONVENTION,
         "final_post_norm": bool(final),
         "tokenizer": _digest(vocab),
@@ -59,7 +59,7 @@ def feature_cache_key(target: FrozenTarget, layer_ids: Iterable[int], final: boo
 
 
 def state_names(layer_ids: Iterable[int], final: bool) -> list[str]:
-    names = [f"layer_{int(k)}" for k in sorted(layer_ids)]
+    names = [f"layer_{int(k)}" for k in sorted({int(k) for k in layer_ids})]
     return names + (["final"] if final else [])
 
 

@@ -15,16 +15,6 @@ from ..heads.registry import HEADS
 from .common import HeadSource
 from .hub import looks_like_hub_id
 
-METRICS = (
-    ("tau", "tau"),
-    ("tokens_per_s", "tokens/s"),
-    ("tokens/s", "tokens/s"),
-    ("speedup", "speedup"),
-    ("overhead", "overhead c"),
-    ("overhead_c", "overhead c"),
-)
-
-
 # -- serving commands -----------------------------------------------------------------------------
 
 
@@ -110,36 +100,49 @@ def serve_commands(
 
 # -- benchmark table ------------------------------------------------------------------------------
 
-
-def bench_rows(summary: Any, labels: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict[str, float]]]:
-    """(label path, metrics) for every object in a benchmark summary that carries tau or speedup."""
-    rows = []
-    if isinstance(summary, dict):
-        metrics = {title: float(summary[key]) for key, title in METRICS if isinstance(summary.get(key), (int, float))}
-        if "tau" in metrics or "speedup" in metrics:
-            named = tuple(str(summary[k]) for k in ("method", "category") if isinstance(summary.get(k), str))
-            rows.append((labels + named, metrics))
-        for key, value in summary.items():
-            if isinstance(value, (dict, list)):
-                rows.extend(bench_rows(value, labels + (str(key),)))
-    elif isinstance(summary, list):
-        for value in summary:
-            rows.extend(bench_rows(value, labels))
-    return rows
+# (summary key, column title): the per-method, per-category stats of infer.py's OUT.summary.json
+COLUMNS = (
+    ("tau", "tau"),
+    ("tokens_per_s", "tokens/s"),
+    ("speedup_vs_baseline", "speedup vs HF greedy"),
+    ("speedup_vs_plain", "vs own plain decoding"),
+    ("speedup_vs_prompt_lookup", "vs prompt lookup"),
+)
 
 
-def bench_table(summary: Any) -> str:
-    rows = bench_rows(summary)
-    if not rows:
-        return ""
-    titles = []
-    for _, metrics in rows:
-        titles.extend(t for t in metrics if t not in titles)
-    lines = ["| run | " + " | ".join(titles) + " |", "|---" * (len(titles) + 1) + "|"]
-    for labels, metrics in rows:
-        cells = [f"{metrics[t]:.3g}" if t in metrics else "" for t in titles]
-        lines.append(f"| {' / '.join(labels) or 'all'} | " + " | ".join(cells) + " |")
+def check_bench_summary(summary: Any, where: str = "bench.summary") -> dict:
+    """A benchmark summary as infer.py's bench mode writes it (docs/contracts.md), else one error."""
+    methods = summary.get("methods") if isinstance(summary, dict) else None
+    if not isinstance(methods, dict) or not all(isinstance(v, dict) for v in methods.values()):
+        raise SpecHeadsError(f"{where} is not a benchmark summary of infer.py (OUT.summary.json with \"methods\")")
+    return summary
+
+
+def bench_table(summary: dict) -> str:
+    """Markdown: one row per method and category ("all" first), the summary's own numbers."""
+    lines = ["| method | category | questions | " + " | ".join(t for _, t in COLUMNS) + " |"]
+    lines.append("|---" * (len(COLUMNS) + 3) + "|")
+    for method, categories in summary["methods"].items():
+        for category, stats in categories.items():
+            cells = [f"{stats[k]:.2f}" if isinstance(stats.get(k), (int, float)) else "-" for k, _ in COLUMNS]
+            lines.append(f"| {method} | {category} | {stats.get('questions', '-')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def bench_context(summary: dict) -> list[str]:
+    """What the numbers were measured on, lossless checks and the cost line, as sentences."""
+    keys = ("target", "device", "dtype", "tree", "questions", "max_new_tokens", "turns", "temperature")
+    setting = ", ".join(f"{k} {summary[k]}" for k in keys if summary.get(k) is not None)
+    out = [f"Measured with `infer.py` bench mode ({setting})."] if setting else []
+    for method, cmp in (summary.get("identical_to_baseline") or {}).items():
+        out.append(f"{method}: {cmp['equal']}/{cmp['total']} outputs identical to HF greedy.")
+    costs = summary.get("costs")
+    if costs:
+        out.append(
+            f"Cost of a speculative step: draft {costs['draft_ms']:.1f} ms + verify {costs['verify_ms']:.1f} ms "
+            f"against a plain step of {costs['plain_step_ms']:.1f} ms (break-even tau {costs['break_even_tau']:.2f})."
+        )
+    return out
 
 
 # -- the card ----------------------------------------------------------------------------------------
@@ -188,15 +191,17 @@ def model_card(
         "```",
         "",
     ]
-    table = bench_table(bench_summary) if bench_summary is not None else ""
-    if table:
+    if bench_summary is not None:
+        source = f" Source: `{bench_source}`." if bench_source else ""
         body += [
             "## Measured speed",
             "",
-            "tau = generated tokens per target forward; speedup vs plain decoding in the same "
-            f"process; overhead c = tau / speedup - 1.{f' Source: `{bench_source}`.' if bench_source else ''}",
+            "tau = generated tokens per target forward; speedups are tokens/s ratios against methods "
+            f"run interleaved in the same process on the same questions.{source}",
             "",
-            table,
+            bench_table(bench_summary),
+            "",
+            *bench_context(bench_summary),
             "",
         ]
     training = src.config.get("training") or {}
@@ -218,6 +223,7 @@ def read_bench_summary(path: str | None) -> Any:
         return None
     p = Path(path)
     try:
-        return json.loads(p.read_text())
+        summary = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise SpecHeadsError(f"bench.summary={path} is not a readable JSON file: {err}") from None
+    return check_bench_summary(summary, f"bench.summary={path}")

@@ -86,7 +86,7 @@ class DraftHead(nn.Module):
 
     def training_states(self) -> tuple[list[int], bool]:
         """(layer ids, needs final) for the training loss; the final state gives target logits."""
-        return self.target_layer_ids(), True
+        return sorted(set(self.target_layer_ids())), True
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids

@@ -70,6 +70,7 @@ class HeadSpec(HeadConfig):
 def default_layer_ids(family: str, num_layers: int) -> list[int]:
     """Our convention (residual stream entering layer k). Medusa/EAGLE-1/Hydra read the final state."""
     if family == "eagle3":
-        # EAGLE-3 / vLLM default aux layers: low, mid, high.
-        return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+        # EAGLE-3 / vLLM default aux layers: low, mid, high, always three (repeats on a shallow
+        # target, as the engines build them), so the fc input is 3 x hidden for every target.
+        return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
     return []

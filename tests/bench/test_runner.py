@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from specheads.bench.compared import open_compared_heads
 from specheads.bench.inputs import encode_turns
 from specheads.bench.runner import (
     acceptance_per_depth,
@@ -19,7 +20,8 @@ from specheads.bench.runner import (
 from specheads.bench.session import Session
 from specheads.config.infer import BenchConfig, InferJobConfig, TreeConfig
 from specheads.config.train import HeadConfig, ModelConfig
-from specheads.heads import build_head
+from specheads.errors import SpecHeadsError
+from specheads.heads import build_head, save_head
 from specheads.target import load_target
 
 ROW_FIELDS = {"question_id", "category", "method", "output_ids", "new_tokens", "target_forwards", "wall_s"}
@@ -225,3 +227,47 @@ def test_encode_turns_alternates_user_and_answers():
     assert two.startswith(one.removesuffix("<|im_start|>assistant\n")) and two.index("hello") < two.index("more")
     with pytest.raises(ValueError):
         encode_turns(tok, ["hi", "more"], [])
+
+
+def test_compared_heads_run_side_by_side_in_one_run(tmp_path, target):
+    torch.manual_seed(0)
+    main = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), target)
+    other = build_head(HeadConfig(family="medusa", num_heads=2), target)
+    save_head(other, tmp_path / "medusa-run" / "head")
+    settings = InferJobConfig(
+        tree=TreeConfig(kind="chain", depth=2),
+        bench=BenchConfig(
+            questions=str(write_questions(tmp_path / "q.jsonl", 2)),
+            output=str(tmp_path / "out" / "res.jsonl"),
+            max_new_tokens=8,
+            methods=["baseline", "spec"],
+            warmup=0,
+            plots=False,
+            heads=[str(tmp_path / "medusa-run" / "head")],
+        ),
+    )
+    out = io.StringIO()
+    report = run_benchmark(settings, Session(target, main, tmp_path / "eagle3-run" / "head", {}), out=out)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"baseline", "spec", "spec:medusa-run"}
+    assert set(report["methods"]) == {"baseline", "spec", "spec:medusa-run"}
+    assert report["identical_to_baseline"]["spec:medusa-run"]["equal"] == 2  # lossless, like the main head
+    info = report["compared_heads"]["spec:medusa-run"]
+    assert info["costs"]["verify_ms"] > 0 and info["tree"].startswith("static tree")
+    assert report["methods"]["spec:medusa-run"]["all"]["speedup_vs_baseline"] is not None
+    assert "spec:medusa-run: spec step" in out.getvalue()
+
+
+def test_compared_heads_are_refused_for_another_target_or_a_clashing_name(tmp_path, target):
+    head = build_head(HeadConfig(family="medusa", num_heads=2), target)
+    save_head(head, tmp_path / "a" / "head")
+    config = json.loads((tmp_path / "a" / "head" / "config.json").read_text())
+    config["target"]["name"] = "another-model"
+    (tmp_path / "b").mkdir()
+    save_head(head, tmp_path / "b" / "head")
+    (tmp_path / "b" / "head" / "config.json").write_text(json.dumps(config))
+    session = Session(target, head, tmp_path / "a" / "head", {})
+    with pytest.raises(SpecHeadsError, match="trained for another-model"):
+        open_compared_heads([str(tmp_path / "b" / "head")], session)
+    with pytest.raises(SpecHeadsError, match="two heads are named 'a'"):
+        open_compared_heads([str(tmp_path / "a" / "head")], session)

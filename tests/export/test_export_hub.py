@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -15,10 +16,11 @@ import torch
 from huggingface_hub import HfApi, ModelCard
 from test_export import EAGLE3, PROMPT, ROOT, compose_export, draft_outputs, make_head_dir
 
+from specheads.config.train import HeadConfig
 from specheads.errors import SpecHeadsError
 from specheads.export import export_head, open_head, resolve_head_path
-from specheads.export.model_card import bench_rows, bench_table
-from specheads.heads import load_head
+from specheads.export.model_card import bench_context, bench_table, check_bench_summary
+from specheads.heads import build_head, load_head
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
@@ -74,24 +76,50 @@ def test_open_head_by_hub_id_reads_an_engine_format(tiny_target, tmp_path, monke
     assert torch.equal(draft_outputs(from_hub, tiny_target, PROMPT), draft_outputs(original, tiny_target, PROMPT))
 
 
-SUMMARY = {
-    "baseline": {"overall": {"tau": 1.0, "tokens_per_s": 19.0, "speedup": 1.0}},
-    "spec": {
-        "overall": {"tau": 2.31, "tokens_per_s": 27.5, "speedup": 1.45, "overhead": 0.59},
-        "writing": {"tau": 2.6, "tokens_per_s": 30.1, "speedup": 1.58, "overhead": 0.65},
-    },
-}
+@pytest.fixture(scope="module")
+def bench_summary(tiny_target, tmp_path_factory):
+    """A real benchmark summary: infer.py's bench mode on the tiny target (2 questions, 6 tokens)."""
+    from specheads.bench.runner import output_paths, run_benchmark
+    from specheads.bench.session import Session
+    from specheads.config.infer import BenchConfig, InferJobConfig, TreeConfig
+
+    d = tmp_path_factory.mktemp("bench")
+    questions = d / "q.jsonl"
+    questions.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": c, "turns": [f"Say {i}."]}) + "\n"
+            for i, c in [(1, "math"), (2, "writing")]
+        )
+    )
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(family="medusa", num_heads=2), tiny_target)
+    settings = InferJobConfig(
+        tree=TreeConfig(kind="chain", depth=2),
+        bench=BenchConfig(
+            questions=str(questions), output=str(d / "out.jsonl"), max_new_tokens=6, warmup=0, plots=False
+        ),
+    )
+    run_benchmark(settings, Session(tiny_target, head, d / "head", {}), out=io.StringIO())
+    return output_paths(d / "out.jsonl")["summary"]
 
 
-def test_bench_table_reads_a_summary():
-    rows = dict(bench_rows(SUMMARY))
-    assert rows[("spec", "writing")] == {"tau": 2.6, "tokens/s": 30.1, "speedup": 1.58, "overhead c": 0.65}
-    table = bench_table(SUMMARY)
-    assert "| spec / overall | 2.31 | 27.5 | 1.45 | 0.59 |" in table
-    assert bench_table({"note": "no numbers"}) == ""
+def test_bench_table_reads_a_real_benchmark_summary(bench_summary):
+    summary = json.loads(bench_summary.read_text())
+    table = bench_table(summary)
+    spec = summary["methods"]["spec"]["all"]
+    row = (
+        f"| spec | all | 2 | {spec['tau']:.2f} | {spec['tokens_per_s']:.2f} | {spec['speedup_vs_baseline']:.2f} | "
+        f"{spec['speedup_vs_plain']:.2f} | {spec['speedup_vs_prompt_lookup']:.2f} |"
+    )
+    assert row in table.splitlines()
+    assert "| baseline | math | 1 | 1.00 |" in table
+    context = " ".join(bench_context(summary))
+    assert "spec: 2/2 outputs identical to HF greedy" in context and "break-even tau" in context
+    with pytest.raises(SpecHeadsError, match="not a benchmark summary"):
+        check_bench_summary({"spec": {"overall": {"tau": 2.0, "speedup": 1.4}}})
 
 
-def test_push_to_hub_uploads_the_folder_with_a_model_card(tiny_target, tmp_path, monkeypatch, capsys):
+def test_push_to_hub_uploads_the_folder_with_a_model_card(tiny_target, tmp_path, monkeypatch, capsys, bench_summary):
     from specheads.export.job import run_export
 
     calls = {}
@@ -108,8 +136,7 @@ def test_push_to_hub_uploads_the_folder_with_a_model_card(tiny_target, tmp_path,
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
-    summary = tmp_path / "bench.summary.json"
-    summary.write_text(json.dumps(SUMMARY))
+    summary = bench_summary
     src = make_head_dir(tiny_target, tmp_path / "head", "eagle", fc_bias=False)
     run_export(
         compose_export(
@@ -141,7 +168,8 @@ def test_push_to_hub_uploads_the_folder_with_a_model_card(tiny_target, tmp_path,
         "--speculative-draft-model-path org/tiny-eagle --speculative-num-steps 3 --speculative-eagle-topk 2 "
         "--speculative-num-draft-tokens 6"
     ) in text
-    assert "| spec / writing | 2.6 | 30.1 | 1.58 | 0.65 |" in text
+    speedup = json.loads(bench_summary.read_text())["methods"]["spec"]["writing"]["speedup_vs_baseline"]
+    assert "| spec | writing | 1 |" in text and f"| {speedup:.2f} |" in text  # the speedup column is kept
     assert '"steps": 7' in text and '"family": "eagle"' in text
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "https://huggingface.co/org/tiny-eagle/commit/abc"

@@ -68,6 +68,22 @@ def test_registry_has_every_family():
 def test_eagle3_default_layers_match_vllm_convention():
     assert default_layer_ids("eagle3", 32) == [2, 16, 29]
     assert default_layer_ids("eagle3", 80) == [2, 40, 77]
+    # a shallow target still fuses exactly three layers (repeats), as vLLM builds them
+    assert default_layer_ids("eagle3", 6) == [2, 3, 3]
+    assert default_layer_ids("eagle3", 2) == [1, 1, 0]
+
+
+def test_eagle3_default_head_on_a_shallow_target_fuses_three_layers_and_exports(tiny_target, tmp_path):
+    from specheads.export import export_head
+
+    vocab = tiny_target.info.vocab_size  # the full vocab: no training data needed to choose it
+    head = build_head(HeadConfig(family="eagle3", draft_vocab_size=vocab), tiny_target)
+    assert head.spec.layer_ids == [2, 3, 3] and head.fc.in_features == 3 * tiny_target.info.hidden_size
+    assert head.training_states() == ([2, 3], True)  # each state captured once
+    save_head(head, tmp_path / "head")
+    out = export_head(tmp_path / "head", "eagle3", tmp_path / "engines")  # both engines' default layers
+    assert out.engines == ["vllm", "sglang"]
+    assert "eagle_aux_hidden_state_layer_ids" not in json.loads((out.path / "config.json").read_text())
 
 
 @pytest.mark.parametrize("family", FAMILIES)

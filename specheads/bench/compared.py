@@ -1,0 +1,51 @@
+"""Heads compared side by side in one benchmark run (bench.heads=[DIR, ...]).
+
+Each runs as the method `spec:<label>` on the same target, questions and baselines as the main
+head, with its own stored tree (tree.kind=default), so the ratios of every head come from one run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config.infer import TreeConfig
+from ..decode.drafters import make_drafter
+from ..decode.policy import TreePolicy, tree_policy_for
+from ..errors import SpecHeadsError
+from ..export import is_exported_dir, open_head, resolve_head_path
+from ..heads import read_head_config
+from ..linear_layout import install
+
+SPEC = "spec"
+
+
+def head_label(path: str | Path) -> str:
+    """A short name for a head directory: its own name, or its run's name for DIR/head."""
+    p = Path(str(path).rstrip("/"))
+    return p.parent.name if p.name == "head" and p.parent.name else p.name
+
+
+def method_name(label: str) -> str:
+    return f"{SPEC}:{label}"
+
+
+def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, TreePolicy]]:
+    """method name -> (drafter, tree policy) for every extra head, checked against the target."""
+    target = session.target
+    out: dict[str, tuple[object, TreePolicy]] = {}
+    main_label = head_label(session.head_dir) if session.head_dir else None
+    for path in paths:
+        directory = resolve_head_path(path)
+        if not is_exported_dir(directory):
+            named = (read_head_config(directory).get("target") or {}).get("name")
+            if named and named != target.info.name:
+                raise SpecHeadsError(f"bench.heads: {path} was trained for {named}, not {target.info.name}")
+        label = head_label(path)
+        if label == main_label or method_name(label) in out:
+            raise SpecHeadsError(f"bench.heads: two heads are named {label!r}; give them distinct directory names")
+        head = open_head(directory, target)
+        if session.layouts is not None:
+            install(head, session.layouts)
+        policy = tree_policy_for(head, TreeConfig(kind="default"))
+        out[method_name(label)] = (make_drafter(head, policy), policy)
+    return out
