@@ -103,3 +103,16 @@ def test_mix_adds_the_other_sources_and_names_them(tok, tmp_path, capsys):
     assert f"6 conversations from {b}" in capsys.readouterr().out
     with pytest.raises(SpecHeadsError, match="builtin"):
         build_datasets(data_cfg(a, mix=["builtin"]), tok)
+
+
+def test_max_per_source_keeps_a_seeded_subset_of_each_source(tok, tmp_path, capsys):
+    big = write_jsonl(tmp_path / "big.jsonl", conversations(12))
+    small = write_jsonl(tmp_path / "small.jsonl", conversations(3, offset=500))
+    train = build_datasets(data_cfg(big, mix=[str(small)], max_per_source=4, eval_fraction=0.0), tok)[0]
+    texts = [tok.decode(r) for r in train["input_ids"]]
+    assert len(texts) == 4 + 3 and sum("number 50" in t for t in texts) == 3  # the small source whole
+    assert f"4 of 12 conversations from {big}" in capsys.readouterr().out
+    again = build_datasets(data_cfg(big, mix=[str(small)], max_per_source=4, eval_fraction=0.0), tok)[0]
+    assert again["input_ids"] == train["input_ids"]  # seeded
+    with pytest.raises(SpecHeadsError, match="max_per_source"):
+        build_datasets(data_cfg(big, max_per_source=0), tok)

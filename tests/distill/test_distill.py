@@ -205,7 +205,7 @@ def test_batched_regeneration_equals_unbatched(tiny_target, tmp_path):
     assert len(shard_rows(a)) == 5
 
 
-def test_interrupted_distillation_resumes_without_duplicates_or_gaps(tiny_target, tmp_path, monkeypatch):
+def test_interrupted_distillation_resumes_without_duplicates_or_gaps(tiny_target, tmp_path, monkeypatch, capsys):
     reference = shard_rows(run_distillation(tiny_target, cfg(tmp_path, "ref", turns=2)))
     assert len(reference) == 5 and all(len(r["messages"]) == 4 for r in reference)
 
@@ -225,6 +225,8 @@ def test_interrupted_distillation_resumes_without_duplicates_or_gaps(tiny_target
     assert list(manifest["shards"]) == ["0"] and not manifest["complete"]
     with pytest.raises(SpecHeadsError, match="unfinished distillation"):
         load_conversations(str(tmp_path / "run"))
+    partial = load_conversations(str(tmp_path / "run"), partial_distill=True)  # its completed shard only
+    assert 0 < len(partial) < 5 and "unfinished distillation; using its 1 of" in capsys.readouterr().out
     monkeypatch.setattr(regenerate, "write_shard", real_write)
     out = run_distillation(tiny_target, cfg(tmp_path, "run", turns=2))
     rows = shard_rows(out)
