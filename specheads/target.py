@@ -189,7 +189,6 @@ class FrozenTarget:
             for h in handles:
                 h.remove()
 
-    @torch.no_grad()
     def states(
         self,
         input_ids: torch.Tensor,
@@ -197,10 +196,12 @@ class FrozenTarget:
         layer_ids: Iterable[int] = (),
         final: bool = True,
         logits: bool = False,
+        grad: bool = False,
         **forward_kwargs,
     ) -> TargetStates:
-        """One forward; returns the captured states (and logits when asked)."""
-        with self.capture(layer_ids, final=final) as store:
+        """One forward; returns the captured states (and logits when asked). Without grad, no autograd
+        graph; with it (where grad is enabled), a LoRA inside the model (Medusa-2) trains through it."""
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()), self.capture(layer_ids, final=final) as store:
             if logits:
                 out = self.model(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
                 out_logits, past = out.logits, getattr(out, "past_key_values", None)

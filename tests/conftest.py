@@ -3,9 +3,20 @@ import os
 import pytest
 import torch
 
+from specheads.decode.policy import DynamicTreeSpec
+from specheads.decode.tree import chain_paths, full_paths, static_tree
+
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# trees of depth 4 for the lossless-decoding tests
+POLICIES = {
+    "chain": static_tree(chain_paths(4)),
+    "wide": static_tree(full_paths(2, 3)),
+    "medusa-like": static_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
+    "dynamic": DynamicTreeSpec(depth=4, top_k=3, total_tokens=12),
+}
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +57,15 @@ def head_states(target, head, batch):
     layer_ids, final = head.training_states()
     s = target.states(batch["input_ids"], batch["attention_mask"], layer_ids=layer_ids, final=final)
     return {**s.hidden, "final": s.final}
+
+
+def hf_greedy(target, prompt, n, eos=None):
+    """The target's own greedy continuation (transformers generate): n new token ids."""
+    kwargs = {} if eos is None else {"eos_token_id": eos}
+    out = target.model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False, **kwargs
+    )
+    return out[0, prompt.shape[1] :].tolist()
 
 
 def quick_head(target, family, sequences=None, steps=0):

@@ -101,6 +101,26 @@ def test_hydra_head_trains_and_infer_py_runs_it(tmp_path):
     assert "[hydra head" in last and "8 tokens" in last and "identical to plain greedy: yes" in last, last
 
 
+def test_medusa2_head_trains_and_infer_py_runs_it_on_the_adapted_target(tmp_path):
+    """head=medusa2 end to end: train.py writes the heads with their adapter (and the merged target
+    on request), infer.py folds the adapter into the target and decodes losslessly against it."""
+    data = write_conversations(tmp_path / "chats.jsonl")
+    out = tmp_path / "run"
+    stages = ["head.heads_only_steps=1", "head.lm_loss_warmup_steps=1", "head.lora_r=4", "head.merge_lora=true"]
+    stages.append("train.log_every=1")
+    proc = run([sys.executable, "train.py", "head=medusa2", "train.max_steps=3", *stages, *tiny_args(data, out)])
+    assert_head_written(proc, out)
+    assert json.loads((out / "head" / "config.json").read_text())["family"] == "medusa2"
+    assert (out / "head" / "adapter" / "adapter_config.json").is_file()
+    assert (out / "head" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "merged" / "model.safetensors").is_file() and (out / "merged" / "tokenizer.json").is_file()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/lm_weight"] for r in records if "train/lm_weight" in r] == [0.0, 0.0, 1.0]  # the stages
+    infer = run([sys.executable, "infer.py", f"head={out / 'head'}", "prompt=hi", "max_new_tokens=8"])
+    last = infer.stdout.strip().splitlines()[-1]
+    assert "[medusa2 head" in last and "8 tokens" in last and "identical to plain greedy: yes" in last, last
+
+
 def test_two_ranks_zero2_on_cpu(tmp_path):
     data = write_conversations(tmp_path / "chats.jsonl", n=32)
     out = tmp_path / "run"

@@ -40,6 +40,17 @@ class HeadConfig:
     hydra_teacher_loss: bool = False
     # Hydra++ prefix layer: one causal decoder layer over the target's final states feeds the heads
     hydra_prefix_layer: bool = False
+    # medusa2 (also reads the medusa fields above): a peft LoRA on the target trains with the heads
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    heads_only_steps: int = 20  # stage 1: the heads alone on the unchanged target; then heads + LoRA
+    lm_loss_weight: float = 1.0  # lambda: weight of the adapted target's own next-token loss
+    lm_loss_warmup_steps: int = 20  # lambda ramps linearly from 0 over the first joint steps
+    merge_lora: bool = False  # also write the target with the LoRA folded in (OUTPUT_DIR/merged)
 
 
 @dataclass

@@ -114,7 +114,7 @@ def check_bench_summary(summary: Any, where: str = "bench.summary") -> dict:
     """A benchmark summary as infer.py's bench mode writes it (docs/contracts.md), else one error."""
     methods = summary.get("methods") if isinstance(summary, dict) else None
     if not isinstance(methods, dict) or not all(isinstance(v, dict) for v in methods.values()):
-        raise SpecHeadsError(f"{where} is not a benchmark summary of infer.py (OUT.summary.json with \"methods\")")
+        raise SpecHeadsError(f'{where} is not a benchmark summary of infer.py (OUT.summary.json with "methods")')
     return summary
 
 

@@ -7,6 +7,7 @@ from .hydra import HydraHead
 from .io import load_head, read_head_config, save_head
 from .layers import DraftCache
 from .medusa import MedusaHead
+from .medusa2 import Medusa2Head
 from .registry import HEADS, build_head
 from .spec import HeadSpec
 
@@ -19,6 +20,7 @@ __all__ = [
     "EagleHead",
     "HeadSpec",
     "HydraHead",
+    "Medusa2Head",
     "MedusaHead",
     "build_head",
     "check_compatible",

@@ -7,6 +7,7 @@ head holds no copy of the target's weights.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +36,9 @@ class DraftHead(nn.Module):
     draft_kind: ClassVar[str] = ""
     # The static tree (rank paths) drafted when the head stores no default_tree; None: a dynamic tree.
     fallback_tree: ClassVar[tuple[tuple[int, ...], ...] | None] = None
+    # Whether the head trains an adapter of the target with itself (Medusa-2's LoRA): its loss then
+    # runs the target itself, and the adapted target is the one the head drafts for.
+    adapts_target: ClassVar[bool] = False
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
         super().__init__()
@@ -42,6 +46,7 @@ class DraftHead(nn.Module):
         self.info = info
         self.__dict__["_frozen"] = None  # bypass nn.Module registration on purpose
         self.default_tree: list | None = None
+        self.steps_done = 0  # optimizer steps trained so far, set by the Trainer (Medusa-2's stages)
 
     # -- target wiring -------------------------------------------------------------------
     def attach(self, target: FrozenTarget) -> DraftHead:
@@ -115,6 +120,22 @@ class DraftHead(nn.Module):
         """Draft logits [B, T, Vd] (float) for depths 1..depth (fewer if the head drafts less deep):
         at depth d, position t holds the draft for token t+1+d, drafted along the true sequence."""
         raise NotImplementedError
+
+    # -- the target's adapter (Medusa-2) and the files it needs beside model.safetensors -----
+    def target_adapter(self) -> nn.Module | None:
+        """The trainable part of the target that trains with the head, or None (a frozen target)."""
+        return None
+
+    @classmethod
+    def target_adapter_parameters(cls, spec: HeadSpec, info: TargetInfo) -> int:
+        """The parameter count of the target adapter a head of this spec trains (for memory plans)."""
+        return 0
+
+    def save_files(self, directory: Path) -> None:
+        """Write what the head directory holds besides config.json and model.safetensors."""
+
+    def load_files(self, directory: Path) -> None:
+        """Read it back (after the weights) when the head directory is loaded."""
 
     # -- training --------------------------------------------------------------------------
     def loss(self, batch: dict[str, torch.Tensor], states: dict[Any, torch.Tensor]):

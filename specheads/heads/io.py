@@ -1,4 +1,5 @@
-"""Head directories: config.json (versioned schema) + model.safetensors. Never pickle."""
+"""Head directories: config.json (versioned schema) + model.safetensors (+ a family's own files,
+Medusa-2's target adapter). Never pickle."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def save_head(head: DraftHead, directory: str | os.PathLike, training: dict | No
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "family": head.family})
         (tmp / CONFIG_NAME).write_text(json.dumps(head_config_dict(head, training), indent=2) + "\n")
+        head.save_files(tmp)
 
     return write_directory(directory, fill)
 
@@ -106,6 +108,7 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
             f"unexpected {sorted(unexpected)[:5]}"
         )
     head.default_tree = config.get("default_tree")
+    head.load_files(Path(directory))
     return head.to(device=target.device, dtype=head_dtype(target)).eval()
 
 

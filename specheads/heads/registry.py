@@ -10,6 +10,7 @@ from .eagle import EagleHead
 from .eagle3 import Eagle3Head
 from .hydra import HydraHead
 from .medusa import MedusaHead
+from .medusa2 import Medusa2Head
 from .spec import HeadSpec
 from .vocab import build_draft_vocab
 
@@ -18,6 +19,7 @@ HEADS: dict[str, type[DraftHead]] = {
     EagleHead.family: EagleHead,
     Eagle3Head.family: Eagle3Head,
     HydraHead.family: HydraHead,
+    Medusa2Head.family: Medusa2Head,
 }
 
 

@@ -10,7 +10,7 @@ from ..config.train import HeadConfig
 from ..errors import SpecHeadsError
 from ..target import TargetInfo
 
-FAMILIES = ("medusa", "eagle", "eagle3", "hydra")
+FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2")
 
 
 @dataclass
@@ -38,7 +38,7 @@ class HeadSpec(HeadConfig):
             spec.draft_vocab_size = min(spec.draft_vocab_size or info.vocab_size, info.vocab_size)
         else:
             spec.draft_vocab_size = info.vocab_size
-        if family in ("medusa", "hydra"):
+        if family in ("medusa", "hydra", "medusa2"):
             spec.eval_depth = spec.num_heads  # one head per depth
         elif family == "eagle3":
             spec.eval_depth = max(spec.eval_depth, spec.ttt_steps)
@@ -56,6 +56,27 @@ class HeadSpec(HeadConfig):
                 raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
         if self.noise not in ("uniform", "gaussian", "none"):
             raise SpecHeadsError(f"head.noise must be uniform, gaussian or none, got {self.noise!r}")
+        if self.merge_lora and self.family != "medusa2":
+            raise SpecHeadsError(f"head.merge_lora: a {self.family} head trains no LoRA (only medusa2 does)")
+        if self.family == "medusa2":
+            self.validate_lora()
+
+    def validate_lora(self) -> None:
+        if self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise SpecHeadsError(
+                f"need head.lora_r >= 1, head.lora_alpha > 0 and 0 <= head.lora_dropout < 1, got "
+                f"{self.lora_r}, {self.lora_alpha}, {self.lora_dropout}"
+            )
+        # the heads read the target's embedding and LM head as frozen parts, outside any adapter
+        outside = [m for m in self.lora_target_modules if m in ("lm_head", "embed_tokens")]
+        if not self.lora_target_modules or outside:
+            raise SpecHeadsError(
+                f"head.lora_target_modules must name decoder-layer projections (q_proj, ..., down_proj), "
+                f"got {list(self.lora_target_modules)}"
+            )
+        for name in ("heads_only_steps", "lm_loss_weight", "lm_loss_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise SpecHeadsError(f"head.{name} must be >= 0, got {getattr(self, name)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

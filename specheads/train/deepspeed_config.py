@@ -11,10 +11,10 @@ from ..config.train import DeepSpeedConfig, TrainConfig
 from ..errors import SpecHeadsError
 
 
-def param_groups(head: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only; norms and biases are left alone (the usual AdamW split)."""
-    decay = [p for p in head.parameters() if p.requires_grad and p.ndim >= 2]
-    rest = [p for p in head.parameters() if p.requires_grad and p.ndim < 2]
+    decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
+    rest = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if rest:
         groups.append({"params": rest, "weight_decay": 0.0})

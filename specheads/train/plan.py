@@ -69,8 +69,9 @@ def _meta_head(spec: HeadSpec, info: TargetInfo) -> DraftHead:
 
 def head_parameters(spec: HeadSpec, info: TargetInfo) -> int:
     """The parameter count of the head `spec` builds (counted on the meta device, so any family
-    and any size is exact and costs no memory)."""
-    return sum(p.numel() for p in _meta_head(spec, info).parameters())
+    and any size is exact and costs no memory), with the target adapter it trains (Medusa-2's LoRA)."""
+    head = _meta_head(spec, info)
+    return sum(p.numel() for p in head.parameters()) + head.target_adapter_parameters(spec, info)
 
 
 def state_count(spec: HeadSpec, info: TargetInfo) -> int:
@@ -118,18 +119,20 @@ def activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weigh
     """An estimate (not a measurement) of a micro-batch's peak, bytes per rank.
 
     Counted: the target states the head reads (captured by a forward, or read from the cache);
-    online, one target decoder layer's tensors (no grad: the layers do not pile up); the target's
-    fp32 logits, which every family's loss reads; then per draft step (Medusa head, EAGLE-1's one
-    step, EAGLE-3's ttt_steps) the draft layers' saved tensors, the fp32 draft logits with their
-    log-softmax and target distribution, and, for EAGLE-3's steps after the first, the attention
-    scores the unrolled draft computes explicitly ([B, heads, T, T]). Left out: the padding-free
-    small tensors, and the evaluation passes (no grad, smaller).
+    online, one target decoder layer's tensors (no grad: the layers do not pile up), or every
+    layer's when the head trains an adapter inside the target (Medusa-2: its backward needs them);
+    the target's fp32 logits, which every family's loss reads; then per draft step (Medusa head,
+    EAGLE-1's one step, EAGLE-3's ttt_steps) the draft layers' saved tensors, the fp32 draft logits
+    with their log-softmax and target distribution, and, for EAGLE-3's steps after the first, the
+    attention scores the unrolled draft computes explicitly ([B, heads, T, T]). Left out: the
+    padding-free small tensors, and the evaluation passes (no grad, smaller).
     """
     h, v, n = info.hidden_size, info.vocab_size, batch * length
     head = HEADS[spec.family]
     total = state_count(spec, info) * n * h * weight_bytes + n * v * 4
     if online:
-        total += layer_activations(info, n, weight_bytes, h, info.intermediate_size)
+        layers = info.num_layers if head.adapts_target else 1
+        total += layers * layer_activations(info, n, weight_bytes, h, info.intermediate_size)
     if head.draft_kind != "autoregressive":  # Medusa, Hydra: one block stack and LM head per head
         per_head = n * v * (weight_bytes + 8) + spec.num_layers * 2 * n * h * weight_bytes
         return total + spec.num_heads * per_head
@@ -177,8 +180,10 @@ class Plan:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        """The modes worth showing: sharding over one rank is (a) again."""
-        return MODES if self.world > 1 else ("replicated", "offline")
+        """The modes worth showing: sharding over one rank is (a) again; a head that trains an adapter
+        inside the target (Medusa-2) reads the adapted target's own states, which no cache holds."""
+        modes = MODES if self.world > 1 else ("replicated", "offline")
+        return tuple(m for m in modes if m != "offline" or not HEADS[self.spec.family].adapts_target)
 
     def fits(self, mode: str) -> bool:
         return self.gpus is not None and self.usage[mode].total <= self.gpus.usable
@@ -319,11 +324,12 @@ def format_plan(plan: Plan) -> str:
             f"(b) 1/{plan.world} of the decoder layers per rank, one more gathered at a time; "
             "the embedding and LM head whole"
         )
-    lines += [
-        f"(c) disk: {gb(plan.disk)} GB of bf16 features for {plan.tokens:,} tokens ({plan.tokens_note}), "
-        f"{states} x hidden {info.hidden_size} x 2 bytes a token",
-        verdict(plan),
-    ]
+    if "offline" in modes:
+        lines.append(
+            f"(c) disk: {gb(plan.disk)} GB of bf16 features for {plan.tokens:,} tokens ({plan.tokens_note}), "
+            f"{states} x hidden {info.hidden_size} x 2 bytes a token"
+        )
+    lines.append(verdict(plan))
     return "\n".join(lines)
 
 

@@ -18,7 +18,8 @@ from ..config.train import DataConfig, TrainJobConfig
 from ..data.datasets import build_datasets
 from ..data.features import auto_features_dir, ensure_split_features
 from ..distill.builtin import ensure_builtin_data
-from ..heads import DraftHead, build_head
+from ..errors import SpecHeadsError
+from ..heads import HEADS, DraftHead, build_head
 from ..provenance import provenance
 from ..target import FrozenTarget, load_target
 from .distributed import Dist, main_rank_first, quiet_deepspeed, setup_distributed
@@ -61,6 +62,17 @@ def head_and_states(cfg: TrainJobConfig, target: FrozenTarget, d: Dist) -> tuple
     return head, source
 
 
+def check_state_source(cfg: TrainJobConfig) -> None:
+    """A head that adapts the target (Medusa-2) trains on the adapted target's own forwards: no
+    feature cache of the original's states can feed it."""
+    family = HEADS.get(cfg.head.family)
+    if cfg.data.features and family is not None and family.adapts_target:
+        raise SpecHeadsError(
+            f"head={cfg.head.family} trains a LoRA on the target, so its states come from the adapted target's "
+            f"own forwards: data.features={cfg.data.features} cannot feed it; drop data.features"
+        )
+
+
 def ensure_auto_features(
     target: FrozenTarget, splits: dict, layer_ids: list[int], final: bool, max_length: int, d: Dist
 ) -> Path:
@@ -81,6 +93,7 @@ def train(cfg: TrainJobConfig) -> Path | None:
     if cfg.dry_run:
         print(dry_run(cfg), flush=True)
         return None
+    check_state_source(cfg)
     d = setup_distributed(cfg.device)
     quiet_deepspeed(cfg.debug)
     # before the target is loaded: a run whose whole target cannot fit a rank is refused here

@@ -64,6 +64,8 @@ class OnlineStates:
         rows = self.splits[split]
         batch = collate([rows[int(i)] for i in indices], self.pad_id)
         batch = {k: v.to(self.target.device) for k, v in batch.items()}
+        if not self.layer_ids and not self.final:
+            return batch, {}  # a head that runs the target itself (Medusa-2) needs no states
         captured = self.target.states(
             batch["input_ids"], batch["attention_mask"], layer_ids=self.layer_ids, final=self.final
         )

@@ -1,8 +1,8 @@
 """The Trainer: steps a DeepSpeed-wrapped head over a state source; checkpoints, evaluates, logs.
 
-Only the head goes through `deepspeed.initialize` (ZeRO 0-3, gradient accumulation, clipping);
-the frozen target stays outside it, and each rank reads its own shard of every global batch
-(specheads.train.batches).
+Only the head (with the target adapter that trains with it, Medusa-2's LoRA) goes through
+`deepspeed.initialize` (ZeRO 0-3, gradient accumulation, clipping); the frozen target stays outside
+it, and each rank reads its own shard of every global batch (specheads.train.batches).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from .state_source import StateSource, row_lengths
 
 
 class HeadObjective(nn.Module):
-    """What DeepSpeed wraps: the head, with its loss and its evaluation as forward modes.
+    """What DeepSpeed wraps: the head, with its loss and its evaluation as forward modes, and the
+    target adapter that trains with it (so that it is optimized, clipped and checkpointed alike).
 
     Going through the engine's forward (not head.loss directly) lets ZeRO-3 gather parameters.
     """
@@ -41,18 +42,22 @@ class HeadObjective(nn.Module):
     def __init__(self, head: nn.Module):
         super().__init__()
         self.head = head
+        adapter = head.target_adapter()
+        if adapter is not None:
+            self.adapter = adapter
 
     def forward(self, batch, states, evaluate: bool = False):
         return self.head.evaluate(batch, states) if evaluate else self.head.loss(batch, states)
 
 
 def initialize(head: nn.Module, t: TrainConfig, z: DeepSpeedConfig, d: Dist, total_steps: int):
-    """deepspeed.initialize on the head only. Returns the engine."""
+    """deepspeed.initialize on the head (and its target adapter) only. Returns the engine."""
     import deepspeed
 
+    objective = HeadObjective(head)
     head_dtype = next(head.parameters()).dtype
     config = deepspeed_config(t, z, d.world_size, d.device, head_dtype)
-    groups = param_groups(head, t.weight_decay)
+    groups = param_groups(objective, t.weight_decay)
     optimizer = None
     if "optimizer" not in config:
         optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -61,7 +66,7 @@ def initialize(head: nn.Module, t: TrainConfig, z: DeepSpeedConfig, d: Dist, tot
         return warmup_cosine_scheduler(opt, t.warmup_steps, total_steps, t.min_lr_ratio)
 
     engine, *_ = deepspeed.initialize(
-        model=HeadObjective(head),
+        model=objective,
         optimizer=optimizer,
         model_parameters=groups if optimizer is None else None,
         lr_scheduler=scheduler,
@@ -157,6 +162,7 @@ class Trainer:
         grad_accum = self.cfg.train.grad_accum
         sums: dict[str, float] = {}
         tokens = 0
+        self.head.steps_done = self.step
         for k in range(grad_accum):
             rows = self.batches[self.step * grad_accum + k]
             batch, states = self.source.fetch("train", rows)
@@ -175,6 +181,7 @@ class Trainer:
         """Eval loss, top-1 accuracy per draft depth and simulated acceptance length, all ranks."""
         if not self.eval_batches:
             return {}
+        self.head.steps_done = self.step
         self.engine.eval()
         loss_sum, loss_n, accept_sum, accept_n = 0.0, 0, 0.0, 0
         correct = total = None
@@ -259,14 +266,17 @@ class Trainer:
         return self.last_eval
 
     def write_head(self, directory: Path, training: dict[str, Any]) -> Path:
-        """Rank 0 writes the head (gathering ZeRO-3 shards first); every rank returns the path."""
+        """Rank 0 writes the head (gathering ZeRO-3 shards first), and with head.merge_lora the
+        adapted target beside it (OUTPUT_DIR/merged); every rank returns the head's path."""
         gathered = contextlib.nullcontext()
         if self.engine.zero_optimization_stage() == 3:
             import deepspeed
 
-            gathered = deepspeed.zero.GatheredParameters(list(self.head.parameters()), modifier_rank=None)
+            gathered = deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
         with gathered:
             if self.d.is_main:
                 save_head(self.head, directory, training=training)
+                if self.head.spec.merge_lora:
+                    self.head.save_merged_target(self.output_dir / "merged", directory)
         dist.barrier()
         return directory

@@ -3,22 +3,16 @@ path, one head call per level; with the Hydra++ prefix layer its KV cache follow
 
 import pytest
 import torch
+from conftest import POLICIES, hf_greedy
 
 from specheads.config.infer import TreeConfig
 from specheads.config.train import HeadConfig
 from specheads.decode.drafters import DraftTable, MedusaDrafter, SequentialDrafter, make_drafter, path_tokens
 from specheads.decode.generate import SamplingConfig, speculative_generate
-from specheads.decode.policy import DynamicTreeSpec, tree_policy_for
-from specheads.decode.tree import chain_paths, full_paths, static_tree
+from specheads.decode.policy import tree_policy_for
+from specheads.decode.tree import chain_paths, static_tree
 from specheads.errors import SpecHeadsError
 from specheads.heads import MedusaHead, build_head
-
-POLICIES = {
-    "chain": static_tree(chain_paths(4)),
-    "wide": static_tree(full_paths(2, 3)),
-    "medusa-like": static_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
-    "dynamic": DynamicTreeSpec(depth=4, top_k=3, total_tokens=12),
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,11 +38,6 @@ def nudged(head, scale=0.05, seed=0):
         for p in head.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g))
     return head.eval()
-
-
-def hf_greedy(target, prompt, n):
-    out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False)
-    return out[0, prompt.shape[1] :].tolist()
 
 
 def two_parents(root=5):

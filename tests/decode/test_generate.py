@@ -7,24 +7,17 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import quick_head
+from conftest import POLICIES, hf_greedy, quick_head
 from scipy.stats import chisquare
 
 from specheads.decode.drafters import grow_tree, make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
-from specheads.decode.policy import DynamicTreeSpec
-from specheads.decode.tree import TreeLayout, chain_paths, full_paths, static_tree
+from specheads.decode.tree import TreeLayout, static_tree
 from specheads.linear_layout import ROW_LADDER, RowLayouts, install, linear_layers, uninstall
 from specheads.target import FrozenTarget
 from specheads.tiny import tiny_target as build_tiny
 
 FAMILIES = ["medusa", "eagle", "eagle3", "hydra"]
-POLICIES = {
-    "chain": static_tree(chain_paths(4)),
-    "wide": static_tree(full_paths(2, 3)),
-    "medusa-like": static_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
-    "dynamic": DynamicTreeSpec(depth=4, top_k=3, total_tokens=12),
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,14 +44,6 @@ def target():
 @pytest.fixture(scope="module")
 def sdpa_target():
     return make_target("sdpa")
-
-
-def hf_greedy(target, prompt, n, eos=None):
-    kwargs = {} if eos is None else {"eos_token_id": eos}
-    out = target.model.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False, **kwargs
-    )
-    return out[0, prompt.shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")

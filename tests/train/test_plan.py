@@ -26,6 +26,7 @@ from specheads.train.plan import (
     format_plan,
     head_parameters,
     head_state,
+    layer_activations,
     make_plan,
     parse_memory,
 )
@@ -77,6 +78,28 @@ def test_head_parameters_equal_the_built_heads(tiny_target, head_cfg):
     rows = [{"input_ids": list(range(320)), "loss_mask": [1] * 320}]
     head = build_head(head_cfg, tiny_target, train_rows=rows)
     assert head_parameters(head.spec, tiny_target.info) == sum(p.numel() for p in head.parameters())
+
+
+def test_medusa2_plan_counts_its_lora_and_keeps_every_layer_for_the_backward():
+    """The LoRA trains with the heads (its state is counted with theirs), the target's backward keeps
+    every layer's activations, and no feature cache can feed it."""
+    from specheads.target import load_target
+
+    target = load_target(ModelConfig(name="tiny-random", path="tiny:llama"))  # a medusa2 head adapts it
+    head = build_head(HeadConfig(family="medusa2"), target)
+    trained = sum(p.numel() for p in head.parameters()) + sum(p.numel() for p in head.target_adapter().parameters())
+    assert head_parameters(head.spec, target.info) == trained
+    arch = read_arch(job("model=llama-3.1-8b").model)
+    medusa, medusa2 = (
+        make_plan(job("model=llama-3.1-8b", f"head={h}"), arch, gpus(1, "80GB")) for h in ("medusa", "medusa2")
+    )
+    assert medusa2.head_parameters > medusa.head_parameters
+    info, n, wb = arch.info, medusa.batch * medusa.length, medusa.weight_bytes
+    gained = medusa2.usage["replicated"].activations - medusa.usage["replicated"].activations
+    # every layer instead of one, less the final state a medusa head reads from the state source
+    layer = layer_activations(info, n, wb, info.hidden_size, info.intermediate_size)
+    assert gained == pytest.approx((info.num_layers - 1) * layer - n * info.hidden_size * wb)
+    assert medusa2.modes == ("replicated",) and "(c)" not in format_plan(medusa2)
 
 
 def test_target_count_and_sizes_equal_the_tiny_target(tiny_target):
