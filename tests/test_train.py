@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -80,10 +82,16 @@ def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
         assert any((out / "wandb").glob("offline-run-*"))
     if family == "medusa":  # the same command again: nothing left to train, the head is written again
         logged = (out / "metrics.jsonl").read_text()
-        again = run(proc.args)
+        fp32 = load_file(out / "head" / "model.safetensors")
+        again = run([*proc.args, "save_dtype=bfloat16"])  # this time with its weights stored in bf16
         assert "resuming from step 3" in again.stderr
         assert (out / "metrics.jsonl").read_text() == logged  # no step was trained twice
         assert_head_written(again, out)
+        bf16 = load_file(out / "head" / "model.safetensors")
+        assert {t.dtype for t in bf16.values()} == {torch.bfloat16}
+        assert all(torch.equal(bf16[k], fp32[k].to(torch.bfloat16)) for k in fp32)
+        bad = subprocess.run([*proc.args, "save_dtype=int8"], cwd=ROOT, env=clean_env(), capture_output=True, text=True)
+        assert bad.returncode == 2 and "save_dtype must be auto or one of" in bad.stderr
 
 
 def test_hydra_head_trains_and_infer_py_runs_it(tmp_path):

@@ -156,6 +156,8 @@ class TrainJobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     output_dir: str = "runs/${model.name}-${head.family}"
+    # dtype of the written head's weights: auto = the training dtype; bfloat16 / float16 halve it
+    save_dtype: str = "auto"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     debug: bool = False

@@ -29,11 +29,11 @@ from tqdm.auto import tqdm
 
 from ..atomic import write_json
 from ..errors import SpecHeadsError
-from ..target import LAYER_CONVENTION, FrozenTarget
+from ..target import FLOAT_DTYPES, LAYER_CONVENTION, FrozenTarget
 
 INDEX_NAME = "index.json"
 CACHE_VERSION = 1
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = FLOAT_DTYPES
 
 
 def _digest(text: str) -> str:

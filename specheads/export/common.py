@@ -18,9 +18,9 @@ from .. import atomic
 from ..errors import SpecHeadsError
 from ..heads.io import CONFIG_NAME, WEIGHTS_NAME, read_head_config
 from ..heads.spec import HeadSpec
-from ..target import LAYER_CONVENTION, TargetInfo
+from ..target import FLOAT_DTYPES, LAYER_CONVENTION, TargetInfo
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = FLOAT_DTYPES
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Key under which exported config.json files carry our own provenance (engines ignore unknown keys).
 PROVENANCE_KEY = "specheads"

@@ -48,11 +48,18 @@ def head_config_dict(head: DraftHead, training: dict | None = None) -> dict[str,
     }
 
 
-def save_head(head: DraftHead, directory: str | os.PathLike, training: dict | None = None) -> Path:
-    """Write the head directory atomically (a temp directory renamed into place)."""
+def save_head(
+    head: DraftHead, directory: str | os.PathLike, training: dict | None = None, dtype: torch.dtype | None = None
+) -> Path:
+    """Write the head directory atomically (a temp directory renamed into place). `dtype` stores the
+    float weights in another dtype (bf16 halves the file; loading casts back to the target's)."""
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to("cpu")
+        return (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
 
     def fill(tmp: Path) -> None:
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+        tensors = {k: stored(v) for k, v in head.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "family": head.family})
         (tmp / CONFIG_NAME).write_text(json.dumps(head_config_dict(head, training), indent=2) + "\n")
         head.save_files(tmp)

@@ -21,7 +21,7 @@ from ..distill.builtin import ensure_builtin_data
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead, build_head
 from ..provenance import provenance
-from ..target import FrozenTarget, load_target
+from ..target import FLOAT_DTYPES, FrozenTarget, load_target
 from .distributed import Dist, main_rank_first, quiet_deepspeed, setup_distributed
 from .metrics import MetricsLog, plot_metrics
 from .plan import check_fits, dry_run
@@ -94,6 +94,8 @@ def train(cfg: TrainJobConfig) -> Path | None:
         print(dry_run(cfg), flush=True)
         return None
     check_state_source(cfg)
+    if cfg.save_dtype != "auto" and cfg.save_dtype not in FLOAT_DTYPES:
+        raise SpecHeadsError(f"save_dtype must be auto or one of {', '.join(FLOAT_DTYPES)}, got {cfg.save_dtype!r}")
     d = setup_distributed(cfg.device)
     quiet_deepspeed(cfg.debug)
     # before the target is loaded: a run whose whole target cannot fit a rank is refused here

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ..config.train import DeepSpeedConfig, TrainConfig, TrainJobConfig
 from ..errors import SpecHeadsError
 from ..heads import save_head
+from ..target import FLOAT_DTYPES
 from .batches import TrainBatches, eval_batches
 from .checkpoint import Checkpoints
 from .deepspeed_config import deepspeed_config, param_groups
@@ -275,7 +276,7 @@ class Trainer:
             gathered = deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
         with gathered:
             if self.d.is_main:
-                save_head(self.head, directory, training=training)
+                save_head(self.head, directory, training=training, dtype=FLOAT_DTYPES.get(self.cfg.save_dtype))
                 if self.head.spec.merge_lora:
                     self.head.save_merged_target(self.output_dir / "merged", directory)
         dist.barrier()
