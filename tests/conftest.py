@@ -1,4 +1,6 @@
+import json
 import os
+import random
 
 import pytest
 import torch
@@ -19,8 +21,35 @@ POLICIES = {
 }
 
 
+# a module asks for it with pytestmark = pytest.mark.usefixtures("one_thread")
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for the module, then restored: tiny matrices run ~10x slower on two loaded threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def world(one_thread):
+    """A distributed world of one (gloo, CPU) for the trainer, on one torch thread."""
+    from specheads.train.distributed import setup_distributed
+
+    return setup_distributed("cpu")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The byte-level tokenizer of the tiny targets."""
+    from specheads.tiny import byte_tokenizer
+
+    return byte_tokenizer()
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
+    """The tiny random llama (model=tiny-random) on CPU, shared by the session: a test must not change it."""
     from specheads.config.train import ModelConfig
     from specheads.target import load_target
 
@@ -33,6 +62,18 @@ def smollm2_target():
     from specheads.target import load_target
 
     return load_target(ModelConfig(), device=torch.device("cpu"))
+
+
+def greedy_sequences(target):
+    """The target's greedy 40-token continuations of 8 random 8-token prompts (seed 0): text to overfit heads on."""
+    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def sequences(tiny_target):
+    """greedy_sequences of the shared tiny target, once per module."""
+    return greedy_sequences(tiny_target)
 
 
 @pytest.fixture
@@ -57,6 +98,19 @@ def head_states(target, head, batch):
     layer_ids, final = head.training_states()
     s = target.states(batch["input_ids"], batch["attention_mask"], layer_ids=layer_ids, final=final)
     return {**s.hidden, "final": s.final}
+
+
+def overfit(head, batch, states, steps, lr=3e-3):
+    """`steps` AdamW steps on the head's loss over one batch: the loss of every step and the last metrics."""
+    opt = torch.optim.AdamW(head.parameters(), lr=lr)
+    losses, metrics = [], {}
+    for _ in range(steps):
+        loss, metrics = head.loss(batch, states)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, metrics
 
 
 def hf_greedy(target, prompt, n, eos=None):
@@ -85,14 +139,47 @@ def quick_head(target, family, sequences=None, steps=0):
             "attention_mask": torch.ones_like(sequences),
             "loss_mask": torch.ones_like(sequences),
         }
-        layer_ids, final = head.training_states()
-        s = target.states(sequences, batch["attention_mask"], layer_ids=layer_ids, final=final)
-        states = {**s.hidden, "final": s.final}
-        opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+        states = head_states(target, head, batch)
         head.train()
-        for _ in range(steps):
-            loss, _ = head.loss(batch, states)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        overfit(head, batch, states, steps)
     return head.eval()
+
+
+def write_jsonl(path, rows):
+    """`rows` as JSON lines at `path`; returns path."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def conversations(n, offset=0):
+    """n OpenAI-format chats of one exchange: "question number i" / "answer number i", i from offset."""
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"question number {i}"},
+                {"role": "assistant", "content": f"answer number {i}"},
+            ]
+        }
+        for i in range(offset, offset + n)
+    ]
+
+
+def write_conversations(path, n=24, seed=0):
+    """n seeded random OpenAI-format chats (short, byte-tokenized by the tiny target) at `path`; returns path."""
+    rng = random.Random(seed)
+    words = "the cat dog sun moon tree river stone blue red runs sleeps over under near far".split()
+    rows = []
+    for _ in range(n):
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(3, 6)))
+        answer = " ".join(rng.choice(words) for _ in range(rng.randint(8, 16)))
+        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
+    return write_jsonl(path, rows)
+
+
+def write_questions(path, prompts, categories=("writing",), first_id=0, later_turns=("Shorter now.",)):
+    """A FastChat question.jsonl: question first_id + i asks prompts[i], then later_turns; categories in turn."""
+    rows = [
+        {"question_id": first_id + i, "category": categories[i % len(categories)], "turns": [p, *later_turns]}
+        for i, p in enumerate(prompts)
+    ]
+    return write_jsonl(path, rows)

@@ -8,50 +8,36 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import write_jsonl, write_questions
 
 from specheads.config import register_configs, typed
-from specheads.config.train import ModelConfig
 from specheads.errors import SpecHeadsError
-from specheads.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def target():
-    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, target):
+def head_dir(tmp_path_factory, tiny_target):
     """A head directory written by train.py (3 steps on the tiny target)."""
     out = tmp_path_factory.mktemp("train")
     chats = out / "chats.jsonl"
     words = "the cat sat on a warm mat and the dog ran to the red barn near a river".split()
-    chats.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "messages": [
-                        {"role": "user", "content": " ".join(words[i % 7 : i % 7 + 4])},
-                        {"role": "assistant", "content": " ".join(words[i % 5 : i % 5 + 10])},
-                    ]
-                }
-            )
-            + "\n"
+    write_jsonl(
+        chats,
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": " ".join(words[i % 7 : i % 7 + 4])},
+                    {"role": "assistant", "content": " ".join(words[i % 5 : i % 5 + 10])},
+                ]
+            }
             for i in range(16)
-        )
+        ],
     )
     proc = subprocess.run(
         [
@@ -105,12 +91,9 @@ def test_demo_prints_marked_answer_and_stats(head_dir):
 
 def test_bench_writes_the_contract_fields(head_dir, tmp_path):
     questions = tmp_path / "question.jsonl"
-    questions.write_text(
-        "".join(
-            json.dumps({"question_id": i, "category": c, "turns": [f"Tell me about {c}, please."]}) + "\n"
-            for i, c in [(1, "writing"), (2, "math")]
-        )
-    )
+    categories = ("writing", "math")
+    prompts = [f"Tell me about {c}, please." for c in categories]
+    write_questions(questions, prompts, categories, first_id=1, later_turns=())
     out = tmp_path / "bench" / "out.jsonl"
     proc = run_infer(
         f"head={head_dir}",

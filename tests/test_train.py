@@ -2,34 +2,17 @@
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_conversations
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def write_conversations(path: Path, n: int = 24, seed: int = 0) -> Path:
-    """Small OpenAI-format chats (short, byte-tokenized by the tiny target)."""
-    rng = random.Random(seed)
-    words = "the cat dog sun moon tree river stone blue red runs sleeps over under near far".split()
-    with open(path, "w") as f:
-        for _ in range(n):
-            question = " ".join(rng.choice(words) for _ in range(rng.randint(3, 6)))
-            answer = " ".join(rng.choice(words) for _ in range(rng.randint(8, 16)))
-            f.write(
-                json.dumps(
-                    {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
-                )
-                + "\n"
-            )
-    return path
 
 
 def clean_env() -> dict:

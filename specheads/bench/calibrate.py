@@ -26,13 +26,15 @@ from typing import TextIO
 import torch
 from tqdm import tqdm
 
+from ..atomic import write_json
 from ..config.infer import InferJobConfig, TreeConfig
 from ..decode.baselines import hf_generate
 from ..decode.drafters import make_drafter
 from ..decode.kv import new_cache, verify_tree
 from ..decode.tree import TreeLayout, static_tree
 from ..errors import SpecHeadsError
-from ..heads import read_head_config, save_head
+from ..heads import read_head_config
+from ..heads.io import CONFIG_NAME
 from ..target import synchronize
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
@@ -174,7 +176,8 @@ def store_default_tree(head, head_dir: Path, paths: list[list[int]]) -> bool:
     ):
         return False
     head.default_tree = paths
-    save_head(head, head_dir, training=config.get("training"))
+    # config.json only: the weights stay as stored (their dtype, a family's extra files)
+    write_json(Path(head_dir) / CONFIG_NAME, {**config, "default_tree": paths})
     return True
 
 

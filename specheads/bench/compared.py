@@ -13,7 +13,7 @@ from ..decode.drafters import make_drafter
 from ..decode.policy import TreePolicy, tree_policy_for
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
-from ..heads import read_head_config
+from ..heads import HEADS, read_head_config
 from ..linear_layout import install
 
 SPEC = "spec"
@@ -37,9 +37,17 @@ def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, Tr
     for path in paths:
         directory = resolve_head_path(path)
         if not is_exported_dir(directory):
-            named = (read_head_config(directory).get("target") or {}).get("name")
+            config = read_head_config(directory)
+            named = (config.get("target") or {}).get("name")
             if named and named != target.info.name:
                 raise SpecHeadsError(f"bench.heads: {path} was trained for {named}, not {target.info.name}")
+            family = HEADS.get(config.get("family"))
+            if family is not None and family.adapts_target:
+                # loading it folds its adapter into the shared target, changing every other method's
+                raise SpecHeadsError(
+                    f"bench.heads: {path} is a {family.title} head, which changes its target; "
+                    "benchmark it alone (head=DIR)"
+                )
         label = head_label(path)
         if label == main_label or method_name(label) in out:
             raise SpecHeadsError(f"bench.heads: two heads are named {label!r}; give them distinct directory names")

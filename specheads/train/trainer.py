@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from ..config.train import DeepSpeedConfig, TrainConfig, TrainJobConfig
+from ..config.train import DeepSpeedConfig, HeadConfig, TrainConfig, TrainJobConfig
 from ..errors import SpecHeadsError
 from ..heads import save_head
 from ..target import FLOAT_DTYPES
@@ -74,6 +74,20 @@ def initialize(head: nn.Module, t: TrainConfig, z: DeepSpeedConfig, d: Dist, tot
         config=config,
     )
     return engine
+
+
+def fingerprint_diffs(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's run and this one. A head field that a later version
+    added (absent from the checkpoint) counts only when it is set away from its default."""
+    defaults = asdict(HeadConfig())
+    diffs = []
+    for key, value in now.items():
+        old = saved.get(key)
+        if key == "head" and isinstance(old, dict) and isinstance(value, dict):
+            old = {**{k: v for k, v in defaults.items() if k in value}, **old}
+        if old != value:
+            diffs.append(f"{key} {saved.get(key)!r} -> {value!r}")
+    return diffs
 
 
 class Trainer:
@@ -135,15 +149,27 @@ class Trainer:
         if latest is None:
             return 0
         state = self.checkpoints.load(self.engine, latest)
-        saved, now = state.get("fingerprint", {}), self.fingerprint()
-        diffs = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+        diffs = fingerprint_diffs(state.get("fingerprint", {}), self.fingerprint())
         if diffs:
             raise SpecHeadsError(
                 f"{self.output_dir} holds a checkpoint of a different run ({'; '.join(diffs)}); use a new output_dir"
             )
         self.step = int(state["step"])
         self.last_eval = state.get("last_eval", {})
+        self.retarget_schedule()
         return self.step
+
+    def retarget_schedule(self) -> None:
+        """A resumed run whose step count changed (train.max_steps / epochs) decays its learning rate
+        to the new end; the restored scheduler would otherwise keep the old curve."""
+        schedule = getattr(self.engine.lr_scheduler, "lr_lambdas", [None])[0]
+        old = getattr(schedule, "total_steps", None)
+        if old is not None and old != self.max_steps:
+            schedule.total_steps = self.max_steps
+            if self.d.is_main:
+                print(
+                    f"train: the learning-rate schedule now ends at step {self.max_steps} (was {old})", file=sys.stderr
+                )
 
     def save(self) -> None:
         self.checkpoints.save(

@@ -10,32 +10,13 @@ from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
 from specheads.bench.calibrate import best_paths, calibrate_tree, path_frequencies, rank_vectors, time_target
 from specheads.bench.session import Session
 from specheads.config.infer import InferJobConfig, TreeConfig
-from specheads.config.train import ModelConfig
 from specheads.decode.drafters import make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import tree_policy_for
 from specheads.decode.tree import static_tree
 from specheads.heads import load_head, save_head
-from specheads.target import load_target
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def sequences(target):
-    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
-    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_path_frequencies_and_best_paths_are_prefix_closed():
@@ -49,17 +30,17 @@ def test_path_frequencies_and_best_paths_are_prefix_closed():
 
 
 @pytest.mark.parametrize("family", ["medusa", "eagle3", "hydra"])
-def test_rank_vectors_predict_what_the_loop_accepts(family, target, sequences):
+def test_rank_vectors_predict_what_the_loop_accepts(family, tiny_target, sequences):
     """Two implementations agree: teacher-forced ranks vs the real drafting + verification."""
-    head = quick_head(target, family, sequences, steps=60)
+    head = quick_head(tiny_target, family, sequences, steps=60)
     paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     tree = {tuple(p) for p in paths}
     prompt = sequences[2:3, :8]
     res = speculative_generate(
-        target, make_drafter(head, static_tree(paths)), prompt, SamplingConfig(max_new_tokens=32)
+        tiny_target, make_drafter(head, static_tree(paths)), prompt, SamplingConfig(max_new_tokens=32)
     )
     full = prompt[0].tolist() + res.output_ids
-    vectors = rank_vectors(target, head, full, 8, depth=3)
+    vectors = rank_vectors(tiny_target, head, full, 8, depth=3)
     offset, checked = 0, 0
     for accepted, depth, emitted in zip(res.accepted_drafts, res.tree_depths, res.accept_lengths):
         if depth == 3:  # trees pruned near max_new_tokens are skipped
@@ -72,23 +53,25 @@ def test_rank_vectors_predict_what_the_loop_accepts(family, target, sequences):
 
 
 @pytest.mark.parametrize("family", ["eagle", "hydra"])
-def test_calibrate_tree_picks_and_stores_a_tree(family, tmp_path, target, sequences):
-    head = quick_head(target, family, sequences, steps=30)
-    head_dir = save_head(head, tmp_path / "head")
+def test_calibrate_tree_picks_and_stores_a_tree(family, tmp_path, tiny_target, sequences):
+    head = quick_head(tiny_target, family, sequences, steps=30)
+    head_dir = save_head(head, tmp_path / "head", dtype=torch.bfloat16)
+    weights = (head_dir / "model.safetensors").read_bytes()
     settings = InferJobConfig(
         head_path=str(head_dir),
         tree=TreeConfig(kind="auto", depth=3, top_k=3, calibration_prompts=2, calibration_tokens=16, max_nodes=8),
     )
     out = io.StringIO()
-    chosen = calibrate_tree(settings, Session(target, head, head_dir, {}), out=out)
+    chosen = calibrate_tree(settings, Session(tiny_target, head, head_dir, {}), out=out)
     assert chosen.kind == "static" and 1 <= len(chosen.paths) <= 8
     assert "<- chosen" in out.getvalue() and "stored as the default tree" in out.getvalue()
     assert json.loads((head_dir / "config.json").read_text())["default_tree"] == chosen.paths
-    reloaded = load_head(head_dir, target)
+    assert (head_dir / "model.safetensors").read_bytes() == weights  # only config.json is rewritten (bf16 kept)
+    reloaded = load_head(head_dir, tiny_target)
     assert tree_policy_for(reloaded, TreeConfig(kind="default")).size == len(chosen.paths) + 1
 
 
-def test_time_target_is_non_decreasing_in_query_tokens(target):
-    times = time_target(target, list(range(1, 30)), [1, 2, 4, 8], repeats=1)
+def test_time_target_is_non_decreasing_in_query_tokens(tiny_target):
+    times = time_target(tiny_target, list(range(1, 30)), [1, 2, 4, 8], repeats=1)
     assert sorted(times) == [1, 2, 4, 8] and all(t > 0 for t in times.values())
     assert [times[n] for n in sorted(times)] == sorted(times.values())

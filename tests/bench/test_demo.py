@@ -2,21 +2,11 @@
 
 import io
 
-import pytest
-import torch
-
 from specheads.bench.demo import TokenPrinter
-from specheads.config.train import ModelConfig
-from specheads.target import load_target
 
 
-@pytest.fixture(scope="module")
-def target():
-    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
-
-
-def test_token_printer_marks_accepted_drafts(target):
-    tok = target.tokenizer
+def test_token_printer_marks_accepted_drafts(tiny_target):
+    tok = tiny_target.tokenizer
     out = io.StringIO()
     printer = TokenPrinter(tok, "brackets", out)
     ids = tok("Hello wonderful world")["input_ids"]

@@ -1,28 +1,20 @@
 """FastChat question files: first turns, categories, and one-line errors for bad rows."""
 
-import json
-
 import pytest
+from conftest import write_questions
 
 from specheads.bench.questions import read_questions
 from specheads.errors import SpecHeadsError
 
 
-def write_questions(path, categories):
-    path.write_text(
-        "".join(
-            json.dumps(
-                {"question_id": 80 + i, "category": c, "turns": [f"Question {i}: tell me about {c}.", "second turn"]}
-            )
-            + "\n"
-            for i, c in enumerate(categories)
-        )
-    )
-    return path
+def questions_about(path, categories):
+    """Two-turn questions (ids 80..), one per category, each asking about its category."""
+    prompts = [f"Question {i}: tell me about {c}." for i, c in enumerate(categories)]
+    return write_questions(path, prompts, categories, first_id=80, later_turns=("second turn",))
 
 
 def test_read_questions(tmp_path):
-    rows = read_questions(write_questions(tmp_path / "q.jsonl", ["writing", "math", "writing", "coding"]), limit=3)
+    rows = read_questions(questions_about(tmp_path / "q.jsonl", ["writing", "math", "writing", "coding"]), limit=3)
     assert [r["question_id"] for r in rows] == [80, 81, 82]
     assert rows[0]["prompt"].startswith("Question 0") and rows[1]["category"] == "math"
     bad = tmp_path / "bad.jsonl"
@@ -37,6 +29,6 @@ def test_read_questions(tmp_path):
 
 
 def test_per_category_keeps_the_first_questions_of_every_category(tmp_path):
-    path = write_questions(tmp_path / "q.jsonl", ["a", "a", "a", "b", "b", "c"])
+    path = questions_about(tmp_path / "q.jsonl", ["a", "a", "a", "b", "b", "c"])
     picked = read_questions(path, per_category=2)
     assert [q["question_id"] - 80 for q in picked] == [0, 1, 3, 4, 5]

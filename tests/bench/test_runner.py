@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import write_questions
 
 from specheads.bench.compared import open_compared_heads
 from specheads.bench.inputs import encode_turns
@@ -19,42 +20,23 @@ from specheads.bench.runner import (
 )
 from specheads.bench.session import Session
 from specheads.config.infer import BenchConfig, InferJobConfig, TreeConfig
-from specheads.config.train import HeadConfig, ModelConfig
+from specheads.config.train import HeadConfig
 from specheads.errors import SpecHeadsError
 from specheads.heads import build_head, save_head
-from specheads.target import load_target
 
 ROW_FIELDS = {"question_id", "category", "method", "output_ids", "new_tokens", "target_forwards", "wall_s"}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
-
-
-def write_questions(path, n=3):
-    cats = ["writing", "math", "writing", "coding"]
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(
-                json.dumps(
-                    {
-                        "question_id": 80 + i,
-                        "category": cats[i % 4],
-                        "turns": [f"Question {i}: tell me, briefly, about {i * 7}.", "second turn"],
-                    }
-                )
-                + "\n"
-            )
-    return path
+def numbered_questions(path, n):
+    """n two-turn questions (ids 80..) whose first turn names a number (rebuilt by a test below)."""
+    return write_questions(
+        path,
+        [f"Question {i}: tell me, briefly, about {i * 7}." for i in range(n)],
+        categories=("writing", "math", "writing", "coding"),
+        first_id=80,
+        later_turns=("second turn",),
+    )
 
 
 def test_summary_arithmetic():
@@ -112,24 +94,24 @@ def test_output_paths():
     assert str(p["summary"]) == "/x/mt.summary.json" and str(p["tau_png"]) == "/x/mt.tau.png"
 
 
-def test_first_divergence_reports_the_margin(target):
+def test_first_divergence_reports_the_margin(tiny_target):
     prompt = [1, 2, 3, 4]
-    base = target.model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, 4:].tolist()
+    base = tiny_target.model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, 4:].tolist()
     other = base[:2] + [(base[2] + 1) % 320] + base[3:]
-    d = first_divergence(target, prompt, base, other)
+    d = first_divergence(tiny_target, prompt, base, other)
     assert d["index"] == 2 and d["baseline_token"] == base[2] and d["top2_margin"] > 0
-    assert first_divergence(target, prompt, base, list(base)) is None
+    assert first_divergence(tiny_target, prompt, base, list(base)) is None
 
 
 @pytest.mark.parametrize("family", ["medusa", "eagle3"])
-def test_run_benchmark_in_process(tmp_path, target, family):
+def test_run_benchmark_in_process(tmp_path, tiny_target, family):
     torch.manual_seed(0)
-    head = build_head(HeadConfig(family=family, draft_vocab_size=320, num_heads=3), target)
+    head = build_head(HeadConfig(family=family, draft_vocab_size=320, num_heads=3), tiny_target)
     settings = InferJobConfig(
         head_path=str(tmp_path / "head"),
         tree=TreeConfig(kind="dynamic", depth=3, top_k=3, total_tokens=8),
         bench=BenchConfig(
-            questions=str(write_questions(tmp_path / "q.jsonl", 3)),
+            questions=str(numbered_questions(tmp_path / "q.jsonl", 3)),
             output=str(tmp_path / "out" / "res.jsonl"),
             max_new_tokens=12,
             warmup=1,
@@ -144,7 +126,7 @@ def test_run_benchmark_in_process(tmp_path, target, family):
         def flush(self):
             pass
 
-    report = run_benchmark(settings, Session(target, head, tmp_path / "head", {}), out=Out())
+    report = run_benchmark(settings, Session(tiny_target, head, tmp_path / "head", {}), out=Out())
     rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
     assert len(rows) == 3 * 4
     assert {r["method"] for r in rows} == {"baseline", "plain", "prompt_lookup", "spec"}
@@ -180,13 +162,13 @@ def test_run_benchmark_in_process(tmp_path, target, family):
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
 
 
-def test_all_turns_follow_each_methods_own_answers(tmp_path, target):
+def test_all_turns_follow_each_methods_own_answers(tmp_path, tiny_target):
     torch.manual_seed(0)
-    head = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), target)
+    head = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), tiny_target)
     settings = InferJobConfig(
         tree=TreeConfig(kind="chain", depth=3),
         bench=BenchConfig(
-            questions=str(write_questions(tmp_path / "q.jsonl", 2)),
+            questions=str(numbered_questions(tmp_path / "q.jsonl", 2)),
             output=str(tmp_path / "out" / "res.jsonl"),
             max_new_tokens=8,
             methods=["baseline", "plain", "spec"],
@@ -195,10 +177,10 @@ def test_all_turns_follow_each_methods_own_answers(tmp_path, target):
             plots=False,
         ),
     )
-    report = run_benchmark(settings, Session(target, head, None, {}), out=io.StringIO())
+    report = run_benchmark(settings, Session(tiny_target, head, None, {}), out=io.StringIO())
     rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
     assert sorted({(r["question_id"], r["turn"]) for r in rows}) == [(80, 1), (80, 2), (81, 1), (81, 2)]
-    tok = target.tokenizer
+    tok = tiny_target.tokenizer
     for r in rows:
         if r["turn"] == 2:  # turn 2 is asked after the same method's own turn-1 answer
             first = next(
@@ -229,15 +211,15 @@ def test_encode_turns_alternates_user_and_answers():
         encode_turns(tok, ["hi", "more"], [])
 
 
-def test_compared_heads_run_side_by_side_in_one_run(tmp_path, target):
+def test_compared_heads_run_side_by_side_in_one_run(tmp_path, tiny_target):
     torch.manual_seed(0)
-    main = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), target)
-    other = build_head(HeadConfig(family="medusa", num_heads=2), target)
+    main = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), tiny_target)
+    other = build_head(HeadConfig(family="medusa", num_heads=2), tiny_target)
     save_head(other, tmp_path / "medusa-run" / "head")
     settings = InferJobConfig(
         tree=TreeConfig(kind="chain", depth=2),
         bench=BenchConfig(
-            questions=str(write_questions(tmp_path / "q.jsonl", 2)),
+            questions=str(numbered_questions(tmp_path / "q.jsonl", 2)),
             output=str(tmp_path / "out" / "res.jsonl"),
             max_new_tokens=8,
             methods=["baseline", "spec"],
@@ -247,7 +229,7 @@ def test_compared_heads_run_side_by_side_in_one_run(tmp_path, target):
         ),
     )
     out = io.StringIO()
-    report = run_benchmark(settings, Session(target, main, tmp_path / "eagle3-run" / "head", {}), out=out)
+    report = run_benchmark(settings, Session(tiny_target, main, tmp_path / "eagle3-run" / "head", {}), out=out)
     rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
     assert {r["method"] for r in rows} == {"baseline", "spec", "spec:medusa-run"}
     assert set(report["methods"]) == {"baseline", "spec", "spec:medusa-run"}
@@ -258,16 +240,22 @@ def test_compared_heads_run_side_by_side_in_one_run(tmp_path, target):
     assert "spec:medusa-run: spec step" in out.getvalue()
 
 
-def test_compared_heads_are_refused_for_another_target_or_a_clashing_name(tmp_path, target):
-    head = build_head(HeadConfig(family="medusa", num_heads=2), target)
+def test_compared_heads_are_refused_for_another_target_or_a_clashing_name(tmp_path, tiny_target):
+    head = build_head(HeadConfig(family="medusa", num_heads=2), tiny_target)
     save_head(head, tmp_path / "a" / "head")
     config = json.loads((tmp_path / "a" / "head" / "config.json").read_text())
     config["target"]["name"] = "another-model"
     (tmp_path / "b").mkdir()
     save_head(head, tmp_path / "b" / "head")
     (tmp_path / "b" / "head" / "config.json").write_text(json.dumps(config))
-    session = Session(target, head, tmp_path / "a" / "head", {})
+    session = Session(tiny_target, head, tmp_path / "a" / "head", {})
     with pytest.raises(SpecHeadsError, match="trained for another-model"):
         open_compared_heads([str(tmp_path / "b" / "head")], session)
     with pytest.raises(SpecHeadsError, match="two heads are named 'a'"):
         open_compared_heads([str(tmp_path / "a" / "head")], session)
+    config["target"]["name"], config["family"] = tiny_target.info.name, "medusa2"  # adapts the shared target
+    (tmp_path / "c").mkdir()
+    save_head(head, tmp_path / "c" / "head")
+    (tmp_path / "c" / "head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecHeadsError, match="changes its target; benchmark it alone"):
+        open_compared_heads([str(tmp_path / "c" / "head")], session)

@@ -1,6 +1,5 @@
-import json
-
 import pytest
+from conftest import write_jsonl
 
 from specheads.data.chat import tokenize_conversation
 from specheads.data.formats import load_conversations
@@ -32,16 +31,6 @@ def expected(turns):
             ids += i
             mask += m
     return ids, mask
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return byte_tokenizer()
 
 
 def test_sharegpt_mask_is_exact(tok, tmp_path):

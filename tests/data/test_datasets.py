@@ -1,36 +1,12 @@
-import json
-
 import pytest
 import torch
+from conftest import conversations, write_jsonl, write_questions
 
 from specheads.config.train import DataConfig
 from specheads.data.chat import tokenize_conversation
 from specheads.data.datasets import build_datasets, collate
 from specheads.data.formats import load_conversations
 from specheads.errors import SpecHeadsError
-from specheads.tiny import byte_tokenizer
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def conversations(n, offset=0):
-    return [
-        {
-            "messages": [
-                {"role": "user", "content": f"question number {i}"},
-                {"role": "assistant", "content": f"answer number {i}"},
-            ]
-        }
-        for i in range(offset, offset + n)
-    ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return byte_tokenizer()
 
 
 def data_cfg(path, **kw):
@@ -60,9 +36,8 @@ def test_build_datasets_split_shuffle_and_drop(tok, tmp_path):
 
 def test_build_datasets_decontaminates_and_reports(tok, tmp_path, capsys):
     leaked = "please write a short poem about the quiet autumn rain falling on the old stone bridge"
-    evalfile = write_jsonl(
-        tmp_path / "question.jsonl",
-        [{"question_id": 1, "category": "writing", "turns": [leaked.upper() + "!", "Now shorter."]}],
+    evalfile = write_questions(
+        tmp_path / "question.jsonl", [leaked.upper() + "!"], first_id=1, later_turns=("Now shorter.",)
     )
     rows = conversations(6) + [
         {"messages": [{"role": "user", "content": f"Hey: {leaked}, thanks"}, {"role": "assistant", "content": "ok"}]}

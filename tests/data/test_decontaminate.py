@@ -4,17 +4,13 @@ import json
 from collections import Counter
 
 import pytest
+from conftest import write_questions
 
 from specheads.data.decontaminate import NgramIndex, decontaminate, eval_prompts, resolve_eval_files, words
 from specheads.data.questions import DEV_QUESTIONS
 from specheads.errors import SpecHeadsError
 
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-
-
-def write_questions(path, turns):
-    path.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": turns}) + "\n")
-    return path
 
 
 def test_dev_questions_ship_in_fastchat_format():
@@ -29,7 +25,7 @@ def test_dev_questions_ship_in_fastchat_format():
 def test_dev_set_is_always_included(tmp_path):
     assert resolve_eval_files([]) == [DEV_QUESTIONS]
     assert resolve_eval_files(None) == [DEV_QUESTIONS]
-    other = write_questions(tmp_path / "q.jsonl", ["anything at all"])
+    other = write_questions(tmp_path / "q.jsonl", ["anything at all"], first_id=1, later_turns=())
     assert resolve_eval_files([str(other)]) == [DEV_QUESTIONS, other]
     assert resolve_eval_files([str(tmp_path / "*.jsonl")]) == [DEV_QUESTIONS, other]
     # named again, it is not counted twice
@@ -40,7 +36,7 @@ def test_unmatched_glob_prints_one_line(tmp_path, capsys):
     pattern = str(tmp_path / "missing" / "*.jsonl")
     assert resolve_eval_files([pattern]) == [DEV_QUESTIONS]
     assert capsys.readouterr().out.splitlines() == [f"decontamination: {pattern} matches no file; skipped"]
-    write_questions(tmp_path / "q.jsonl", ["anything at all"])
+    write_questions(tmp_path / "q.jsonl", ["anything at all"], first_id=1, later_turns=())
     resolve_eval_files([str(tmp_path / "*.jsonl")])
     assert capsys.readouterr().out == ""  # a glob that matches says nothing
 
@@ -68,14 +64,8 @@ def test_conversation_overlapping_a_dev_question_is_dropped():
 LONG = "please write a short poem about the quiet autumn rain falling on the old stone bridge tonight"
 
 
-def questions(path, prompts):
-    rows = [{"question_id": i, "category": "writing", "turns": [p, "Shorter now."]} for i, p in enumerate(prompts)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_ngram_overlap_is_dropped_and_counted(tmp_path):
-    evalfile = questions(tmp_path / "question.jsonl", [LONG])
+    evalfile = write_questions(tmp_path / "question.jsonl", [LONG])
     words = LONG.split()
     convs = [
         [
@@ -98,5 +88,5 @@ def test_eval_files_resolution(tmp_path):
     assert resolve_eval_files([str(tmp_path / "missing" / "*.jsonl")]) == [DEV_QUESTIONS]  # the dev set, always
     with pytest.raises(SpecHeadsError, match="does not exist"):
         resolve_eval_files([str(tmp_path / "nope.jsonl")])
-    file = questions(tmp_path / "q.jsonl", [LONG])
+    file = write_questions(tmp_path / "q.jsonl", [LONG])
     assert resolve_eval_files([str(tmp_path / "*.jsonl"), str(file)]) == [DEV_QUESTIONS, file]

@@ -1,26 +1,10 @@
 import json
 
 import pytest
+from conftest import conversations, write_jsonl
 
 from specheads.data.formats import load_conversations
 from specheads.errors import SpecHeadsError
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def conversations(n, offset=0):
-    return [
-        {
-            "messages": [
-                {"role": "user", "content": f"question number {i}"},
-                {"role": "assistant", "content": f"answer number {i}"},
-            ]
-        }
-        for i in range(offset, offset + n)
-    ]
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ path, one head call per level; with the Hydra++ prefix layer its KV cache follow
 
 import pytest
 import torch
-from conftest import POLICIES, hf_greedy
+from conftest import POLICIES, hf_greedy, overfit
 
 from specheads.config.infer import TreeConfig
 from specheads.config.train import HeadConfig
@@ -14,21 +14,7 @@ from specheads.decode.tree import chain_paths, static_tree
 from specheads.errors import SpecHeadsError
 from specheads.heads import MedusaHead, build_head
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def sequences(tiny_target):
-    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
-    return tiny_target.model.generate(
-        prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False
-    )
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def nudged(head, scale=0.05, seed=0):
@@ -105,13 +91,8 @@ def test_trained_hydra_gives_exact_greedy_output(flags, tiny_target, sequences):
     batch = {k: torch.ones_like(sequences) for k in ("attention_mask", "loss_mask")}
     batch["input_ids"] = sequences
     s = tiny_target.states(sequences, batch["attention_mask"], final=True)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     head.train()
-    for _ in range(40):
-        loss, _ = head.loss(batch, {"final": s.final})
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    overfit(head, batch, {"final": s.final}, steps=40)
     head.eval()
     prompts = [sequences[1:2, :8], sequences[3:4, :8], torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])]
     refs = [hf_greedy(tiny_target, p, 24) for p in prompts]

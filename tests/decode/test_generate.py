@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import POLICIES, hf_greedy, quick_head
+from conftest import POLICIES, greedy_sequences, hf_greedy, quick_head
 from scipy.stats import chisquare
 
 from specheads.decode.drafters import grow_tree, make_drafter
@@ -20,13 +20,7 @@ from specheads.tiny import tiny_target as build_tiny
 FAMILIES = ["medusa", "eagle", "eagle3", "hydra"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # two threads on a loaded 2-core machine are ~10x slower for these tiny matrices
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_target(attn="eager", arch="llama"):
@@ -50,8 +44,7 @@ def sdpa_target():
 def sequences(target):
     """Greedy continuations of random prompts: the heads are overfitted on them so that long
     paths get accepted (which is what exercises KV compaction and the draft cache catch-up)."""
-    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
-    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
+    return greedy_sequences(target)
 
 
 @pytest.fixture(scope="module")

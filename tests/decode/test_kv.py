@@ -1,34 +1,26 @@
 """Tree verification's forward and cache: every node sees exactly its ancestors; compaction leaves
 the cache as if the accepted path had been decoded one token at a time."""
 
-import pytest
 import torch
 
-from specheads.config.train import ModelConfig
 from specheads.decode.kv import compact_cache, new_cache, verify_tree
 from specheads.decode.tree import TreeLayout
-from specheads.target import load_target
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
 
 
 @torch.no_grad()
-def test_each_tree_node_sees_the_prefix_and_its_ancestors(target):
+def test_each_tree_node_sees_the_prefix_and_its_ancestors(tiny_target):
     prefix = [5, 6, 7, 8, 9]
     # root 10; children 11, 12 of the root; 13 below 11
     tokens, layout = [10, 11, 12, 13], TreeLayout((-1, 0, 0, 1))
-    cache = new_cache(target.model)
-    target.model(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
-    out = verify_tree(target, tokens, layout, len(prefix), cache)
+    cache = new_cache(tiny_target.model)
+    tiny_target.model(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+    out = verify_tree(tiny_target, tokens, layout, len(prefix), cache)
     for node in range(layout.size):
         seq = prefix + [tokens[i] for i in layout.path_to(node)]
-        ref = target.model(torch.tensor([seq])).logits[0, -1]
+        ref = tiny_target.model(torch.tensor([seq])).logits[0, -1]
         assert torch.allclose(out.logits[0, node], ref, atol=1e-4), node
     # keep root and node 2: the cache continues like plain decoding of prefix + [10, 12]
     compact_cache(cache, len(prefix), [0, 2])
-    nxt = target.model(torch.tensor([[14]]), past_key_values=cache, use_cache=True).logits[0, -1]
-    ref = target.model(torch.tensor([prefix + [10, 12, 14]])).logits[0, -1]
+    nxt = tiny_target.model(torch.tensor([[14]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    ref = tiny_target.model(torch.tensor([prefix + [10, 12, 14]])).logits[0, -1]
     assert torch.allclose(nxt, ref, atol=1e-4)

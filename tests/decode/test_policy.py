@@ -3,33 +3,26 @@
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from specheads.config.infer import TreeConfig
-from specheads.config.train import HeadConfig, ModelConfig
+from specheads.config.train import HeadConfig
 from specheads.decode.drafters import EagleDrafter, MedusaDrafter, make_drafter
 from specheads.decode.policy import DynamicTreeSpec, describe_policy, tree_policy_for
 from specheads.decode.tree import StaticTree, chain_paths, static_tree
 from specheads.errors import SpecHeadsError
 from specheads.heads import MedusaHead, build_head
-from specheads.target import load_target
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
-@pytest.fixture(scope="module")
-def target():
-    return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), torch.device("cpu"))
-
-
-def test_tree_policies(target):
-    medusa = build_head(HeadConfig(family="medusa", num_heads=2), target)
+def test_tree_policies(tiny_target):
+    medusa = build_head(HeadConfig(family="medusa", num_heads=2), tiny_target)
     policy = tree_policy_for(medusa, TreeConfig(kind="default"))
     assert isinstance(policy, StaticTree) and policy.layout.max_depth == 2
     with pytest.raises(SpecHeadsError, match="Medusa head drafts at most 2 deep"):
         tree_policy_for(medusa, TreeConfig(kind="chain", depth=3))
-    eagle = build_head(HeadConfig(family="eagle"), target)
+    eagle = build_head(HeadConfig(family="eagle"), tiny_target)
     assert tree_policy_for(eagle, TreeConfig(kind="dynamic", total_tokens=7)).total_tokens == 7
     assert isinstance(tree_policy_for(eagle, TreeConfig(kind="default")), DynamicTreeSpec)
     eagle.default_tree = [[0], [1], [0, 0]]
@@ -40,13 +33,13 @@ def test_tree_policies(target):
         tree_policy_for(eagle, TreeConfig(kind="auto"))
 
 
-def test_the_medusa_default_tree_has_one_source(target):
+def test_the_medusa_default_tree_has_one_source(tiny_target):
     """MedusaHead.fallback_tree is the tree; no conf/tree preset repeats it."""
     paths = [list(p) for p in MedusaHead.fallback_tree]
-    three = build_head(HeadConfig(family="medusa", num_heads=3), target)
+    three = build_head(HeadConfig(family="medusa", num_heads=3), tiny_target)
     assert tree_policy_for(three, TreeConfig(kind="default")).paths == static_tree(paths).paths
     # a deeper head: the same tree plus the top-1 chain down to its last head
-    five = build_head(HeadConfig(family="medusa", num_heads=5), target)
+    five = build_head(HeadConfig(family="medusa", num_heads=5), tiny_target)
     deeper = tree_policy_for(five, TreeConfig(kind="default")).paths
     assert set(deeper) == {tuple(p) for p in paths + chain_paths(5)}
     for preset in sorted((CONF / "tree").glob("*.yaml")):
@@ -54,12 +47,12 @@ def test_the_medusa_default_tree_has_one_source(target):
         assert not stored or sorted(map(tuple, stored)) != sorted(map(tuple, paths)), preset
 
 
-def test_the_head_picks_its_drafter_and_its_depth_limit(target):
-    medusa = build_head(HeadConfig(family="medusa", num_heads=2), target)
+def test_the_head_picks_its_drafter_and_its_depth_limit(tiny_target):
+    medusa = build_head(HeadConfig(family="medusa", num_heads=2), tiny_target)
     assert isinstance(make_drafter(medusa, static_tree(chain_paths(2))), MedusaDrafter)
     with pytest.raises(SpecHeadsError, match="3 deep"):
         make_drafter(medusa, static_tree(chain_paths(3)))
-    eagle3 = build_head(HeadConfig(family="eagle3"), target)
+    eagle3 = build_head(HeadConfig(family="eagle3"), tiny_target)
     assert isinstance(make_drafter(eagle3, static_tree(chain_paths(9))), EagleDrafter)
 
 

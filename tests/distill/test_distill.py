@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_jsonl, write_questions
 from transformers import GenerationConfig
 
 from specheads.config.distill import DistillConfig, MagpieConfig
@@ -31,24 +32,7 @@ RELAXED = MagpieConfig(min_words=0, min_printable=0.0, cut="keep", max_new_token
 LONG = "please write a short poem about the quiet autumn rain falling on the old stone bridge tonight"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny target is too small to gain from threads, and they cost a lot on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def questions(path, prompts):
-    return write_jsonl(
-        path, [{"question_id": i, "category": "writing", "turns": [p, "Shorter now."]} for i, p in enumerate(prompts)]
-    )
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cfg(tmp_path, name="out", **kw):
@@ -172,7 +156,7 @@ def test_magpie_prompts_are_produced_and_deduplicated(tiny_target):
 
 
 def test_dataset_prompts_formats(tmp_path):
-    fastchat = questions(tmp_path / "q.jsonl", ["first turn", "other"])
+    fastchat = write_questions(tmp_path / "q.jsonl", ["first turn", "other"])
     sharegpt = write_jsonl(
         tmp_path / "s.jsonl",
         [
@@ -198,7 +182,7 @@ def test_dataset_prompts_formats(tmp_path):
 
 
 def test_batched_regeneration_equals_unbatched(tiny_target, tmp_path):
-    src = questions(tmp_path / "q.jsonl", [f"question {i} " + "x" * i for i in range(5)])
+    src = write_questions(tmp_path / "q.jsonl", [f"question {i} " + "x" * i for i in range(5)])
     a = run_distillation(tiny_target, cfg(tmp_path, "a", prompts=str(src), batch_size=1))
     b = run_distillation(tiny_target, cfg(tmp_path, "b", prompts=str(src), batch_size=4))
     assert shard_rows(a) == shard_rows(b)
@@ -252,7 +236,7 @@ def test_output_loads_with_datasets_and_records_provenance(tiny_target, tmp_path
 
 
 def test_contaminated_prompts_are_dropped_before_answering(tiny_target, tmp_path):
-    evalfile = questions(tmp_path / "question.jsonl", [LONG])
+    evalfile = write_questions(tmp_path / "question.jsonl", [LONG])
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in ["one", LONG.upper(), "two", "one"]])
     out = run_distillation(tiny_target, cfg(tmp_path, prompts=str(src), decontaminate=[str(evalfile)]))
     assert sorted(r["messages"][0]["content"] for r in shard_rows(out)) == ["one", "two"]
@@ -302,7 +286,7 @@ def run_cli(*args, cwd):
 
 
 def test_distill_cli_end_to_end(tmp_path):
-    src = questions(tmp_path / "q.jsonl", ["Tell me a joke.", "What is rain?", "Name a color."])
+    src = write_questions(tmp_path / "q.jsonl", ["Tell me a joke.", "What is rain?", "Name a color."])
     out = tmp_path / "d"
     proc = run_cli(
         "model=tiny-random",

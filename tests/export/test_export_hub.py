@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_questions
 from huggingface_hub import HfApi, ModelCard
 from test_export import EAGLE3, PROMPT, ROOT, compose_export, draft_outputs, make_head_dir
 
@@ -84,12 +85,8 @@ def bench_summary(tiny_target, tmp_path_factory):
     from specheads.config.infer import BenchConfig, InferJobConfig, TreeConfig
 
     d = tmp_path_factory.mktemp("bench")
-    questions = d / "q.jsonl"
-    questions.write_text(
-        "".join(
-            json.dumps({"question_id": i, "category": c, "turns": [f"Say {i}."]}) + "\n"
-            for i, c in [(1, "math"), (2, "writing")]
-        )
+    questions = write_questions(
+        d / "q.jsonl", [f"Say {i}." for i in (1, 2)], categories=("math", "writing"), first_id=1, later_turns=()
     )
     torch.manual_seed(0)
     head = build_head(HeadConfig(family="medusa", num_heads=2), tiny_target)

@@ -3,7 +3,7 @@ from dataclasses import asdict, fields
 
 import pytest
 import torch
-from conftest import batch_rows, head_states
+from conftest import batch_rows, head_states, overfit
 from safetensors.torch import save_file
 
 from specheads.config.train import HeadConfig, ModelConfig
@@ -113,15 +113,8 @@ def test_shapes(family, tiny_target, toy_batch):
 def test_loss_falls_over_20_fixed_seed_steps(family, tiny_target, toy_batch):
     head = make_head(family, tiny_target, toy_batch).train()
     states = head_states(tiny_target, head, toy_batch)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     torch.manual_seed(1)
-    losses = []
-    for _ in range(20):
-        loss, metrics = head.loss(toy_batch, states)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, _ = overfit(head, toy_batch, states, steps=20)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.7 * losses[0], losses
 

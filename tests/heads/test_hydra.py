@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import batch_rows, head_states
+from conftest import batch_rows, head_states, overfit
 
 from specheads.config.train import HeadConfig
 from specheads.heads import HydraHead, build_head, load_head, save_head
@@ -80,14 +80,7 @@ def test_fresh_head_starts_as_medusa_would(tiny_target, toy_batch):
 def test_loss_falls_when_overfitting(overrides, tiny_target, toy_batch):
     head = make_hydra(tiny_target, toy_batch, **overrides).train()
     states = head_states(tiny_target, head, toy_batch)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        loss, metrics = head.loss(toy_batch, states)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, metrics = overfit(head, toy_batch, states, steps=30)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert set(metrics) == {f"{m}_{k}" for m in ("loss", "acc") for k in range(3)}
     # the teacher's soft CE cannot go below the target's own entropy: a smaller fall there

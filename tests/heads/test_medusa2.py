@@ -22,13 +22,7 @@ from specheads.heads import Medusa2Head, MedusaHead, build_head, load_head, save
 from specheads.heads.medusa2 import ADAPTER_DIR, ADAPTER_WEIGHTS, MERGED_KEY
 from specheads.target import FrozenTarget, load_target
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny matrices gain nothing from threads on a loaded machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fresh_target() -> FrozenTarget:

@@ -8,8 +8,9 @@ import time
 
 import pytest
 import torch
+from conftest import write_conversations
 from safetensors.torch import load_file
-from test_train import ROOT, assert_head_written, clean_env, run, tiny_args, write_conversations
+from test_train import ROOT, assert_head_written, clean_env, run, tiny_args
 
 from specheads.errors import SpecHeadsError
 from specheads.train.checkpoint import COMPLETE, Checkpoints, capture_rng, restore_rng
@@ -110,3 +111,40 @@ def test_kill_during_training_then_resume_gives_the_same_weights(tmp_path):
     # what the killed run logged after its last checkpoint is dropped, not duplicated
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train/loss" in r] == list(range(1, steps + 1))
+
+
+def test_a_head_field_added_later_keeps_old_checkpoints_resumable():
+    from dataclasses import asdict
+
+    from specheads.config.train import HeadConfig
+    from specheads.train.trainer import fingerprint_diffs
+
+    now = {"head": asdict(HeadConfig(family="eagle3")), "batch_size": 4}
+    old_head = {k: v for k, v in now["head"].items() if not k.startswith("lora_")}  # before the field existed
+    assert fingerprint_diffs({"head": old_head, "batch_size": 4}, now) == []
+    changed = {"head": {**now["head"], "lora_r": 4}, "batch_size": 4}
+    assert fingerprint_diffs({"head": old_head, "batch_size": 4}, changed)  # set away from its default
+    assert fingerprint_diffs({"head": old_head, "batch_size": 8}, now) == ["batch_size 8 -> 4"]
+
+
+def test_a_resumed_run_with_another_step_count_decays_to_its_new_end(capsys):
+    from types import SimpleNamespace
+
+    from specheads.train.schedule import warmup_cosine_scheduler
+    from specheads.train.trainer import Trainer
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    sched = warmup_cosine_scheduler(opt, 0, 535, 0.1)
+    for _ in range(150):
+        opt.step()
+        sched.step()
+    trainer = Trainer.__new__(Trainer)  # only what retarget_schedule reads
+    trainer.engine = SimpleNamespace(lr_scheduler=sched)
+    trainer.max_steps, trainer.d = 330, SimpleNamespace(is_main=True)
+    trainer.retarget_schedule()
+    assert "schedule now ends at step 330 (was 535)" in capsys.readouterr().err
+    for _ in range(180):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # fully decayed at the new end

@@ -5,14 +5,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_train import write_conversations
+from conftest import write_conversations
 
 from specheads.config.model import ModelConfig
 from specheads.config.train import DataConfig, DeepSpeedConfig, HeadConfig, TrainConfig, TrainJobConfig, WandbConfig
 from specheads.errors import SpecHeadsError
 from specheads.train.batches import TrainBatches, eval_batches
 from specheads.train.deepspeed_config import deepspeed_config
-from specheads.train.distributed import setup_distributed
 from specheads.train.run import head_and_states
 from specheads.train.schedule import WarmupCosine
 from specheads.train.state_source import OnlineStates
@@ -77,14 +76,6 @@ def test_deepspeed_config_follows_the_job():
     assert deepspeed_config(t, z, 1, torch.device("cpu"), torch.bfloat16)["bf16"]["enabled"]
     with pytest.raises(SpecHeadsError, match="zero_stage=3"):
         deepspeed_config(t, replace(z, zero_stage=2, offload_param=True), 1, torch.device("cpu"), torch.float32)
-
-
-@pytest.fixture(scope="module")
-def world():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny target's matrices are too small to gain from threads
-    yield setup_distributed("cpu")
-    torch.set_num_threads(threads)
 
 
 def job(family, data, out, **train):

@@ -5,24 +5,15 @@ import json
 
 import pytest
 import torch
-from test_train import write_conversations
+from conftest import write_conversations
 
 from specheads.config.model import ModelConfig
 from specheads.config.train import DataConfig, HeadConfig, TrainConfig, TrainJobConfig, WandbConfig
 from specheads.errors import SpecHeadsError
 from specheads.heads.medusa2 import ADAPTER_DIR, ADAPTER_WEIGHTS, MERGED_KEY
 from specheads.target import load_target
-from specheads.train.distributed import setup_distributed
 from specheads.train.run import head_and_states, train
 from specheads.train.trainer import Trainer
-
-
-@pytest.fixture(scope="module")
-def world():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny target's matrices are too small to gain from threads
-    yield setup_distributed("cpu")
-    torch.set_num_threads(threads)
 
 
 def job(data, out, **head) -> TrainJobConfig:

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+from conftest import write_questions
 from test_train import ROOT, clean_env, run
 
 
@@ -15,12 +16,7 @@ def losses(out):
 def test_offline_features_train_like_online(tmp_path):
     questions = tmp_path / "questions.jsonl"
     topics = ["rivers", "stars", "bread", "chess", "rain", "glass", "maps", "bees", "salt", "wind"]
-    questions.write_text(
-        "".join(
-            json.dumps({"question_id": i, "category": "t", "turns": [f"Tell me about {t} please."]}) + "\n"
-            for i, t in enumerate(topics)
-        )
-    )
+    write_questions(questions, [f"Tell me about {t} please." for t in topics], categories=("t",), later_turns=())
     data = tmp_path / "distilled"
     proc = run(
         [
