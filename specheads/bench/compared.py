@@ -29,10 +29,10 @@ def method_name(label: str) -> str:
     return f"{SPEC}:{label}"
 
 
-def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, TreePolicy]]:
-    """method name -> (drafter, tree policy) for every extra head, checked against the target."""
+def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, TreePolicy, str]]:
+    """method name -> (drafter, tree policy, head path) for every extra head, checked against the target."""
     target = session.target
-    out: dict[str, tuple[object, TreePolicy]] = {}
+    out: dict[str, tuple[object, TreePolicy, str]] = {}
     main_label = head_label(session.head_dir) if session.head_dir else None
     for path in paths:
         directory = resolve_head_path(path)
@@ -55,5 +55,5 @@ def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, Tr
         if session.layouts is not None:
             install(head, session.layouts)
         policy = tree_policy_for(head, TreeConfig(kind="default"))
-        out[method_name(label)] = (make_drafter(head, policy), policy)
+        out[method_name(label)] = (make_drafter(head, policy), policy, path)
     return out

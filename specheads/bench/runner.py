@@ -207,10 +207,10 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     paths["rows"].parent.mkdir(parents=True, exist_ok=True)
     eos = eos_token_ids(target)
     cfg = sampling_config(settings, b.max_new_tokens, eos)
-    spec_heads = {}  # method -> (drafter, tree policy)
+    spec_heads = {}  # method -> (drafter, tree policy, head path)
     if "spec" in b.methods:
         policy = tree_policy_for(session.head, settings.tree)
-        spec_heads["spec"] = (make_drafter(session.head, policy), policy)
+        spec_heads["spec"] = (make_drafter(session.head, policy), policy, str(session.head_dir))
     spec_heads.update(open_compared_heads(b.heads, session))
     methods = list(b.methods) + [m for m in spec_heads if m not in b.methods]
     gen = torch.Generator(device=target.device).manual_seed(settings.seed)
@@ -283,20 +283,20 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         "turns": b.turns,
         "methods": summary,
     }
-    if "spec" in spec_heads:
-        report["acceptance_per_depth"] = acceptance_per_depth([r for r in rows if r["method"] == "spec"])
-        report["costs"] = cost_breakdown(rows)
-    compared = {m: v for m, v in spec_heads.items() if m != "spec"}
-    if compared:
-        report["compared_heads"] = {
-            m: {
-                "head": path,
-                "tree": describe_policy(policy),
-                "acceptance_per_depth": acceptance_per_depth([r for r in rows if r["method"] == m]),
-                "costs": cost_breakdown(rows, m),
-            }
-            for path, (m, (_, policy)) in zip(b.heads, compared.items())
+    heads = {
+        m: {
+            "head": path,
+            "tree": describe_policy(policy),
+            "acceptance_per_depth": acceptance_per_depth([r for r in rows if r["method"] == m]),
+            "costs": cost_breakdown(rows, m),
         }
+        for m, (_, policy, path) in spec_heads.items()
+    }
+    if "spec" in heads:  # the main head's entries sit at the top level of the summary
+        main = heads.pop("spec")
+        report["acceptance_per_depth"], report["costs"] = main["acceptance_per_depth"], main["costs"]
+    if heads:
+        report["compared_heads"] = heads
     if "baseline" in methods:
         report["identical_to_baseline"] = compare_to_baseline(
             target, rows, prompts, methods, greedy=settings.temperature <= 0
