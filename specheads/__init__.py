@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "cli", "atomic", "provenance"),  # one-line errors, entry points, atomic writes, provenance
     ("config",),  # structured configs: one schema module per entry point
-    ("target", "tiny", "sampling", "linear_layout"),  # frozen target + capture, tiny targets, kernels
+    ("target", "tiny", "sampling", "linear_layout", "gqa_attention"),  # frozen target, tiny targets, kernels
     ("heads",),  # draft-head families: build, loss, draft step, head directories
     ("data",),  # formats, chat rendering + loss masks, datasets, decontamination, features
     ("distill",),  # prompt writing and regeneration by the target

@@ -1,24 +1,30 @@
-"""Which matrix-product layout the frozen target's linear layers use, by the number of rows.
+"""Which kernel the frozen target's linear layers use, by the number of rows.
 
 On CPU, `x @ W^T` (nn.Linear) over a handful of rows, the 2-64 query tokens of a tree
 verification, can run far below the speed of the 1-row matrix-vector path that plain decoding
-takes: a 2-token forward may cost 1.6x a 1-token one. The same product computed as `(W @ x^T)^T`,
-the weight as the left operand, can be much faster there. Which layout wins depends on the
-machine and the row count, and isolated matrix products do not predict it (in a whole forward the
-weights stream from memory), so whole verification forwards are timed: for each row count of a
-ladder, the target's forward of that many query tokens after a KV-cached context, stock and
-weight-left interleaved, and the faster layout kept (`measure_layouts`, cached per machine). One
-row always keeps F.linear: plain decoding is untouched.
+takes: a 2-token forward may cost 1.6x a 1-token one. Two other kernels compute the same product:
+  weight-left  `(W @ x^T)^T`, the weight as the left operand of the matrix product;
+  packed       oneDNN's linear over a copy of the weight reordered once into its blocked layout
+               (the kernel torch.compile's CPU freezing pass uses); it streams the weight faster at
+               every row count, one row included, at the price of that copy in memory.
+Which kernel wins depends on the machine and the row count, and isolated matrix products do not
+predict it (in a whole forward the weights stream from memory), so whole forwards are timed: for
+each row count of a ladder, the target's forward of that many query tokens after a KV-cached
+context, every kernel interleaved, and the fastest kept when it beats stock by a margin
+(`measure_layouts`, cached per machine). Row counts above the ladder (prefill) stay stock.
 
-Both layouts compute the same sums in a different order, so results differ by float rounding, as
+The kernels compute the same sums in a different order, so results differ by float rounding, as
 an N-row GEMM already does from the 1-row GEMV. Greedy outputs stay the target's own
-(tests/decode/test_generate.py checks speculative greedy decoding under the weight-left layout
-against the target's plain greedy decoding, on the tiny target and on SmolLM2).
+(tests/decode/test_generate.py checks speculative greedy decoding under each kernel against the
+target's greedy decoding as transformers ships it, on the tiny target and on SmolLM2). The HF
+baselines run with the kernels suspended (`stock_kernels`): they measure transformers as shipped,
+and this package's own plain decoding shows what the kernels alone are worth.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import platform
@@ -35,9 +41,11 @@ from transformers import DynamicCache
 from .atomic import write_json
 from .target import cache_root
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 # Row counts timed; a count between two rungs takes the decision of the next rung up.
-ROW_LADDER = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+ROW_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+STOCK, WEIGHT_LEFT, PACKED = "stock", "weight-left", "packed"
+KERNELS = (STOCK, WEIGHT_LEFT, PACKED)
 
 
 def weight_left_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -49,21 +57,52 @@ def weight_left_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def packing_available(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight reordered into oneDNN's blocked layout (a copy; the layer keeps its own)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 class RowLayouts:
-    """The row counts (rungs of the ladder) at which the linear layers run weight-left."""
+    """The kernel chosen for each rung of the ladder (stock where none is named)."""
 
-    def __init__(self, weight_left_rungs=()):
-        self.rungs = frozenset(weight_left_rungs)
-        self.timings: dict[int, tuple[float, float]] = {}  # rung -> (stock s, weight-left s), measured
+    def __init__(self, kernels: dict[int, str] | None = None):
+        self.kernels = {int(k): v for k, v in (kernels or {}).items() if v != STOCK}
+        bad = set(self.kernels.values()) - set(KERNELS)
+        if bad:
+            raise ValueError(f"unknown linear kernel(s) {sorted(bad)}; known: {KERNELS}")
+        self.timings: dict[int, dict[str, float]] = {}  # rung -> kernel -> median s, measured
 
-    def weight_left(self, rows: int) -> bool:
-        if rows < 2 or rows > ROW_LADDER[-1]:
-            return False
-        return ROW_LADDER[bisect.bisect_left(ROW_LADDER, rows)] in self.rungs
+    @classmethod
+    def everywhere(cls, kernel: str) -> RowLayouts:
+        return cls({r: kernel for r in ROW_LADDER})
+
+    def kernel(self, rows: int) -> str:
+        if rows < 1 or rows > ROW_LADDER[-1]:
+            return STOCK
+        return self.kernels.get(ROW_LADDER[bisect.bisect_left(ROW_LADDER, rows)], STOCK)
+
+    def uses(self, kernel: str) -> bool:
+        return kernel in self.kernels.values()
 
 
 def _layout_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if self._row_layouts.weight_left(x.numel() // x.shape[-1]):
+    kernel = self._row_layouts.kernel(x.numel() // x.shape[-1])
+    if kernel == PACKED and self._packed_weight is not None:
+        return packed_linear(x, self._packed_weight, self.bias)
+    if kernel == WEIGHT_LEFT:
         return weight_left_linear(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 
@@ -73,10 +112,19 @@ def linear_layers(model: nn.Module) -> list[nn.Linear]:
 
 
 def install(model: nn.Module, layouts: RowLayouts) -> int:
-    """Route every nn.Linear of `model` by row count; returns how many layers were routed."""
+    """Route every nn.Linear of `model` by row count; returns how many layers were routed.
+
+    The packed copies are made here, once (a layer whose weight cannot be packed stays stock
+    where packed was chosen); the model must not be trained while they are installed.
+    """
     layers = linear_layers(model)
     for layer in layers:
         layer._row_layouts = layouts
+        packed = layouts.uses(PACKED) and packing_available(layer.weight)
+        if not packed:
+            layer._packed_weight = None
+        elif getattr(layer, "_packed_weight", None) is None:
+            layer._packed_weight = pack_weight(layer.weight)
         layer.forward = types.MethodType(_layout_forward, layer)
     return len(layers)
 
@@ -86,45 +134,67 @@ def uninstall(model: nn.Module) -> None:
         if "forward" in layer.__dict__:
             del layer.forward
             del layer._row_layouts
+            del layer._packed_weight
+
+
+@contextlib.contextmanager
+def stock_kernels(model: nn.Module):
+    """Within the block every routed layer of `model` runs nn.Linear (its packed copy is kept)."""
+    routed = [layer for layer in linear_layers(model) if "forward" in layer.__dict__]
+    saved = [layer._row_layouts for layer in routed]
+    stock = RowLayouts()
+    for layer in routed:
+        layer._row_layouts = stock
+    try:
+        yield
+    finally:
+        for layer, layouts in zip(routed, saved):
+            layer._row_layouts = layouts
+
+
+def candidate_kernels(model: nn.Module) -> tuple[str, ...]:
+    weight = next(model.parameters())
+    return KERNELS if packing_available(weight) else (STOCK, WEIGHT_LEFT)
 
 
 @torch.no_grad()
-def time_forwards(model: nn.Module, rows: int, context: int = 128, repeats: int = 5) -> tuple[float, float]:
-    """(stock, weight-left) median seconds of a forward of `rows` query tokens after a cached
-    context of `context` tokens, the two layouts interleaved so that drift hits both alike."""
+def time_forwards(
+    model: nn.Module, rows: int, kernels: tuple[str, ...] = KERNELS, context: int = 128, repeats: int = 5
+) -> dict[str, float]:
+    """Median seconds per kernel of a forward of `rows` query tokens after a cached context of
+    `context` tokens, the kernels interleaved so that drift hits them alike."""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, context + rows), generator=g).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    probe = RowLayouts()
-    install(model, probe)
-    times: dict[bool, list[float]] = {False: [], True: []}
+    probe = RowLayouts.everywhere(PACKED) if PACKED in kernels else RowLayouts()
+    install(model, probe)  # makes the packed copies once
+    times: dict[str, list[float]] = {k: [] for k in kernels}
     try:
         for r in range(repeats + 1):
-            for left in (False, True):
-                probe.rungs = frozenset(ROW_LADDER if left else ())
+            for kernel in kernels:
+                probe.kernels = {rung: kernel for rung in ROW_LADDER}
                 t0 = time.perf_counter()
                 model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True)
                 if r:  # the first round warms up
-                    times[left].append(time.perf_counter() - t0)
+                    times[kernel].append(time.perf_counter() - t0)
                 cache.crop(-rows)
     finally:
         uninstall(model)
-    return statistics.median(times[False]), statistics.median(times[True])
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def choose(model: nn.Module, ladder=ROW_LADDER, repeats: int = 5, margin: float = 0.95) -> RowLayouts:
-    """The rungs where weight-left forwards beat stock ones by at least 1 - margin (noise stays
-    stock)."""
+    """Per rung, the fastest kernel if it beats stock by at least 1 - margin (noise stays stock)."""
     chosen = RowLayouts()
-    faster = []
-    for rows in tqdm(ladder, desc="timing linear layouts", unit="rows", leave=False):
-        stock, left = time_forwards(model, rows, repeats=repeats)
-        chosen.timings[rows] = (stock, left)
-        if left < margin * stock:
-            faster.append(rows)
-    chosen.rungs = frozenset(faster)
+    kernels = candidate_kernels(model)
+    for rows in tqdm(ladder, desc="timing linear kernels", unit="rows", leave=False):
+        timings = time_forwards(model, rows, kernels, repeats=repeats)
+        chosen.timings[rows] = timings
+        best = min(timings, key=timings.get)
+        if best != STOCK and timings[best] < margin * timings[STOCK]:
+            chosen.kernels[rows] = best
     return chosen
 
 
@@ -153,23 +223,34 @@ def _cpu_model() -> str:
 
 
 def measure_layouts(model: nn.Module, repeats: int = 5, cache: bool = True) -> RowLayouts:
-    """The rungs that run faster weight-left on this machine (timed once, then read from disk)."""
+    """The kernel per rung that runs fastest on this machine (timed once, then read from disk)."""
     path = cache_root() / "linear_layouts" / f"{machine_key(model)}.json"
     if cache and path.is_file():
         stored = json.loads(path.read_text())
-        layouts = RowLayouts(stored["weight_left_rows"])
-        layouts.timings = {int(k): tuple(v) for k, v in stored.get("timings", {}).items()}
+        layouts = RowLayouts(stored["kernels"])
+        layouts.timings = {int(k): dict(v) for k, v in stored.get("timings", {}).items()}
         return layouts
     layouts = choose(model, repeats=repeats)
     if cache:
-        timings = {str(k): list(v) for k, v in layouts.timings.items()}
-        write_json(path, {"weight_left_rows": sorted(layouts.rungs), "timings": timings})
+        write_json(
+            path,
+            {
+                "kernels": {str(k): v for k, v in sorted(layouts.kernels.items())},
+                "timings": {str(k): v for k, v in layouts.timings.items()},
+            },
+        )
     return layouts
 
 
 def describe(layouts: RowLayouts) -> str:
-    rungs = ",".join(map(str, sorted(layouts.rungs))) or "none"
-    ratio = " ".join(f"{k}:{left / stock:.2f}" for k, (stock, left) in sorted(layouts.timings.items()) if stock)
-    return f"linear layout: weight-left for {rungs} rows" + (
-        f" (weight-left / stock time per rows: {ratio})" if ratio else ""
-    )
+    chosen = " ".join(f"{r}:{k}" for r, k in sorted(layouts.kernels.items())) or "stock everywhere"
+    ratios = []
+    for rows, timings in sorted(layouts.timings.items()):
+        stock = timings.get(STOCK)
+        if stock:
+            others = ",".join(f"{k[0]}{t / stock:.2f}" for k, t in timings.items() if k != STOCK)
+            ratios.append(f"{rows}:{others}")
+    text = f"linear kernels by rows: {chosen}"
+    if ratios:
+        text += " (time / stock, w = weight-left, p = packed: " + " ".join(ratios) + ")"
+    return text

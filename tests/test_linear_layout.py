@@ -1,11 +1,29 @@
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specheads import linear_layout
-from specheads.linear_layout import ROW_LADDER, RowLayouts, install, uninstall, weight_left_linear
+from specheads.linear_layout import (
+    PACKED,
+    ROW_LADDER,
+    STOCK,
+    WEIGHT_LEFT,
+    RowLayouts,
+    install,
+    pack_weight,
+    packed_linear,
+    stock_kernels,
+    uninstall,
+    weight_left_linear,
+)
 from specheads.tiny import tiny_target
+
+needs_packing = pytest.mark.skipif(
+    not linear_layout.packing_available(torch.zeros(1)), reason="oneDNN (mkldnn) linear is not available in this torch"
+)
 
 
 @pytest.mark.parametrize("shape", [(3, 7), (2, 5, 7), (1, 1, 7)])
@@ -16,11 +34,37 @@ def test_weight_left_computes_the_same_product(shape):
     torch.testing.assert_close(weight_left_linear(x, w, None), F.linear(x, w))
 
 
-def test_row_counts_take_the_next_rung_up_and_one_row_stays_stock():
-    layouts = RowLayouts([4, 8])
+@needs_packing
+@pytest.mark.parametrize("shape", [(3, 7), (2, 5, 7), (1, 1, 7)])
+def test_packed_computes_the_same_product(shape):
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(*shape, generator=g), torch.randn(11, 7, generator=g), torch.randn(11, generator=g)
+    packed = pack_weight(w)
+    torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b))
+    torch.testing.assert_close(packed_linear(x, packed, None), F.linear(x, w))
+    torch.testing.assert_close(packed_linear(x.transpose(0, -1).transpose(0, -1), packed, b), F.linear(x, w, b))
+    # the check can fail: another weight gives another product
+    assert not torch.allclose(packed_linear(x, pack_weight(w + 1), b), F.linear(x, w, b))
+
+
+def test_row_counts_take_the_next_rung_up_and_beyond_the_ladder_stay_stock():
+    layouts = RowLayouts({4: WEIGHT_LEFT, 8: PACKED, 1: PACKED})
     # 4 -> rung 4; 5, 6 -> rung 6 (not chosen); 7, 8 -> rung 8
-    assert [r for r in range(1, 70) if layouts.weight_left(r)] == [4, 7, 8]
-    assert not RowLayouts(ROW_LADDER).weight_left(1) and not RowLayouts(ROW_LADDER).weight_left(ROW_LADDER[-1] + 1)
+    assert [layouts.kernel(r) for r in range(1, 10)] == [
+        PACKED,
+        STOCK,
+        STOCK,
+        WEIGHT_LEFT,
+        STOCK,
+        STOCK,
+        PACKED,
+        PACKED,
+        STOCK,
+    ]
+    everywhere = RowLayouts.everywhere(WEIGHT_LEFT)
+    assert everywhere.kernel(1) == WEIGHT_LEFT and everywhere.kernel(ROW_LADDER[-1] + 1) == STOCK
+    with pytest.raises(ValueError, match="unknown linear kernel"):
+        RowLayouts({2: "fast"})
 
 
 def test_install_routes_by_rows_and_uninstall_restores(monkeypatch):
@@ -28,44 +72,71 @@ def test_install_routes_by_rows_and_uninstall_restores(monkeypatch):
     calls = []
     real = linear_layout.weight_left_linear
     monkeypatch.setattr(linear_layout, "weight_left_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    assert install(model, RowLayouts([2, 3])) == 2
+    assert install(model, RowLayouts({2: WEIGHT_LEFT, 3: WEIGHT_LEFT})) == 2
     x = torch.randn(1, 3, 6)
     with torch.no_grad():
         stock = F.linear(x, model[0].weight, model[0].bias)
-        model[0](torch.randn(1, 1, 6))  # one row: F.linear
+        model[0](torch.randn(1, 1, 6))  # one row: rung 1, not chosen
         model[0](torch.randn(1, 4, 6))  # 4 rows: rung 4, not chosen
         routed = model[0](x)
-    assert calls == [(1, 3, 6)]
+        with stock_kernels(model):
+            model[0](x)  # suspended: F.linear
+        model[0](x)
+    assert calls == [(1, 3, 6), (1, 3, 6)]
     torch.testing.assert_close(routed, stock)
     uninstall(model)
     assert all("forward" not in layer.__dict__ for layer in model)
 
 
+@needs_packing
+def test_packed_layers_use_their_packed_copy(monkeypatch):
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 6, bias=False))
+    install(model, RowLayouts({1: PACKED}))
+    calls = []
+    real = linear_layout.packed_linear
+    monkeypatch.setattr(linear_layout, "packed_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(1, 1, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model[1](F.linear(x, model[0].weight, model[0].bias)))
+    assert len(calls) == 3  # both layers of model(x), then model[1] again
+    uninstall(model)
+    assert all("_packed_weight" not in layer.__dict__ for layer in model)
+
+
 def test_choose_keeps_what_the_timer_says_is_faster(monkeypatch):
-    # a fake timer: weight-left is faster only from 8 rows on, and only just faster at 4
-    def fake_time(model, rows, repeats=5):
-        return (1.0, 0.5) if rows >= 8 else ((1.0, 0.97) if rows == 4 else (1.0, 1.2))
+    # a fake timer: weight-left is faster only from 8 rows on, only just faster at 4; packed at 1-2
+    def fake_time(model, rows, kernels, repeats=5):
+        left = 0.5 if rows >= 8 else (0.97 if rows == 4 else 1.2)
+        return {STOCK: 1.0, WEIGHT_LEFT: left, PACKED: 0.8 if rows <= 2 else 1.1}
 
     monkeypatch.setattr(linear_layout, "time_forwards", fake_time)
+    monkeypatch.setattr(linear_layout, "candidate_kernels", lambda m: linear_layout.KERNELS)
     chosen = linear_layout.choose(nn.Linear(2, 2))
-    assert sorted(chosen.rungs) == [r for r in ROW_LADDER if r >= 8]  # 4: within the noise margin
-    assert chosen.timings[4] == (1.0, 0.97)
+    assert chosen.kernels == {1: PACKED, 2: PACKED, **{r: WEIGHT_LEFT for r in ROW_LADDER if r >= 8}}
+    assert chosen.timings[4][WEIGHT_LEFT] == 0.97  # within the noise margin: stock
 
 
 def test_real_forwards_are_timed_and_the_model_left_as_it_was():
     model, _ = tiny_target("llama")
-    stock, left = linear_layout.time_forwards(model, rows=3, context=8, repeats=2)
-    assert stock > 0 and left > 0
+    kernels = linear_layout.candidate_kernels(model)
+    timings = linear_layout.time_forwards(model, rows=3, kernels=kernels, context=8, repeats=2)
+    assert set(timings) == set(kernels) and all(t > 0 for t in timings.values())
     assert all("forward" not in layer.__dict__ for layer in linear_layout.linear_layers(model))
 
 
 def test_measured_layouts_are_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     timed = []
-    monkeypatch.setattr(linear_layout, "time_forwards", lambda m, rows, repeats=5: timed.append(rows) or (1.0, 0.5))
+    monkeypatch.setattr(
+        linear_layout,
+        "time_forwards",
+        lambda m, rows, kernels, repeats=5: timed.append(rows) or {STOCK: 1.0, WEIGHT_LEFT: 0.5},
+    )
     model, _ = tiny_target("llama")
     first = linear_layout.measure_layouts(model)
-    assert first.rungs == frozenset(ROW_LADDER) and len(timed) == len(ROW_LADDER)
+    assert first.kernels == {r: WEIGHT_LEFT for r in ROW_LADDER} and len(timed) == len(ROW_LADDER)
     again = linear_layout.measure_layouts(model)
-    assert len(timed) == len(ROW_LADDER) and again.rungs == first.rungs and again.timings == first.timings
-    assert "weight-left for 2,3," in linear_layout.describe(again)
+    assert len(timed) == len(ROW_LADDER) and again.kernels == first.kernels and again.timings == first.timings
+    assert "1:weight-left 2:weight-left" in linear_layout.describe(again)
+    stored = json.loads(next((tmp_path / "linear_layouts").glob("*.json")).read_text())
+    assert stored["kernels"]["64"] == WEIGHT_LEFT

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from .. import gqa_attention
 from ..config.infer import InferJobConfig
 from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
@@ -24,7 +25,7 @@ class Session:
     head: Any  # DraftHead or None (baseline-only benchmark)
     head_dir: Path | None
     head_config: dict
-    layouts: Any = None  # the measured linear layouts installed on the target (linear_layout=auto)
+    layouts: Any = None  # the measured linear kernels installed on the target (linear_layout=auto)
 
 
 def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:
@@ -63,6 +64,7 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
     head = open_head(head_dir, target) if head_dir else None
     layouts = None
     if settings.linear_layout == "auto" and target.device.type == "cpu":
+        gqa_attention.install(target.model)  # before timing: the kernels are timed as they will run
         layouts = measure_layouts(target.model)
         # the draft head's multi-row steps (tree levels, catch-up) meet the same small-row matmuls
         for model in (target.model, head):

@@ -76,8 +76,9 @@ class InferJobConfig:
     mark: str = "auto"  # auto | ansi | brackets | none
     seed: int = 0
     device: str = "auto"
-    # auto: on CPU, each linear layer of the target takes the matrix-product layout measured
-    # faster on this machine for the row count at hand (specheads.linear_layout); stock: nn.Linear
+    # auto: on CPU, each linear layer of the target and head takes the kernel measured fastest on
+    # this machine for the row count at hand (specheads.linear_layout), and masked attention keeps
+    # grouped KV heads unrepeated (specheads.gqa_attention); stock: transformers as shipped
     linear_layout: str = "auto"
     debug: bool = False
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from ..gqa_attention import stock_attention
+from ..linear_layout import stock_kernels
 from ..target import synchronize
 from .generate import SamplingConfig
 from .tree import TreeLayout
@@ -23,7 +25,8 @@ def hf_generate(
     """transformers `generate` (plain, or prompt lookup decoding); forwards counted with a hook.
 
     prompt_lookup: (prompt_lookup_num_tokens, max_matching_ngram_size). Returns output_ids,
-    target_forwards (decode-phase: the prefill is not counted) and wall_s.
+    target_forwards (decode-phase: the prefill is not counted) and wall_s. The model runs as
+    transformers ships it: kernels this package installed are suspended for the call.
     """
     model = target.model
     calls = [0]
@@ -43,11 +46,12 @@ def hf_generate(
         kwargs.update(prompt_lookup_num_tokens=prompt_lookup[0], max_matching_ngram_size=prompt_lookup[1])
     gen_cfg = GenerationConfig(**kwargs)
     try:
-        synchronize(target.device)
-        t0 = time.perf_counter()
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_cfg)
-        synchronize(target.device)
-        wall = time.perf_counter() - t0
+        with stock_kernels(model), stock_attention(model):
+            synchronize(target.device)
+            t0 = time.perf_counter()
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_cfg)
+            synchronize(target.device)
+            wall = time.perf_counter() - t0
     finally:
         handle.remove()
     ids = out[0, prompt.shape[1] :].tolist()

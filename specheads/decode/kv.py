@@ -56,12 +56,13 @@ def verify_tree(target, tokens: Sequence[int], layout: TreeLayout, prefix_len: i
     """The target's forward over a tree after its `prefix_len` cached tokens; returns its output.
 
     A 4D mask (prefix + tree mask) and explicit positions: works with the eager and SDPA
-    attention implementations. All nodes are appended to the cache (compact_cache keeps the
-    accepted ones).
+    attention implementations. A lone root needs no mask (it sees the whole prefix), and without
+    one attention takes its 1-query fast path. All nodes are appended to the cache (compact_cache
+    keeps the accepted ones).
     """
     device = target.device
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-    bias = tree_attention_bias(layout.mask, prefix_len, target.dtype, device)
+    bias = None if layout.size == 1 else tree_attention_bias(layout.mask, prefix_len, target.dtype, device)
     positions = (prefix_len + layout.position_offsets(device))[None]
     return target.model(
         input_ids=ids, attention_mask=bias, position_ids=positions, past_key_values=cache, use_cache=True

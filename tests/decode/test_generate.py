@@ -10,10 +10,20 @@ import torch
 from conftest import POLICIES, greedy_sequences, hf_greedy, quick_head
 from scipy.stats import chisquare
 
+from specheads import gqa_attention
+from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import grow_tree, make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
 from specheads.decode.tree import TreeLayout, static_tree
-from specheads.linear_layout import ROW_LADDER, RowLayouts, install, linear_layers, uninstall
+from specheads.linear_layout import (
+    PACKED,
+    WEIGHT_LEFT,
+    RowLayouts,
+    install,
+    linear_layers,
+    packing_available,
+    uninstall,
+)
 from specheads.target import FrozenTarget
 from specheads.tiny import tiny_target as build_tiny
 
@@ -335,39 +345,56 @@ def test_real_target_tree_verification_matches_greedy(smollm2_target):
     assert res.tau > 2  # long paths were accepted and compacted
 
 
-def all_weight_left():
-    """Every linear layer weight-left at every row count of the ladder (the layout under test)."""
-    return RowLayouts(ROW_LADDER)
+KERNELS = [
+    WEIGHT_LEFT,
+    pytest.param(
+        PACKED,
+        marks=pytest.mark.skipif(
+            not packing_available(torch.zeros(1)), reason="oneDNN (mkldnn) linear is not available in this torch"
+        ),
+    ),
+]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("seed", range(3))
-def test_weight_left_linear_layout_keeps_greedy_output(seed, target):
+def test_linear_kernels_keep_greedy_output(seed, kernel, sdpa_target):
+    """Every linear layer on the kernel under test at every row count of the ladder, and masked
+    attention with unrepeated KV heads, against the target's greedy output as transformers ships it."""
+    target = sdpa_target
     prompt = torch.randint(0, 256, (1, 5 + seed), generator=torch.Generator().manual_seed(10 + seed))
-    ref = hf_greedy(target, prompt, 30)  # stock layout: the target's own greedy output
-    routed = install(target.model, all_weight_left())
+    ref = hf_greedy(target, prompt, 30)
+    routed = install(target.model, RowLayouts.everywhere(kernel))
+    assert gqa_attention.install(target.model)
     try:
         assert routed == len(linear_layers(target.model))
         drafter = RandomTreeDrafter(seed, oracle=greedy_oracle(target))
         res = speculative_generate(target, drafter, prompt, SamplingConfig(max_new_tokens=30))
     finally:
         uninstall(target.model)
+        gqa_attention.uninstall(target.model)
     assert res.output_ids == ref
-    assert max(res.accept_lengths) > 1  # multi-row verifications went through the weight-left path
+    assert max(res.accept_lengths) > 1  # multi-row verifications went through the routed path
 
 
 @pytest.mark.slow
-def test_real_target_weight_left_layout_matches_greedy(smollm2_target):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_real_target_linear_kernels_match_greedy(kernel, smollm2_target):
     tgt = smollm2_target
     ids = tgt.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write two sentences about rivers."}], add_generation_prompt=True, tokenize=True
     )["input_ids"]
     prompt = torch.tensor([ids])
     ref = hf_greedy(tgt, prompt, 40)
-    install(tgt.model, all_weight_left())
+    install(tgt.model, RowLayouts.everywhere(kernel))
+    installed = gqa_attention.install(tgt.model)
     try:
         res = speculative_generate(
             tgt, FutureOracleDrafter(ids + ref, tgt.info.vocab_size), prompt, SamplingConfig(max_new_tokens=40)
         )
+        plain = speculative_generate(tgt, PlainDrafter(), prompt, SamplingConfig(max_new_tokens=40))
     finally:
         uninstall(tgt.model)
-    assert res.output_ids == ref and res.tau > 2
+        gqa_attention.uninstall(tgt.model)
+    assert installed and res.output_ids == ref and res.tau > 2
+    assert plain.output_ids == ref  # one row at a time on the kernel: the same greedy output
