@@ -134,6 +134,8 @@ def cost_breakdown(rows: Sequence[dict], method: str = "spec") -> dict | None:
         "draft_over_plain": draft / base_step,
         "tau": stats["tau"],
         "break_even_tau": (draft + verify) / base_step,
+        # against this package's own plain step: what speculation must earn once the kernels are shared
+        "break_even_tau_vs_own_plain": (draft + verify) / own_step if own_step else None,
     }
 
 
@@ -144,6 +146,7 @@ def format_costs(c: dict) -> str:
         + (f" (own loop {c['own_plain_step_ms']:.1f} ms)" if c.get("own_plain_step_ms") else "")
         + "; "
         f"tau {c['tau']:.2f}, break-even tau {c['break_even_tau']:.2f}"
+        + (f" ({c['break_even_tau_vs_own_plain']:.2f} vs own loop)" if c.get("break_even_tau_vs_own_plain") else "")
     )
 
 

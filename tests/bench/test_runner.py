@@ -13,6 +13,7 @@ from specheads.bench.runner import (
     acceptance_per_depth,
     cost_breakdown,
     first_divergence,
+    format_costs,
     format_table,
     output_paths,
     run_benchmark,
@@ -86,6 +87,11 @@ def test_cost_breakdown_splits_a_step_into_its_terms():
     assert c["draft_ms"] == pytest.approx(50.0) and c["verify_ms"] == pytest.approx(100.0)
     assert c["tau"] == pytest.approx(2.5) and c["break_even_tau"] == pytest.approx(1.5)
     assert c["mean_tree_nodes"] == pytest.approx(8.0)
+    assert c["own_plain_step_ms"] is None and c["break_even_tau_vs_own_plain"] is None
+    own = {"question_id": 1, "method": "plain", "target_forwards": 10, "wall_s": 0.85, "prefill_s": 0.05}
+    c = cost_breakdown(rows + [own])
+    assert c["own_plain_step_ms"] == pytest.approx(80.0) and c["break_even_tau_vs_own_plain"] == pytest.approx(1.875)
+    assert "(1.88 vs own loop)" in format_costs(c)
     assert cost_breakdown([r for r in rows if r["method"] == "spec"]) is None
 
 
