@@ -12,6 +12,7 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,3 +102,28 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
+
+
+def per_rank(value: float, d: Dist) -> list[float]:
+    """Every rank's `value`, in rank order, on every rank (one all-reduce of a one-hot vector)."""
+    slots = torch.zeros(d.world_size, dtype=torch.float64)
+    slots[d.rank] = value
+    return all_reduce_sum(slots.to(d.device)).cpu().tolist()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory: allocated GPU memory on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kilobytes on Linux
+
+
+def all_gather_strings(value: str, d: Dist) -> list[str]:
+    """Every rank's `value`, in rank order, on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out: list[Any] = [None] * d.world_size
+    dist.all_gather_object(out, value)
+    return out

@@ -8,6 +8,7 @@ it, and each rank reads its own shard of every global batch (specheads.train.bat
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import sys
 import time
@@ -27,7 +28,7 @@ from ..target import FLOAT_DTYPES
 from .batches import TrainBatches, eval_batches
 from .checkpoint import Checkpoints
 from .deepspeed_config import deepspeed_config, param_groups
-from .distributed import Dist, all_reduce_sum
+from .distributed import Dist, all_gather_strings, all_reduce_sum, peak_memory_gb, per_rank
 from .metrics import MetricsLog
 from .schedule import warmup_cosine_scheduler
 from .state_source import StateSource, row_lengths
@@ -277,8 +278,15 @@ class Trainer:
                 if grad_norm is not None:
                     metrics["train/grad_norm"] = float(grad_norm)
                 metrics["train/epoch"] = self.step * t.grad_accum / self.batches.batches_per_epoch
+                peaks = per_rank(peak_memory_gb(self.d.device), self.d)
+                metrics.update({f"train/peak_mem_gb/rank{r}": gb for r, gb in enumerate(peaks)})
                 log.log(self.step, metrics)
-                postfix.update(loss=f"{metrics['train/loss']:.3f}", lr=f"{metrics['train/lr']:.2e}")
+                postfix.update(
+                    loss=f"{metrics['train/loss']:.3f}",
+                    lr=f"{metrics['train/lr']:.2e}",
+                    tok_s=f"{metrics['train/tokens_per_s']:.0f}",
+                    peak_mem=f"{max(peaks):.1f}GB",
+                )
                 bar.set_postfix(postfix)
                 window, window_start = [], time.perf_counter()
             if (t.eval_every > 0 and self.step % t.eval_every == 0) or last:
@@ -292,6 +300,20 @@ class Trainer:
         bar.close()
         return self.last_eval
 
+    def agreed_weights_digest(self) -> str:
+        """The digest of the head's trained weights, after checking that every rank holds the same
+        (data parallelism must leave them identical; a rank that drifted means a broken reduction)."""
+        digest = hashlib.sha256()
+        for name, p in sorted(self.engine.module.named_parameters()):
+            if p.requires_grad:
+                digest.update(name.encode())
+                digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        digests = all_gather_strings(digest.hexdigest(), self.d)
+        if len(set(digests)) > 1:
+            differ = [r for r, x in enumerate(digests) if x != digests[0]]
+            raise SpecHeadsError(f"after training, rank(s) {differ} hold head weights different from rank 0's")
+        return digests[0]
+
     def write_head(self, directory: Path, training: dict[str, Any]) -> Path:
         """Rank 0 writes the head (gathering ZeRO-3 shards first), and with head.merge_lora the
         adapted target beside it (OUTPUT_DIR/merged); every rank returns the head's path."""
@@ -301,6 +323,7 @@ class Trainer:
 
             gathered = deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
         with gathered:
+            training = {**training, "trained_weights_sha256": self.agreed_weights_digest()}
             if self.d.is_main:
                 save_head(self.head, directory, training=training, dtype=FLOAT_DTYPES.get(self.cfg.save_dtype))
                 if self.head.spec.merge_lora:

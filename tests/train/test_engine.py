@@ -201,3 +201,32 @@ def test_auto_features_are_cached_once_per_data(world, tiny_target, tmp_path, mo
     cfg.data.max_examples = 20
     head_and_states(cfg, tiny_target, world)
     assert len(writes) == 4 and writes[2].parent != writes[0].parent
+
+
+def test_ranks_that_disagree_on_the_trained_weights_fail_the_run(monkeypatch):
+    from types import SimpleNamespace
+
+    from specheads.train import trainer as trainer_module
+    from specheads.train.distributed import Dist
+
+    head = torch.nn.Linear(3, 2)
+    head.bias.requires_grad_(False)  # frozen weights are not part of the digest
+    fake = SimpleNamespace(engine=SimpleNamespace(module=head), d=Dist(0, 0, 2, torch.device("cpu")))
+    monkeypatch.setattr(trainer_module, "all_gather_strings", lambda value, d: [value, value])
+    digest = Trainer.agreed_weights_digest(fake)
+    with torch.no_grad():
+        head.bias.add_(1)
+    assert Trainer.agreed_weights_digest(fake) == digest
+    with torch.no_grad():
+        head.weight.add_(1)
+    assert Trainer.agreed_weights_digest(fake) != digest
+    monkeypatch.setattr(trainer_module, "all_gather_strings", lambda value, d: [value, "0" * 64])
+    with pytest.raises(SpecHeadsError, match=r"rank\(s\) \[1\] hold head weights different"):
+        Trainer.agreed_weights_digest(fake)
+
+
+def test_per_rank_values_and_peak_memory_in_a_world_of_one():
+    from specheads.train.distributed import Dist, peak_memory_gb, per_rank
+
+    assert per_rank(2.5, Dist(0, 0, 1, torch.device("cpu"))) == [2.5]
+    assert 0.01 < peak_memory_gb(torch.device("cpu")) < 64
