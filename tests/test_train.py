@@ -114,11 +114,9 @@ def test_medusa2_head_trains_and_infer_py_runs_it_on_the_adapted_target(tmp_path
     assert "[medusa2 head" in last and "8 tokens" in last and "identical to plain greedy: yes" in last, last
 
 
-def two_rank_run(tmp_path, launcher: list[str], *extra: str, last: bool = True) -> Path:
-    data = write_conversations(tmp_path / "chats.jsonl", n=32)
-    out = tmp_path / "run"
+def two_rank_run(out: Path, data: Path, launcher: list[str], *extra: str, last: bool = True) -> Path:
     proc = run(
-        [*launcher, "train.py", "head=eagle", "train.max_steps=3", "train.batch_size=2", *tiny_args(data, out), *extra]
+        [*launcher, "train.py", "head=eagle3", "train.max_steps=3", "train.batch_size=2", *tiny_args(data, out), *extra]
     )
     assert_head_written(proc, out, last)
     assert json.loads((out / "checkpoints" / "step-3" / "complete.json").read_text())["world_size"] == 2
@@ -130,30 +128,80 @@ def two_rank_run(tmp_path, launcher: list[str], *extra: str, last: bool = True) 
     return out
 
 
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in rows if "train/loss" in r] + [r["eval/loss"] for r in rows if "eval/loss" in r]
+
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def test_two_ranks_zero2_on_cpu(tmp_path):
-    out = two_rank_run(tmp_path, TORCHRUN, "deepspeed=zero2")
-    files = {p.name for p in (out / "checkpoints" / "step-3").iterdir()}
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    return write_conversations(tmp_path_factory.mktemp("chats") / "chats.jsonl", n=32)
+
+
+@pytest.fixture(scope="module")
+def zero2_run(chats, tmp_path_factory) -> Path:
+    """The reference 2-rank run: ZeRO-2, the whole target on each rank (logged every step)."""
+    out = tmp_path_factory.mktemp("zero2") / "run"
+    return two_rank_run(out, chats, TORCHRUN, "deepspeed=zero2", "train.log_every=1")
+
+
+def test_two_ranks_zero2_on_cpu(zero2_run):
+    files = {p.name for p in (zero2_run / "checkpoints" / "step-3").iterdir()}
     # ZeRO-2 partitions the optimizer state: one shard per rank
     assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_two_ranks_zero1_and_zero3_on_cpu(stage, tmp_path):
-    out = two_rank_run(tmp_path, TORCHRUN, f"deepspeed=zero{stage}")
+def test_two_ranks_zero1_trains_like_zero2(zero2_run, chats, tmp_path):
+    out = two_rank_run(tmp_path / "run", chats, TORCHRUN, "deepspeed=zero1", "train.log_every=1")
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in {p.name for p in (out / "checkpoints" / "step-3").iterdir()}
+    assert losses(out) == pytest.approx(losses(zero2_run), rel=1e-5)
+
+
+def test_zero3_with_a_sharded_target_trains_like_the_whole_target(zero2_run, chats, tmp_path):
+    """ZeRO-3 for the head and the frozen target partitioned over the ranks: the same losses as
+    ZeRO-2 with the whole target on each rank, and as one rank taking the same global batch."""
+    out = tmp_path / "run"
+    proc = run(
+        [
+            *TORCHRUN,
+            "train.py",
+            "head=eagle3",
+            "train.max_steps=3",
+            "train.batch_size=2",
+            "train.log_every=1",
+            "deepspeed=zero3",
+            "deepspeed.shard_target=true",
+            *tiny_args(chats, out),
+        ]
+    )
+    assert "the frozen target is sharded over 2 ranks" in proc.stderr
     files = {p.name for p in (out / "checkpoints" / "step-3").iterdir()}
-    if stage == 3:  # ZeRO-3 partitions the parameters too: one model-state shard per rank
-        assert {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"} <= files
-    else:
-        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in files
+    assert {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"} <= files
+    sharded, whole = losses(out), losses(zero2_run)
+    assert len(sharded) == 4 and sharded == pytest.approx(whole, rel=1e-5)
+    one = tmp_path / "one"
+    run(
+        [
+            sys.executable,
+            "train.py",
+            "head=eagle3",
+            "train.max_steps=3",
+            "train.batch_size=4",
+            "train.log_every=1",
+            *tiny_args(chats, one),
+        ]
+    )
+    # one rank averages the loss over the 4 rows' tokens, two ranks average their 2-row means
+    assert losses(one) == pytest.approx(sharded, rel=2e-3) and losses(one) != sharded
 
 
 def test_the_deepspeed_launcher_runs_two_cpu_ranks(tmp_path):
     """The README's `deepspeed` form (it appends --local_rank=N, which train.py moves to the env)."""
-    launcher = Path(sys.executable).parent / "deepspeed"
-    two_rank_run(tmp_path, [str(launcher), "--num_gpus", "2", "--master_port", str(free_port())], last=False)
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    two_rank_run(tmp_path / "run", write_conversations(tmp_path / "chats.jsonl", n=32), launcher, last=False)
 
 
 def free_port() -> int:

@@ -129,6 +129,10 @@ class DeepSpeedConfig:
     zero_stage: int = 2
     offload_optimizer: bool = False
     offload_param: bool = False
+    # the frozen target partitioned over the ranks (ZeRO-3 inference: each rank holds 1/world of it,
+    # a layer gathered for its forward); null = as the memory plan says: sharded when the whole
+    # target does not fit a rank but its shard does (GPU runs); true / false
+    shard_target: bool | None = None
     # Extra keys merged verbatim into the DeepSpeed JSON config.
     extra: dict[str, Any] = field(default_factory=dict)
 

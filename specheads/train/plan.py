@@ -263,7 +263,7 @@ def verdict(plan: Plan) -> str:
     if plan.choice == "sharded":
         return (
             f"verdict: (b) online, the target sharded over {plan.world} ranks: {gb(u['sharded'].total)} of {usable} "
-            f"GB usable per rank ({whole}); train.py does not shard the frozen target yet and refuses this run"
+            f"GB usable per rank ({whole}); train.py shards it (deepspeed.shard_target, ZeRO-3 inference)"
         )
     if plan.choice == "offline":
         return (
@@ -366,10 +366,28 @@ def dry_run(cfg: TrainJobConfig) -> str:
     return format_plan(make_plan(cfg, read_arch(cfg.model), gpus, world))
 
 
-def check_fits(cfg: TrainJobConfig, world: int, on_gpu: bool) -> str | None:
-    """Before a run loads anything, whether (a), what train.py does, fits a rank: SpecHeadsError
-    when not (a warning line instead with plan.check=false), a warning line when no plan can be
-    made, None when it fits or nothing is checked (a CPU run with no plan.gpu_memory)."""
+def shard_decision(cfg: TrainJobConfig, world: int, on_gpu: bool) -> bool:
+    """Whether train.py shards the frozen target: deepspeed.shard_target when set, else the plan's
+    choice (b): the whole target does not fit a rank but its shard does (GPU runs with a plan)."""
+    if cfg.deepspeed.shard_target is not None:
+        return bool(cfg.deepspeed.shard_target)
+    if world < 2 or (not on_gpu and cfg.plan.gpu_memory is None):
+        return False
+    gpus = planned_gpus(cfg, world)
+    if gpus is None:
+        return False
+    try:
+        plan = make_plan(cfg, read_arch(cfg.model), gpus, world)
+    except SpecHeadsError:
+        return False
+    return not plan.fits("replicated") and plan.fits("sharded")
+
+
+def check_fits(cfg: TrainJobConfig, world: int, on_gpu: bool, sharded: bool = False) -> str | None:
+    """Before a run loads anything, whether what train.py does ((a), or (b) when `sharded`) fits a
+    rank: SpecHeadsError when not (a warning line instead with plan.check=false), a warning line
+    when no plan can be made, None when it fits or nothing is checked (a CPU run with no
+    plan.gpu_memory)."""
     if not on_gpu and cfg.plan.gpu_memory is None:
         return None
     gpus = planned_gpus(cfg, world)
@@ -379,17 +397,24 @@ def check_fits(cfg: TrainJobConfig, world: int, on_gpu: bool) -> str | None:
         plan = make_plan(cfg, read_arch(cfg.model), gpus, world)
     except SpecHeadsError as err:
         return f"warning: memory plan skipped: {err}"
-    need = plan.usage["replicated"]
+    mode = "sharded" if sharded and "sharded" in plan.modes else "replicated"
+    need = plan.usage[mode]
     if cfg.data.features and cfg.data.features != "auto":  # no target forwards; the target is loaded all the same
         need = replace(need, activations=plan.usage["offline"].activations)
     if need.total <= gpus.usable:
         return None
-    others = [f"{TITLES[m][0]} {TITLES[m][1]} {gb(plan.usage[m].total)} GB" for m in plan.modes if plan.fits(m)]
+    hints = {"sharded": "deepspeed.shard_target=true", "offline": "which train.py does not do yet"}
+    others = [
+        f"{TITLES[m][0]} {TITLES[m][1]} {gb(plan.usage[m].total)} GB ({hints[m]})"
+        for m in plan.modes
+        if m != mode and m in hints and plan.fits(m)
+    ]
+    what = "the target's shard" if mode == "sharded" else "the whole target"
     message = (
-        f"the whole target does not fit: {gb(need.total)} GB per rank (target {gb(need.target)}, head state "
+        f"{what} does not fit: {gb(need.total)} GB per rank (target {gb(need.target)}, head state "
         f"{gb(need.params + need.grads + need.optimizer)}, activations {gb(need.activations)}) > "
         f"{gb(gpus.usable)} GB usable ({USABLE:.0%} of {gb(gpus.memory)} GB)"
-        + (f"; would fit: {', '.join(others)}, which train.py does not do yet" if others else "")
+        + (f"; would fit: {', '.join(others)}" if others else "")
         + "; see dry_run=true, or plan.check=false to run anyway"
     )
     if not cfg.plan.check:

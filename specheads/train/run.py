@@ -1,5 +1,5 @@
-"""The train.py job: the frozen target on every rank, the data, the head and its state source, the
-Trainer, and the head directory written at the end.
+"""The train.py job: the frozen target on every rank (whole, or sharded over the ranks), the data,
+the head and its state source, the Trainer, and the head directory written at the end.
 
 One code path serves one process (CPU or GPU) and N processes started by `deepspeed train.py` or
 `torchrun` (specheads.train.distributed).
@@ -24,7 +24,8 @@ from ..provenance import provenance
 from ..target import FLOAT_DTYPES, FrozenTarget, load_target
 from .distributed import Dist, main_rank_first, quiet_deepspeed, setup_distributed
 from .metrics import MetricsLog, plot_metrics
-from .plan import check_fits, dry_run
+from .plan import check_fits, dry_run, shard_decision
+from .sharded_target import check_shardable, frozen_parts_gathered, load_sharded_target
 from .state_source import OfflineStates, OnlineStates, StateSource
 from .trainer import Trainer
 
@@ -98,15 +99,22 @@ def train(cfg: TrainJobConfig) -> Path | None:
         raise SpecHeadsError(f"save_dtype must be auto or one of {', '.join(FLOAT_DTYPES)}, got {cfg.save_dtype!r}")
     d = setup_distributed(cfg.device)
     quiet_deepspeed(cfg.debug)
-    # before the target is loaded: a run whose whole target cannot fit a rank is refused here
-    warning = check_fits(cfg, d.world_size, on_gpu=d.device.type == "cuda")
+    # before the target is loaded: a run whose target (whole, or its shard) cannot fit a rank is refused here
+    on_gpu = d.device.type == "cuda"
+    shard = shard_decision(cfg, d.world_size, on_gpu)
+    if shard:
+        check_shardable(cfg)
+    warning = check_fits(cfg, d.world_size, on_gpu, sharded=shard)
     if warning and d.is_main:
         print(warning, file=sys.stderr)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)  # the same head initialisation on every rank
-    target = load_target(cfg.model, d.device)
-    head, source = head_and_states(cfg, target, d)
+    target = load_sharded_target(cfg.model, d) if shard else load_target(cfg.model, d.device)
+    if shard and d.is_main:
+        print(f"train: the frozen target is sharded over {d.world_size} ranks (ZeRO-3 inference)", file=sys.stderr)
+    with frozen_parts_gathered(target):  # a head copies from the target's embedding / LM head when built
+        head, source = head_and_states(cfg, target, d)
     trainer = Trainer(cfg, head, source, d, output_dir)
     resumed = trainer.resume()
     if resumed == 0:

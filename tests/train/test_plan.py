@@ -163,7 +163,7 @@ def test_a_plan_that_needs_a_sharded_target():
     replicated, sharded = plan.usage["replicated"], plan.usage["sharded"]
     assert replicated.target == pytest.approx(70.55e9 * 2, rel=0.001)
     assert sharded.target < replicated.target / 4 and sharded.total <= 0.9 * 80 * GB < replicated.total
-    assert "train.py does not shard the frozen target yet" in format_plan(plan).splitlines()[-1]
+    assert "train.py shards it (deepspeed.shard_target" in format_plan(plan).splitlines()[-1]
 
 
 def test_a_plan_that_needs_offline_features_with_their_disk():
