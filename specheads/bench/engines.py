@@ -1,0 +1,439 @@
+"""`make engines`: our exported heads in a real serving engine (vLLM's CPU build), beside infer.py.
+
+    python -m specheads.bench.engines [--num-questions 8] [--max-new-tokens 64] [--k 3] [--out runs/engines]
+
+1. heads: the shipped EAGLE-3 head; EAGLE-1 and Medusa heads given with --eagle-head/--medusa-head,
+   else trained for a few steps with train.py (enough to test loading and agreement, not speed);
+2. exports: every format vLLM loads (`python -m specheads.export`);
+3. vLLM: engines/vllm_run.py in vLLM's own virtualenv runs plain greedy, each export and vLLM's ngram
+   speculation on the same prompt token ids, with chains of K tokens;
+4. infer.py: the same heads, prompts and chain length (tree=chain tree.depth=K);
+5. one table: loaded, greedy outputs identical to vLLM plain, acceptance in vLLM and in infer.py,
+   tokens/s at batch 1 and batch 8; saved as OUT/engines.json and OUT/engines.md.
+
+Acceptance is counted the way vLLM counts it: per verified draft, the number of drafted tokens
+accepted; mean acceptance length = 1 + accepted / drafts (the bonus token included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..atomic import write_json, write_text
+from ..errors import SpecHeadsError, one_line_errors
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = ROOT / "engines" / "vllm_run.py"
+SHIPPED_EAGLE3 = ROOT / "heads" / "smollm2-135m-eagle3"
+EVAL_QUESTIONS = ROOT.parent / "shared" / "data" / "eval" / "mt_bench_question.jsonl"
+DEV_QUESTIONS = ROOT / "specheads" / "data" / "dev_questions.jsonl"
+# format -> (head family, vLLM's speculative_config method)
+FORMATS = {
+    "eagle3": ("eagle3", "eagle3"),
+    "speculators": ("eagle3", "eagle3"),
+    "eagle": ("eagle", "eagle"),
+    "vllm-medusa": ("medusa", "medusa"),
+}
+NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# vLLM on this CPU (../shared/reference/vllm_cpu.md): 2 GiB of KV cache is plenty for SmolLM2.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+ERROR_LINE = re.compile(r"\b(\w+(Error|Exception)): (.+)$")
+
+
+# -- acceptance, identity, agreement (pure) -------------------------------------------------------
+
+
+def acceptance_from_counters(counters: dict | None) -> dict | None:
+    """vLLM's spec-decode counters -> mean acceptance length and per-position acceptance rates."""
+    drafts = (counters or {}).get("num_drafts", 0)
+    if not drafts:
+        return None
+    per_pos = [n / drafts for n in counters.get("accepted_per_pos", [])]
+    return {
+        "drafts": drafts,
+        "mean_acceptance_length": 1 + counters["num_accepted_tokens"] / drafts,
+        "per_position": per_pos,
+        "stderr": None,
+    }
+
+
+def acceptance_from_steps(accepted: Sequence[int], k: int) -> dict | None:
+    """infer.py's accepted-draft count per verify step -> the same numbers as vLLM's counters, plus
+    the standard error of the mean acceptance length (steps taken as independent)."""
+    n = len(accepted)
+    if not n:
+        return None
+    mean = sum(accepted) / n
+    var = sum((a - mean) ** 2 for a in accepted) / max(n - 1, 1)
+    return {
+        "drafts": n,
+        "mean_acceptance_length": 1 + mean,
+        "per_position": [sum(a >= p for a in accepted) / n for p in range(1, k + 1)],
+        "stderr": math.sqrt(var / n),
+    }
+
+
+def count_identical(outputs: Sequence[Sequence[int]] | None, reference: Sequence[Sequence[int]] | None) -> tuple:
+    """(equal, total): how many outputs are token-for-token the reference's (missing ones differ)."""
+    reference = list(reference or [])
+    outputs = list(outputs or [])
+    equal = sum(i < len(outputs) and list(outputs[i]) == list(ref) for i, ref in enumerate(reference))
+    return equal, len(reference)
+
+
+def agrees(ours: dict | None, theirs: dict | None, floor: float = 0.05, sigmas: float = 3.0) -> bool | None:
+    """Same head, prompts and chain: do the mean acceptance lengths agree within noise?
+
+    The noise allowed is `sigmas` standard errors of infer.py's mean (or `floor`, whichever is
+    larger): the two runs share the prompts, so only numerical near-ties should separate them."""
+    if ours is None or theirs is None:
+        return None
+    tol = max(floor, sigmas * (ours.get("stderr") or 0.0))
+    return abs(ours["mean_acceptance_length"] - theirs["mean_acceptance_length"]) <= tol
+
+
+def root_cause(log_lines: Sequence[str]) -> str | None:
+    """The last `SomethingError: message` line of a log: the engine process's own reason, which
+    vLLM's front end reports only as 'Engine core initialization failed'."""
+    for line in reversed(log_lines):
+        m = ERROR_LINE.search(line)
+        if m and "Engine core initialization failed" not in m.group(3):
+            return f"{m.group(1)}: {m.group(3).strip()}"
+    return None
+
+
+# -- the table (pure) -----------------------------------------------------------------------------
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _acc(a: dict | None) -> tuple[str, str]:
+    if a is None:
+        return "-", "-"
+    return f"{a['mean_acceptance_length']:.2f}", " ".join(f"{p:.2f}" for p in a["per_position"])
+
+
+def table_rows(vllm: dict, infer: dict, k: int) -> list[dict]:
+    """One row per vLLM run (plain, each format, ngram), vLLM's plain outputs as the reference."""
+    plain = vllm.get("plain") or {}
+    reference = plain.get("output_ids")
+    rows = []
+    for name, res in vllm.items():
+        vacc = acceptance_from_counters(res.get("spec"))
+        ours = infer.get(name) or {}
+        iacc = ours.get("acceptance")
+        rows.append(
+            {
+                "run": name,
+                "loaded": bool(res.get("loaded")) and not res.get("error"),
+                "error": res.get("error"),
+                "identical": count_identical(res.get("output_ids"), reference) if res.get("output_ids") else None,
+                "vllm_acceptance": vacc,
+                "infer_acceptance": iacc,
+                "infer_identical": count_identical(ours.get("output_ids"), reference) if ours else None,
+                "agree": agrees(iacc, vacc),
+                "tokens_per_s_batch1": res.get("tokens_per_s_batch1"),
+                "tokens_per_s_batch": res.get("tokens_per_s_batch"),
+                "speedup_batch1": _ratio(res.get("tokens_per_s_batch1"), plain.get("tokens_per_s_batch1")),
+                "speedup_batch": _ratio(res.get("tokens_per_s_batch"), plain.get("tokens_per_s_batch")),
+            }
+        )
+    return rows
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def format_table(rows: Sequence[dict], k: int, batch: int) -> str:
+    """A markdown table; load errors and disagreements are listed under it, one line each."""
+    head = [
+        "run",
+        "loaded",
+        "= vLLM plain",
+        "vLLM accept len",
+        f"vLLM per position (K={k})",
+        "infer.py accept len",
+        "infer.py per position",
+        "agree",
+        "tok/s b1",
+        "x plain",
+        f"tok/s b{batch}",
+        "x plain",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes = []
+    for r in rows:
+        ident = f"{r['identical'][0]}/{r['identical'][1]}" if r["identical"] else "-"
+        vlen, vpos = _acc(r["vllm_acceptance"])
+        ilen, ipos = _acc(r["infer_acceptance"])
+        agree = {None: "-", True: "yes", False: "NO"}[r["agree"]]
+        cells = [
+            r["run"],
+            "yes" if r["loaded"] else "NO",
+            ident,
+            vlen,
+            vpos,
+            ilen,
+            ipos,
+            agree,
+            _num(r["tokens_per_s_batch1"], ".1f"),
+            _num(r["speedup_batch1"], ".2f"),
+            _num(r["tokens_per_s_batch"], ".1f"),
+            _num(r["speedup_batch"], ".2f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+        if r["error"]:
+            notes.append(f"- {r['run']}: {r['error']}")
+        if r["agree"] is False:
+            notes.append(f"- {r['run']}: acceptance differs between vLLM ({vlen}) and infer.py ({ilen})")
+        if r["infer_identical"] and r["infer_identical"][0] != r["infer_identical"][1]:
+            n, t = r["infer_identical"]
+            notes.append(f"- {r['run']}: infer.py's outputs equal vLLM plain's in {n}/{t} (numerics of two kernels)")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+# -- subprocesses -----------------------------------------------------------------------------------
+
+
+def run_logged(what: str, cmd: Sequence[str], log: Path, env: dict | None = None, on_line=None) -> None:
+    """Run a command with its output in `log`; a failure is one line naming `what` and the log."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **(env or {})}
+    with log.open("w", encoding="utf-8") as f:
+        proc = subprocess.Popen(
+            list(map(str, cmd)), cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for line in proc.stdout:
+            f.write(line)
+            if on_line is not None:
+                on_line(line)
+        code = proc.wait()
+    if code != 0:
+        tail = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        reason = root_cause(tail) or (tail[-1] if tail else "no output")
+        raise SpecHeadsError(f"{what} failed ({reason}); log: {log}")
+
+
+def train_head(family: str, out: Path, steps: int, k: int, logs: Path) -> Path:
+    """A quick head for `family` (reused when OUT/head exists): enough to test loading and agreement."""
+    head = out / "head"
+    if (head / "config.json").is_file():
+        return head
+    cmd = [sys.executable, "train.py", f"head={family}", f"train.max_steps={steps}", "train.eval_every=0"]
+    if family == "medusa":
+        cmd.append(f"head.num_heads={k}")  # vLLM drafts one token per Medusa head
+    cmd += ["wandb.mode=disabled", f"output_dir={out}"]
+    run_logged(f"train.py head={family}", cmd, logs / f"train-{family}.log")
+    return head
+
+
+def export(head: Path, fmt: str, out: Path, k: int, logs: Path) -> Path:
+    cmd = [sys.executable, "-m", "specheads.export", f"head={head}", f"format={fmt}", f"out={out}"]
+    run_logged(f"export format={fmt}", cmd + [f"num_speculative_tokens={k}"], logs / f"export-{fmt}.log")
+    return out
+
+
+def infer_chain(head: Path, questions: Path, args, out: Path, logs: Path) -> dict:
+    """infer.py's benchmark, spec only, a chain of K: accepted drafts per step and the outputs."""
+    cmd = [
+        sys.executable,
+        "infer.py",
+        f"head={head}",
+        "tree=chain",
+        f"tree.depth={args.k}",
+        "temperature=0",
+        f"bench.questions={questions}",
+        f"bench.limit={args.num_questions}",
+        f"bench.per_category={args.per_category or 'null'}",
+        "bench.methods=[spec]",
+        f"bench.max_new_tokens={args.max_new_tokens}",
+        f"bench.output={out}",
+        "bench.plots=false",
+        "bench.warmup=0",
+    ]
+    run_logged(f"infer.py head={head}", cmd, logs / f"infer-{out.stem}.log")
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
+    accepted = [n for r in rows for n in r.get("accepted_drafts", [])]
+    return {
+        "acceptance": acceptance_from_steps(accepted, args.k),
+        "output_ids": [r["output_ids"] for r in rows],
+        "tau": sum(r["new_tokens"] for r in rows) / max(1, sum(r["target_forwards"] for r in rows)),
+    }
+
+
+def run_vllm(python: Path, spec: dict, work: Path, logs: Path, progress) -> dict:
+    spec_path, out_path = work / "vllm_spec.json", work / "vllm_results.json"
+    write_json(spec_path, spec)
+    out_path.unlink(missing_ok=True)  # never read a previous run's results
+    env = dict(VLLM_ENV)
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file():  # vLLM warns that CPU speculation is much slower without Intel OpenMP
+        env["LD_PRELOAD"] = str(iomp)
+
+    def on_line(line: str) -> None:
+        m = re.match(r"vllm_run: (\S+)( done)?$", line.strip())
+        if m:
+            progress.set_description(f"vLLM {m.group(1)}")
+            if m.group(2):
+                progress.update(1)
+
+    log = logs / "vllm.log"
+    run_logged("vLLM", [python, RUNNER, spec_path, out_path], log, env, on_line)
+    results = json.loads(out_path.read_text(encoding="utf-8"))
+    sections = split_log(log.read_text(encoding="utf-8", errors="replace").splitlines())
+    for name, res in results.items():  # the engine process's own reason for a failed load
+        if res.get("error") and "Engine core initialization failed" in res["error"]:
+            res["error"] = root_cause(sections.get(name, [])) or res["error"]
+    return results
+
+
+def split_log(lines: Sequence[str]) -> dict[str, list[str]]:
+    """The runner's log cut into its runs (each starts with a `vllm_run: NAME` line)."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        m = re.match(r"vllm_run: (\S+)( done)?$", line.strip())
+        if m:
+            current = None if m.group(2) else m.group(1)
+            if current is not None:
+                out[current] = []
+        elif current is not None:
+            out[current].append(line)
+    return out
+
+
+# -- the job ------------------------------------------------------------------------------------------
+
+
+def prompt_ids(questions: Path, num: int, per_category: int | None) -> tuple[list[dict], list[list[int]], str]:
+    """The questions and their chat-template token ids, exactly as infer.py encodes them."""
+    from transformers import AutoTokenizer
+
+    from ..target import _dequantized_embedded
+    from .inputs import encode_prompt
+    from .questions import read_questions
+
+    target_dir = _dequantized_embedded("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    rows = read_questions(questions, num, per_category)
+    return rows, [encode_prompt(tokenizer, q["prompt"]) for q in rows], str(target_dir)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specheads.bench.engines", description=__doc__.split("\n\n")[0])
+    default_q = EVAL_QUESTIONS if EVAL_QUESTIONS.is_file() else DEV_QUESTIONS
+    p.add_argument("--questions", type=Path, default=default_q, help="FastChat question.jsonl (first turns)")
+    p.add_argument("--num-questions", type=int, default=8)
+    p.add_argument("--per-category", type=int, default=1, help="first N questions of each category (0: no limit)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=3, help="chain length (num_speculative_tokens, tree.depth)")
+    p.add_argument("--batch", type=int, default=8, help="requests in the batched throughput pass")
+    p.add_argument("--eagle3-head", type=Path, default=SHIPPED_EAGLE3)
+    p.add_argument("--eagle-head", type=Path, default=None, help="default: train one in --heads-dir")
+    p.add_argument("--medusa-head", type=Path, default=None, help="default: train one in --heads-dir")
+    p.add_argument("--train-steps", type=int, default=20)
+    p.add_argument("--heads-dir", type=Path, default=ROOT / "runs" / "engines" / "heads")
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "engines")
+    args = p.parse_args(argv)
+    if not args.vllm_python.is_file():
+        raise SpecHeadsError(f"{args.vllm_python} does not exist: run `make engines` (it builds vLLM's virtualenv)")
+    if not args.questions.is_file():
+        raise SpecHeadsError(f"--questions {args.questions} does not exist")
+    if min(args.num_questions, args.max_new_tokens, args.k, args.batch, args.train_steps) < 1:
+        raise SpecHeadsError("--num-questions, --max-new-tokens, --k, --batch and --train-steps must be >= 1")
+    args.per_category = args.per_category or None
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    out, logs = args.out.resolve(), args.out.resolve() / "logs"
+    families = sorted({FORMATS[f][0] for f in args.formats})
+    given = {"eagle3": args.eagle3_head, "eagle": args.eagle_head, "medusa": args.medusa_head}
+    to_train = [f for f in families if given[f] is None]
+    steps = len(to_train) + len(args.formats) + (len(args.formats) + 2) + len(families)
+    with tqdm(total=steps, desc="engines", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
+        heads = {}
+        for fam in families:
+            if given[fam] is None:
+                bar.set_description(f"train {fam}")
+                heads[fam] = train_head(fam, args.heads_dir.resolve() / fam, args.train_steps, args.k, logs)
+                bar.update(1)
+            else:
+                heads[fam] = given[fam].resolve()
+        exports = {}
+        for fmt in args.formats:
+            bar.set_description(f"export {fmt}")
+            exports[fmt] = export(heads[FORMATS[fmt][0]], fmt, out / "export" / fmt, args.k, logs)
+            bar.update(1)
+        questions, prompts, target_dir = prompt_ids(args.questions, args.num_questions, args.per_category)
+        runs = [{"name": "plain", "speculative_config": None}]
+        for fmt, path in exports.items():
+            method = FORMATS[fmt][1]
+            runs.append(
+                {
+                    "name": fmt,
+                    "speculative_config": {"method": method, "model": str(path), "num_speculative_tokens": args.k},
+                }
+            )
+        runs.append({"name": "ngram", "speculative_config": {**NGRAM, "num_speculative_tokens": args.k}})
+        spec = {
+            "target": target_dir,
+            "prompts": prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "batch": args.batch,
+            "runs": runs,
+        }
+        vllm = run_vllm(args.vllm_python, spec, out, logs, bar)
+        by_family = {}
+        for fam in families:
+            bar.set_description(f"infer.py {fam}")
+            by_family[fam] = infer_chain(heads[fam], args.questions, args, out / "infer" / f"{fam}.jsonl", logs)
+            bar.update(1)
+    infer = {fmt: by_family[FORMATS[fmt][0]] for fmt in args.formats}
+    rows = table_rows(vllm, infer, args.k)
+    table = format_table(rows, args.k, args.batch)
+    report = {
+        "target": target_dir,
+        "questions": str(args.questions),
+        "question_ids": [q["question_id"] for q in questions],
+        "max_new_tokens": args.max_new_tokens,
+        "k": args.k,
+        "batch": args.batch,
+        "heads": {fam: str(p) for fam, p in heads.items()},
+        "exports": {fmt: str(p) for fmt, p in exports.items()},
+        "rows": rows,
+        "vllm": vllm,
+        "infer": by_family,
+    }
+    write_json(out / "engines.json", report)
+    header = (
+        f"vLLM (CPU build) vs infer.py: {len(questions)} questions of {args.questions.name}, "
+        f"{args.max_new_tokens} new tokens, greedy, chains of K={args.k}\n\n"
+    )
+    write_text(out / "engines.md", header + table)
+    print(header + table + f"\nresults: {out / 'engines.json'}, {out / 'engines.md'}", flush=True)
+    return report
+
+
+@one_line_errors
+def main(argv: Sequence[str] | None = None) -> dict:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

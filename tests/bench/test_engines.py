@@ -1,0 +1,146 @@
+"""`make engines`: the orchestrator's pure parts (always), and the whole vLLM check (marker `engines`,
+only where vLLM's virtualenv exists: `pytest -m engines tests/bench/test_engines.py`)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specheads.bench.engines import (
+    ROOT,
+    acceptance_from_counters,
+    acceptance_from_steps,
+    agrees,
+    count_identical,
+    format_table,
+    parse_args,
+    root_cause,
+    run_logged,
+    split_log,
+    table_rows,
+)
+from specheads.errors import SpecHeadsError
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def test_counters_to_acceptance():
+    acc = acceptance_from_counters(
+        {"num_drafts": 958, "num_draft_tokens": 2874, "num_accepted_tokens": 187, "accepted_per_pos": [181, 6, 0]}
+    )
+    assert acc["mean_acceptance_length"] == pytest.approx(1 + 187 / 958)
+    assert acc["per_position"] == pytest.approx([181 / 958, 6 / 958, 0.0])
+    assert acceptance_from_counters({"num_drafts": 0}) is None
+    assert acceptance_from_counters(None) is None
+
+
+def test_steps_count_like_vllm():
+    """infer.py's accepted drafts per step, counted as vLLM counts them: the same numbers for the same steps."""
+    steps = [0, 1, 3, 0, 2, 1]
+    ours = acceptance_from_steps(steps, k=3)
+    per_pos = [sum(a >= p for a in steps) for p in (1, 2, 3)]
+    theirs = acceptance_from_counters(
+        {"num_drafts": len(steps), "num_accepted_tokens": sum(steps), "accepted_per_pos": per_pos}
+    )
+    assert ours["mean_acceptance_length"] == pytest.approx(theirs["mean_acceptance_length"])
+    assert ours["per_position"] == pytest.approx(theirs["per_position"])
+    assert ours["stderr"] > 0
+    assert acceptance_from_steps([], k=3) is None
+
+
+def test_identical_counting_catches_a_difference():
+    ref = [[1, 2, 3], [4, 5]]
+    assert count_identical([[1, 2, 3], [4, 5]], ref) == (2, 2)
+    assert count_identical([[1, 2, 3], [4, 6]], ref) == (1, 2)
+    assert count_identical([[1, 2, 3]], ref) == (1, 2)  # a missing output is not identical
+    assert count_identical([[1, 2, 3, 7], [4, 5]], ref) == (1, 2)
+
+
+def test_agreement_within_noise_only():
+    a = {"mean_acceptance_length": 1.20, "stderr": 0.01}
+    assert agrees(a, {"mean_acceptance_length": 1.22}) is True
+    assert agrees(a, {"mean_acceptance_length": 1.05}) is False  # e.g. a wrong layer id in an exporter
+    assert agrees(None, {"mean_acceptance_length": 1.2}) is None
+    assert agrees({"mean_acceptance_length": 1.2, "stderr": 0.1}, {"mean_acceptance_length": 1.45}) is True
+
+
+def test_root_cause_of_a_failed_load():
+    log = [
+        "INFO loading",
+        "(EngineCore pid=1) ValueError: num_speculative_tokens 4 exceeds the 3 Medusa heads",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ]
+    assert root_cause(log) == "ValueError: num_speculative_tokens 4 exceeds the 3 Medusa heads"
+    assert root_cause(["all fine"]) is None
+    sections = split_log(["vllm_run: plain", "a", "vllm_run: plain done", "vllm_run: eagle", "b"])
+    assert sections == {"plain": ["a"], "eagle": ["b"]}
+
+
+def test_a_failed_step_is_one_line(tmp_path):
+    log = tmp_path / "step.log"
+    with pytest.raises(SpecHeadsError, match=r"^export format=eagle failed \(ValueError: boom\); log: "):
+        run_logged("export format=eagle", [sys.executable, "-c", "raise ValueError('boom')"], log)
+    assert "ValueError: boom" in log.read_text()
+    with pytest.raises(SpecHeadsError, match="make engines"):
+        parse_args(["--vllm-python", str(tmp_path / "absent")])
+
+
+def _results():
+    plain = {"loaded": True, "output_ids": [[1, 2], [3, 4]], "tokens_per_s_batch1": 20.0, "tokens_per_s_batch": 100.0}
+    good = {
+        "loaded": True,
+        "output_ids": [[1, 2], [3, 4]],
+        "tokens_per_s_batch1": 22.0,
+        "tokens_per_s_batch": 90.0,
+        "spec": {"num_drafts": 10, "num_accepted_tokens": 4, "accepted_per_pos": [3, 1, 0]},
+    }
+    bad = {**good, "output_ids": [[1, 2], [3, 5]], "spec": {"num_drafts": 10, "num_accepted_tokens": 0}}
+    failed = {"loaded": False, "error": "ValueError: unknown method"}
+    vllm = {"plain": plain, "eagle3": good, "eagle": bad, "vllm-medusa": failed}
+    infer = {
+        name: {
+            "acceptance": acceptance_from_steps([1, 1, 0, 0, 1, 0, 0, 1, 0, 0] * 10, 3),
+            "output_ids": [[1, 2], [3, 4]],
+        }
+        for name in ("eagle3", "eagle", "vllm-medusa")
+    }
+    return vllm, infer
+
+
+def test_table_shows_failures():
+    vllm, infer = _results()
+    rows = {r["run"]: r for r in table_rows(vllm, infer, k=3)}
+    assert rows["eagle3"]["identical"] == (2, 2) and rows["eagle3"]["agree"] is True
+    assert rows["eagle3"]["speedup_batch1"] == pytest.approx(1.1)
+    assert rows["eagle"]["identical"] == (1, 2) and rows["eagle"]["agree"] is False
+    assert not rows["vllm-medusa"]["loaded"] and rows["vllm-medusa"]["identical"] is None
+    table = format_table(list(rows.values()), k=3, batch=8)
+    lines = table.splitlines()
+    assert lines[0].startswith("| run | loaded | = vLLM plain")
+    eagle3 = next(line for line in lines if line.startswith("| eagle3 "))
+    assert "| yes | 2/2 | 1.40 | 0.30 0.10 0.00 | 1.40 |" in eagle3 and "| 1.10 |" in eagle3
+    assert "| eagle | yes | 1/2 |" in table and "| NO |" in table
+    assert "| vllm-medusa | NO |" in table
+    assert "- vllm-medusa: ValueError: unknown method" in table
+    assert "- eagle: acceptance differs between vLLM (1.00) and infer.py (1.40)" in table
+
+
+@pytest.mark.engines
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM's virtualenv .venv-vllm is absent (make engines builds it)")
+def test_vllm_serves_every_export(tmp_path):
+    """Every format vLLM loads: loaded, greedy outputs identical to vLLM's plain decoding, and the
+    same acceptance as infer.py for the same head, prompts and chain length (heads trained once,
+    into runs/engines/heads, and reused)."""
+    cmd = [sys.executable, "-m", "specheads.bench.engines", "--num-questions", "4", "--max-new-tokens", "48"]
+    cmd += ["--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    report = json.loads((tmp_path / "engines.json").read_text())
+    rows = {r["run"]: r for r in report["rows"]}
+    assert set(rows) == {"plain", "eagle3", "speculators", "eagle", "vllm-medusa", "ngram"}
+    for name, r in rows.items():
+        assert r["loaded"], f"{name}: {r['error']}"
+        assert r["identical"][0] == r["identical"][1], f"{name}: outputs differ from vLLM plain"
+        if name not in ("plain", "ngram"):
+            assert r["agree"], f"{name}: vLLM {r['vllm_acceptance']} vs infer.py {r['infer_acceptance']}"
