@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 
 # The default job: the target writes and answers its own prompts (cached), an EAGLE-3 head trains
 # on them in minutes, its tree is calibrated on this machine, then a quick benchmark on the shipped
-# dev prompt set (1 question per category): the fresh head and the shipped head (330 steps on
+# dev prompt set (1 question per category): the fresh head and the shipped head (700 steps on
 # 2,256 conversations the target wrote itself, README "The shipped head") against HF greedy, our
 # own plain decoding and prompt lookup, all in one run.
 demo: setup
