@@ -114,7 +114,9 @@ def test_medusa2_head_trains_and_infer_py_runs_it_on_the_adapted_target(tmp_path
     assert "[medusa2 head" in last and "8 tokens" in last and "identical to plain greedy: yes" in last, last
 
 
-def two_rank_run(out: Path, data: Path, launcher: list[str], *extra: str, last: bool = True) -> Path:
+def two_rank_run(
+    out: Path, data: Path, launcher: list[str], *extra: str, last: bool = True
+) -> subprocess.CompletedProcess:
     proc = run(
         [*launcher, "train.py", "head=eagle3", "train.max_steps=3", "train.batch_size=2", *tiny_args(data, out), *extra]
     )
@@ -125,7 +127,7 @@ def two_rank_run(out: Path, data: Path, launcher: list[str], *extra: str, last: 
     assert all(r.get(f"train/peak_mem_gb/rank{k}", 0) > 0 for r in logged if "train/loss" in r for k in (0, 1))
     training = json.loads((out / "head" / "config.json").read_text())["training"]
     assert len(training["trained_weights_sha256"]) == 64
-    return out
+    return proc
 
 
 def losses(out: Path) -> list[float]:
@@ -145,7 +147,8 @@ def chats(tmp_path_factory) -> Path:
 def zero2_run(chats, tmp_path_factory) -> Path:
     """The reference 2-rank run: ZeRO-2, the whole target on each rank (logged every step)."""
     out = tmp_path_factory.mktemp("zero2") / "run"
-    return two_rank_run(out, chats, TORCHRUN, "deepspeed=zero2", "train.log_every=1")
+    two_rank_run(out, chats, TORCHRUN, "deepspeed=zero2", "train.log_every=1")
+    return out
 
 
 def test_two_ranks_zero2_on_cpu(zero2_run):
@@ -155,7 +158,8 @@ def test_two_ranks_zero2_on_cpu(zero2_run):
 
 
 def test_two_ranks_zero1_trains_like_zero2(zero2_run, chats, tmp_path):
-    out = two_rank_run(tmp_path / "run", chats, TORCHRUN, "deepspeed=zero1", "train.log_every=1")
+    out = tmp_path / "run"
+    two_rank_run(out, chats, TORCHRUN, "deepspeed=zero1", "train.log_every=1")
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in {p.name for p in (out / "checkpoints" / "step-3").iterdir()}
     assert losses(out) == pytest.approx(losses(zero2_run), rel=1e-5)
 
@@ -164,19 +168,7 @@ def test_zero3_with_a_sharded_target_trains_like_the_whole_target(zero2_run, cha
     """ZeRO-3 for the head and the frozen target partitioned over the ranks: the same losses as
     ZeRO-2 with the whole target on each rank, and as one rank taking the same global batch."""
     out = tmp_path / "run"
-    proc = run(
-        [
-            *TORCHRUN,
-            "train.py",
-            "head=eagle3",
-            "train.max_steps=3",
-            "train.batch_size=2",
-            "train.log_every=1",
-            "deepspeed=zero3",
-            "deepspeed.shard_target=true",
-            *tiny_args(chats, out),
-        ]
-    )
+    proc = two_rank_run(out, chats, TORCHRUN, "deepspeed=zero3", "deepspeed.shard_target=true", "train.log_every=1")
     assert "the frozen target is sharded over 2 ranks" in proc.stderr
     files = {p.name for p in (out / "checkpoints" / "step-3").iterdir()}
     assert {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"} <= files
