@@ -4,6 +4,8 @@
     python distill.py model=tiny-random distill.num_prompts=8 distill.output=DIR
     python distill.py distill.prompts=sharegpt.json distill.num_prompts=20000 distill.output=DIR
     python distill.py distill.turns=2 distill.decontaminate=[eval/question.jsonl]
+    torchrun --nproc_per_node 8 distill.py distill.output=DIR distill.features.enabled=true
+                                                        # 8 ranks cache the features of a finished DIR
 
 Writes DIR/shards/*.jsonl (OpenAI "messages"), DIR/manifest.json and DIR/metadata.json, and
 prints DIR on its last line. Running the same command again finishes an interrupted run.
@@ -26,7 +28,9 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from specheads.distill.run import distill
 
-    print(distill(typed(cfg)), flush=True)
+    out = distill(typed(cfg))
+    if out is not None:  # rank 0 of a launched group, or the only process
+        print(out, flush=True)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,18 @@ __version__ = "0.1.0"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "cli", "atomic", "provenance"),  # one-line errors, entry points, atomic writes, provenance
     ("config",),  # structured configs: one schema module per entry point
-    ("target", "tiny", "sampling", "linear_layout", "gqa_attention"),  # frozen target, tiny targets, kernels
+    (
+        "target",
+        "tiny",
+        "sampling",
+        "linear_layout",
+        "gqa_attention",
+        "distributed",
+    ),  # frozen target, tiny targets, kernels, process group
     ("heads",),  # draft-head families: build, loss, draft step, head directories
     ("data",),  # formats, chat rendering + loss masks, datasets, decontamination, features
     ("distill",),  # prompt writing and regeneration by the target
-    ("train",),  # distributed set-up, DeepSpeed, batches, checkpoints, Trainer, train(cfg)
+    ("train",),  # DeepSpeed, batches, checkpoints, Trainer, train(cfg)
     ("decode",),  # tree, verify, kv, drafters, tree policy, speculative generation, baselines
     ("export",),  # engine formats, validation, Hub
     ("bench",),  # questions, benchmark, calibration, plots, the infer.py session

@@ -34,7 +34,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def world(one_thread):
     """A distributed world of one (gloo, CPU) for the trainer, on one torch thread."""
-    from specheads.train.distributed import setup_distributed
+    from specheads.distributed import setup_distributed
 
     return setup_distributed("cpu")
 

@@ -39,6 +39,9 @@ class FeaturesConfig:
     layer_ids: list[int] | None = None
     final: bool = True
     dtype: str = "bfloat16"
+    # A cache shard closes at this many tokens; ranks write whole shards, so more shards than
+    # ranks keeps every rank busy (8 GiB a shard for 3 layers + final in bf16 at hidden 4096).
+    shard_tokens: int = 262144
     # Must equal train.py's data.max_length / eval_fraction / shuffle_seed for the same split.
     max_length: int = 512
     eval_fraction: float = 0.05

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -88,3 +89,12 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         out["attention_mask"][b, :n] = 1
         out["loss_mask"][b, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)
     return out
+
+
+def row_lengths(rows: Sequence[dict]) -> list[int]:
+    """Token count of every row; a `datasets.Dataset` is measured in Arrow, without Python lists."""
+    if hasattr(rows, "with_format") and hasattr(rows, "column_names"):
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(rows.with_format("arrow")["input_ids"]).to_pylist()
+    return [len(r["input_ids"]) for r in rows]

@@ -27,9 +27,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..atomic import write_json
+from ..distributed import all_gather_objects, broadcast_object, process_rank
 from ..errors import SpecHeadsError
 from ..target import FLOAT_DTYPES, LAYER_CONVENTION, FrozenTarget
+from .datasets import row_lengths
 
 INDEX_NAME = "index.json"
 CACHE_VERSION = 1
@@ -63,6 +64,23 @@ def state_names(layer_ids: Iterable[int], final: bool) -> list[str]:
     return names + (["final"] if final else [])
 
 
+def shard_plan(lengths: Iterable[int], shard_tokens: int) -> list[range]:
+    """The rows of each shard: a shard closes once it holds `shard_tokens` tokens.
+
+    The plan depends on the row lengths only, so a cache written by N ranks (each writing whole
+    shards of the plan) is the same, file for file, as the cache of one.
+    """
+    plan, start, tokens, n = [], 0, 0, 0
+    for n, length in enumerate(lengths, 1):
+        tokens += length
+        if tokens >= shard_tokens:
+            plan.append(range(start, n))
+            start, tokens = n, 0
+    if start < n:
+        plan.append(range(start, n))
+    return plan
+
+
 def write_features(
     target: FrozenTarget,
     rows,
@@ -72,57 +90,94 @@ def write_features(
     max_length: int,
     dtype: str = "bfloat16",
     shard_tokens: int = 262144,
+    extra: dict | None = None,
 ) -> dict:
     """Run the target once over `rows` (dicts with input_ids, loss_mask) and cache its states.
 
     Rows run one at a time (no padding), so a cached row is bit-identical to a fresh forward of it.
-    Shards are written into a temp directory that is renamed into place at the end.
+    In a process group every rank must call this: rank r writes shards r, r + N, ... of the plan
+    into one temp directory, and rank 0 writes the index (with `extra` fields) and renames the
+    directory into place once every rank has finished; a rank that fails fails them all and
+    leaves nothing behind.
     """
     if dtype not in DTYPES:
         raise SpecHeadsError(f"feature dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if shard_tokens < 1:
+        raise SpecHeadsError(f"feature shard_tokens must be >= 1, got {shard_tokens}")
     layer_ids = target.check_layer_ids(layer_ids)
     key = feature_cache_key(target, layer_ids, final, max_length)
     names = state_names(layer_ids, final)
+    rank, world = process_rank()
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    shards, buf, n_rows, n_tokens = [], _ShardBuffer(names), 0, 0
+    plan = shard_plan((min(n, max_length) for n in row_lengths(rows)), shard_tokens)
+    mine = list(range(rank, len(plan), world))
+    tmp = None
+    if rank == 0:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-")
+    tmp = Path(broadcast_object(tmp))
+    written, failure = [], None
     try:
-        for row in tqdm(rows, desc="caching features", unit="row"):
+        written = _write_shards(target, rows, plan, mine, layer_ids, final, names, DTYPES[dtype], max_length, tmp)
+    except Exception as err:  # reported to every rank below, so none waits forever or renames a partial cache
+        failure = err
+    reports = all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
+    failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise SpecHeadsError(f"feature caching failed on rank {failed[0][0]}: {failed[0][1]}")
+    shards = sorted((e for entries in all_gather_objects(written) for e in entries), key=lambda e: e["file"])
+    bytes_per_token = len(names) * target.info.hidden_size * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    index = {
+        "key": key,
+        "dtype": dtype,
+        "names": names,
+        "rows": sum(e["rows"] for e in shards),
+        "tokens": sum(e["tokens"] for e in shards),
+        "bytes_per_token": bytes_per_token,
+        "shards": shards,
+        **(extra or {}),
+    }
+    if rank == 0:
+        try:
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        print(
+            f"cached {index['rows']} rows / {index['tokens']} tokens of {', '.join(names)} ({dtype}) "
+            f"in {len(shards)} shard(s) from {world} rank(s): {bytes_per_token} bytes per token, "
+            f"{bytes_per_token * index['tokens'] / 2**20:.1f} MiB"
+        )
+    all_gather_objects(None)  # no rank reads the cache before rank 0 has renamed it into place
+    return index
+
+
+def _write_shards(target, rows, plan, mine, layer_ids, final, names, dtype, max_length, directory) -> list[dict]:
+    """This rank's shards of the plan, each written under its number in the plan."""
+    entries = []
+    bar = tqdm(total=sum(len(plan[j]) for j in mine), desc="caching features", unit="row")
+    for j in mine:
+        buf = _ShardBuffer(names)
+        for r in plan[j]:
+            row = rows[r]
             ids = torch.as_tensor(row["input_ids"], dtype=torch.long)[:max_length]
             mask = torch.as_tensor(row["loss_mask"], dtype=torch.long)[:max_length]
             s = target.states(ids.unsqueeze(0).to(target.device), layer_ids=layer_ids, final=final)
             states = {f"layer_{k}": s.hidden[k][0] for k in layer_ids}
             if final:
                 states["final"] = s.final[0]
-            buf.add(ids, mask, {n: states[n].to(DTYPES[dtype]).cpu() for n in names})
-            n_rows, n_tokens = n_rows + 1, n_tokens + ids.numel()
-            if buf.tokens >= shard_tokens:
-                shards.append(buf.flush(tmp, len(shards)))
-        if buf.rows:
-            shards.append(buf.flush(tmp, len(shards)))
-        bytes_per_token = len(names) * target.info.hidden_size * torch.tensor([], dtype=DTYPES[dtype]).element_size()
-        index = {
-            "key": key,
-            "dtype": dtype,
-            "names": names,
-            "rows": n_rows,
-            "tokens": n_tokens,
-            "bytes_per_token": bytes_per_token,
-            "shards": shards,
-        }
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    print(
-        f"cached {n_rows} rows / {n_tokens} tokens of {', '.join(names)} ({dtype}): "
-        f"{bytes_per_token} bytes per token, {bytes_per_token * n_tokens / 2**20:.1f} MiB"
-    )
-    return index
+            buf.add(ids, mask, {n: states[n].to(dtype).cpu() for n in names})
+            bar.update(1)
+        entries.append(buf.flush(directory, j))
+    bar.close()
+    return entries
 
 
 class _ShardBuffer:
@@ -256,8 +311,11 @@ def ensure_split_features(
     max_length: int,
     dtype: str = "bfloat16",
     data_fingerprint: str | None = None,
+    shard_tokens: int = 262144,
 ) -> None:
-    """Cache every split under directory/<split>/ unless an up-to-date cache is already there."""
+    """Cache every split under directory/<split>/ unless an up-to-date cache is already there.
+
+    In a process group every rank calls this, and the ranks share each split's target pass."""
     expected = feature_cache_key(target, layer_ids, final, max_length)
     for split, rows in splits.items():
         where = split_dir(directory, split)
@@ -269,10 +327,17 @@ def ensure_split_features(
                 and index.get("rows") == len(rows)
             ):
                 continue
-        write_features(target, rows, layer_ids, final, where, max_length, dtype=dtype)
-        index = json.loads((where / INDEX_NAME).read_text())
-        index["data"] = data_fingerprint
-        write_json(where / INDEX_NAME, index)
+        write_features(
+            target,
+            rows,
+            layer_ids,
+            final,
+            where,
+            max_length,
+            dtype=dtype,
+            shard_tokens=shard_tokens,
+            extra={"data": data_fingerprint},
+        )
 
 
 def auto_features_dir(target: FrozenTarget, splits: dict, layer_ids, final: bool, max_length: int, dtype: str) -> Path:

@@ -1,7 +1,15 @@
-"""The distill.py job: load the target, regenerate the data, then (optionally) cache features."""
+"""The distill.py job: load the target, regenerate the data, then (optionally) cache features.
+
+Under a launcher (`torchrun --nproc_per_node N distill.py ...` or `deepspeed distill.py ...`) the
+ranks share the feature caching of a finished distillation: each writes its shards of the cache,
+and the cache equals the one a single process writes. Regeneration runs on one process: later
+shards depend on the prompts of earlier ones (deduplication), so it is not split.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -10,25 +18,51 @@ from ..config.distill import DistillJobConfig
 from ..config.train import DataConfig
 from ..data.datasets import build_datasets
 from ..data.features import ensure_split_features
+from ..data.shards import is_distill_output, read_manifest
+from ..distributed import main_rank_first, process_rank, setup_distributed
+from ..errors import SpecHeadsError
 from ..heads.spec import default_layer_ids
 from ..target import load_target, resolve_device
 from .regenerate import run_distillation
 
 
-def distill(job: DistillJobConfig) -> Path:
-    """Run (or finish) the distillation described by the job's settings."""
+def launched_world_size() -> int:
+    """How many ranks a launcher started (1 for a plain `python distill.py`)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def distill(job: DistillJobConfig) -> Path | None:
+    """Run (or finish) the distillation described by the job's settings; the directory on rank 0."""
     torch.manual_seed(job.seed)
-    target = load_target(job.model, resolve_device(job.device))
+    if launched_world_size() > 1:
+        check_ranks_can_share(job)
+        d = setup_distributed(job.device)
+        device, ranks = d.device, main_rank_first(d)
+    else:
+        d, device, ranks = None, resolve_device(job.device), contextlib.nullcontext()
+    target = load_target(job.model, device)
     out = run_distillation(target, job.distill, seed=job.seed, target_path=job.model.path)
     if job.distill.features.enabled:
-        cache_features(job, target, out)
-    return out
+        cache_features(job, target, out, ranks)
+    return out if d is None or d.is_main else None
 
 
-def cache_features(job: DistillJobConfig, target, data_dir: Path) -> Path:
+def check_ranks_can_share(job: DistillJobConfig) -> None:
+    out = Path(job.distill.output).expanduser()
+    if not job.distill.features.enabled:
+        raise SpecHeadsError("distill.py on several ranks caches features only: add distill.features.enabled=true")
+    if not (is_distill_output(out) and read_manifest(out).get("complete")):
+        raise SpecHeadsError(
+            f"{out} is not a finished distillation: regenerate it on one process first "
+            "(python distill.py ...), then cache its features on several ranks"
+        )
+
+
+def cache_features(job: DistillJobConfig, target, data_dir: Path, ranks=None) -> Path:
     """Cache the target's states over the distilled conversations, split as train.py splits them.
 
-    Train from it with `python train.py data.path=DATA_DIR data.features=FEATURES_DIR`.
+    Train from it with `python train.py data.path=DATA_DIR data.features=FEATURES_DIR`. `ranks`
+    orders the data loading of a process group (rank 0 tokenizes first, the others reuse it).
     """
     feats = job.distill.features
     out = Path(feats.output) if feats.output else data_dir / "features"
@@ -41,7 +75,8 @@ def cache_features(job: DistillJobConfig, target, data_dir: Path) -> Path:
         shuffle_seed=feats.shuffle_seed,
         decontaminate=list(job.distill.decontaminate),
     )
-    train_rows, eval_rows = build_datasets(data_cfg, target.tokenizer)
+    with ranks or contextlib.nullcontext():
+        train_rows, eval_rows = build_datasets(data_cfg, target.tokenizer)
     ensure_split_features(
         target,
         {"train": train_rows, "eval": eval_rows},
@@ -51,6 +86,8 @@ def cache_features(job: DistillJobConfig, target, data_dir: Path) -> Path:
         feats.max_length,
         dtype=feats.dtype,
         data_fingerprint=getattr(train_rows, "_fingerprint", None),
+        shard_tokens=feats.shard_tokens,
     )
-    print(f"features: {out}")
+    if process_rank()[0] == 0:
+        print(f"features: {out}")
     return out

@@ -2,7 +2,7 @@
 the head and its state source, the Trainer, and the head directory written at the end.
 
 One code path serves one process (CPU or GPU) and N processes started by `deepspeed train.py` or
-`torchrun` (specheads.train.distributed).
+`torchrun` (specheads.distributed).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from ..config.train import DataConfig, TrainJobConfig
 from ..data.datasets import build_datasets
 from ..data.features import auto_features_dir, ensure_split_features
 from ..distill.builtin import ensure_builtin_data
+from ..distributed import Dist, main_rank_first, quiet_deepspeed, setup_distributed
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead, build_head
 from ..provenance import provenance
 from ..target import FLOAT_DTYPES, FrozenTarget, load_target
-from .distributed import Dist, main_rank_first, quiet_deepspeed, setup_distributed
 from .metrics import MetricsLog, plot_metrics
 from .plan import check_fits, dry_run, shard_decision
 from .sharded_target import check_shardable, frozen_parts_gathered, load_sharded_target
@@ -56,7 +56,7 @@ def head_and_states(cfg: TrainJobConfig, target: FrozenTarget, d: Dist) -> tuple
     with main_rank_first(d):  # EAGLE-3 caches its draft vocab on first build
         head = build_head(cfg.head, target, train_rows=source.rows("train"))
     if features == "auto":
-        directory = ensure_auto_features(target, splits, *head.training_states(), cfg.data.max_length, d)
+        directory = ensure_auto_features(target, splits, *head.training_states(), cfg.data.max_length)
         source = OfflineStates(
             directory, target, cfg.data.max_length, pad_id=pad_id, device=d.device, dtype=target.dtype
         )
@@ -75,16 +75,16 @@ def check_state_source(cfg: TrainJobConfig) -> None:
 
 
 def ensure_auto_features(
-    target: FrozenTarget, splits: dict, layer_ids: list[int], final: bool, max_length: int, d: Dist
+    target: FrozenTarget, splits: dict, layer_ids: list[int], final: bool, max_length: int
 ) -> Path:
     """data.features=auto: one target pass over the data caches the states the head trains on
-    (bf16 on GPU, fp32 on CPU), so every further epoch costs only the head's own compute."""
+    (bf16 on GPU, fp32 on CPU), so every further epoch costs only the head's own compute. The
+    ranks share that pass: each writes its shards of the cache."""
     dtype = "float32" if target.dtype == torch.float32 else "bfloat16"
     directory = auto_features_dir(target, splits, layer_ids, final, max_length, dtype)
-    with main_rank_first(d):
-        ensure_split_features(
-            target, splits, layer_ids, final, directory, max_length, dtype=dtype, data_fingerprint=directory.name
-        )
+    ensure_split_features(
+        target, splits, layer_ids, final, directory, max_length, dtype=dtype, data_fingerprint=directory.name
+    )
     return directory
 
 

@@ -18,10 +18,10 @@ import torch
 
 from ..config.model import ModelConfig
 from ..config.train import TrainJobConfig
+from ..distributed import Dist
 from ..errors import SpecHeadsError
 from ..heads import HEADS
 from ..target import TINY_PREFIX, FrozenTarget, load_target
-from .distributed import Dist
 
 
 def inference_config() -> dict:

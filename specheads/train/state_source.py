@@ -133,12 +133,3 @@ class OfflineStates:
             r.states = {k: v for k, v in r.states.items() if k in self.wanted}
         batch, states = collate_features(rows, self.pad_id, self.dtype)
         return ({k: v.to(self.device) for k, v in batch.items()}, {k: v.to(self.device) for k, v in states.items()})
-
-
-def row_lengths(rows: Sequence[dict]) -> list[int]:
-    """Token count of every row; a `datasets.Dataset` is measured in Arrow, without Python lists."""
-    if hasattr(rows, "with_format") and hasattr(rows, "column_names"):
-        import pyarrow.compute as pc
-
-        return pc.list_value_length(rows.with_format("arrow")["input_ids"]).to_pylist()
-    return [len(r["input_ids"]) for r in rows]

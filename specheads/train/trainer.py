@@ -22,16 +22,17 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config.train import DeepSpeedConfig, HeadConfig, TrainConfig, TrainJobConfig
+from ..data.datasets import row_lengths
+from ..distributed import Dist, all_gather_objects, all_reduce_sum, peak_memory_gb, per_rank
 from ..errors import SpecHeadsError
 from ..heads import save_head
 from ..target import FLOAT_DTYPES
 from .batches import TrainBatches, eval_batches
 from .checkpoint import Checkpoints
 from .deepspeed_config import deepspeed_config, param_groups
-from .distributed import Dist, all_gather_strings, all_reduce_sum, peak_memory_gb, per_rank
 from .metrics import MetricsLog
 from .schedule import warmup_cosine_scheduler
-from .state_source import StateSource, row_lengths
+from .state_source import StateSource
 
 
 class HeadObjective(nn.Module):
@@ -308,7 +309,7 @@ class Trainer:
             if p.requires_grad:
                 digest.update(name.encode())
                 digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-        digests = all_gather_strings(digest.hexdigest(), self.d)
+        digests = all_gather_objects(digest.hexdigest())
         if len(set(digests)) > 1:
             differ = [r for r, x in enumerate(digests) if x != digests[0]]
             raise SpecHeadsError(f"after training, rank(s) {differ} hold head weights different from rank 0's")

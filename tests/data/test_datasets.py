@@ -91,3 +91,14 @@ def test_max_per_source_keeps_a_seeded_subset_of_each_source(tok, tmp_path, caps
     assert again["input_ids"] == train["input_ids"]  # seeded
     with pytest.raises(SpecHeadsError, match="max_per_source"):
         build_datasets(data_cfg(big, max_per_source=0), tok)
+
+
+def test_row_lengths_of_a_shuffled_dataset():
+    import datasets
+
+    from specheads.data.datasets import row_lengths
+
+    ds = datasets.Dataset.from_list([{"input_ids": [1] * n, "loss_mask": [0] * n} for n in range(1, 20)])
+    view = ds.shuffle(seed=3).select(range(5))
+    assert row_lengths(view) == [len(r["input_ids"]) for r in view]
+    assert row_lengths([{"input_ids": [4, 5]}]) == [2]

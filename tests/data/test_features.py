@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from specheads.data.features import FeatureCache, collate_features, feature_cache_key, write_features
+from specheads.data.features import (
+    FeatureCache,
+    collate_features,
+    feature_cache_key,
+    shard_plan,
+    write_features,
+)
 from specheads.errors import SpecHeadsError
 
 
@@ -38,6 +44,43 @@ def test_cached_features_equal_online_bit_for_bit(tiny_target, tmp_path, dtype):
         for k in layers:
             assert torch.equal(cached.states[k], online.hidden[k][0].to(want))
         assert torch.equal(cached.states["final"], online.final[0].to(want))
+
+
+def sequential_shards(lengths, shard_tokens):
+    """The plain rule: fill a shard row by row, close it once it holds shard_tokens tokens."""
+    shards, current, tokens = [], [], 0
+    for r, n in enumerate(lengths):
+        current.append(r)
+        tokens += n
+        if tokens >= shard_tokens:
+            shards.append(current)
+            current, tokens = [], 0
+    return shards + ([current] if current else [])
+
+
+@pytest.mark.parametrize("shard_tokens", [1, 7, 40, 10_000])
+def test_shard_plan_is_the_sequential_rule(shard_tokens):
+    lengths = torch.randint(1, 30, (23,), generator=torch.Generator().manual_seed(shard_tokens)).tolist()
+    plan = shard_plan(lengths, shard_tokens)
+    assert [list(r) for r in plan] == sequential_shards(lengths, shard_tokens)
+    assert [list(r) for r in shard_plan(lengths, shard_tokens)] != sequential_shards(lengths[1:], shard_tokens)
+    assert shard_plan([], shard_tokens) == []
+
+
+def test_a_failed_pass_leaves_nothing_behind(tiny_target, tmp_path, monkeypatch):
+    calls = []
+    real = tiny_target.states
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_target, "states", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        write_features(tiny_target, rows(), [2], True, tmp_path / "feat", max_length=64, shard_tokens=20)
+    assert len(calls) == 3 and list(tmp_path.iterdir()) == []
 
 
 def test_stale_cache_is_refused(tiny_target, tmp_path):

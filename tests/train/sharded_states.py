@@ -7,8 +7,8 @@ import sys
 import torch
 
 from specheads.config.model import ModelConfig
+from specheads.distributed import setup_distributed
 from specheads.target import load_target
-from specheads.train.distributed import setup_distributed
 from specheads.train.sharded_target import frozen_parts_gathered, is_sharded, load_sharded_target
 
 if __name__ == "__main__":

@@ -110,17 +110,6 @@ def test_loss_falls_through_the_engine(family, world, tiny_target, tmp_path):
     assert all(torch.equal(v, target_before[k]) for k, v in tiny_target.model.state_dict().items())
 
 
-def test_row_lengths_of_a_shuffled_dataset():
-    import datasets
-
-    from specheads.train.state_source import row_lengths
-
-    ds = datasets.Dataset.from_list([{"input_ids": [1] * n, "loss_mask": [0] * n} for n in range(1, 20)])
-    view = ds.shuffle(seed=3).select(range(5))
-    assert row_lengths(view) == [len(r["input_ids"]) for r in view]
-    assert row_lengths([{"input_ids": [4, 5]}]) == [2]
-
-
 def test_resume_continues_the_same_run_and_refuses_another(world, tiny_target, tmp_path):
     data = write_conversations(tmp_path / "chats.jsonl", n=32)
     out = tmp_path / "run"
@@ -206,13 +195,13 @@ def test_auto_features_are_cached_once_per_data(world, tiny_target, tmp_path, mo
 def test_ranks_that_disagree_on_the_trained_weights_fail_the_run(monkeypatch):
     from types import SimpleNamespace
 
+    from specheads.distributed import Dist
     from specheads.train import trainer as trainer_module
-    from specheads.train.distributed import Dist
 
     head = torch.nn.Linear(3, 2)
     head.bias.requires_grad_(False)  # frozen weights are not part of the digest
     fake = SimpleNamespace(engine=SimpleNamespace(module=head), d=Dist(0, 0, 2, torch.device("cpu")))
-    monkeypatch.setattr(trainer_module, "all_gather_strings", lambda value, d: [value, value])
+    monkeypatch.setattr(trainer_module, "all_gather_objects", lambda value: [value, value])
     digest = Trainer.agreed_weights_digest(fake)
     with torch.no_grad():
         head.bias.add_(1)
@@ -220,13 +209,13 @@ def test_ranks_that_disagree_on_the_trained_weights_fail_the_run(monkeypatch):
     with torch.no_grad():
         head.weight.add_(1)
     assert Trainer.agreed_weights_digest(fake) != digest
-    monkeypatch.setattr(trainer_module, "all_gather_strings", lambda value, d: [value, "0" * 64])
+    monkeypatch.setattr(trainer_module, "all_gather_objects", lambda value: [value, "0" * 64])
     with pytest.raises(SpecHeadsError, match=r"rank\(s\) \[1\] hold head weights different"):
         Trainer.agreed_weights_digest(fake)
 
 
 def test_per_rank_values_and_peak_memory_in_a_world_of_one():
-    from specheads.train.distributed import Dist, peak_memory_gb, per_rank
+    from specheads.distributed import Dist, peak_memory_gb, per_rank
 
     assert per_rank(2.5, Dist(0, 0, 1, torch.device("cpu"))) == [2.5]
     assert 0.01 < peak_memory_gb(torch.device("cpu")) < 64

@@ -1,11 +1,38 @@
-"""distill.py caches features; train.py trains from them with the losses of online training."""
+"""distill.py caches features (on one process or two ranks); train.py trains from them with the
+losses of online training."""
 
+import filecmp
 import json
 import subprocess
 import sys
 
+import pytest
 from conftest import write_questions
-from test_train import ROOT, clean_env, run
+from test_train import ROOT, TORCHRUN, clean_env, run
+
+FEATURE_ARGS = [
+    "distill.features.enabled=true",
+    "distill.features.dtype=float32",
+    "distill.features.layer_ids=[1,3,5]",
+    "distill.features.max_length=96",
+    "distill.features.eval_fraction=0.2",
+    "distill.features.shard_tokens=150",  # several shards, so that both ranks write some
+]
+COMMON = [
+    "model=tiny-random",
+    "head=eagle3",
+    "head.layer_ids=[1,3,5]",
+    "head.draft_vocab_size=64",
+    "head.ttt_steps=3",
+    "data.max_length=96",
+    "data.eval_fraction=0.2",
+    "data.decontaminate=[]",
+    "train.max_steps=4",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "wandb.mode=disabled",
+    "seed=3",
+]
 
 
 def losses(out):
@@ -13,52 +40,40 @@ def losses(out):
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def test_offline_features_train_like_online(tmp_path):
-    questions = tmp_path / "questions.jsonl"
+def distill_command(data, *extra):
+    return ["distill.py", "model=tiny-random", f"distill.output={data}", *FEATURE_ARGS, *extra]
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    """A finished distillation of 10 questions with its features, cached by one process."""
+    tmp = tmp_path_factory.mktemp("distilled")
+    questions = tmp / "questions.jsonl"
     topics = ["rivers", "stars", "bread", "chess", "rain", "glass", "maps", "bees", "salt", "wind"]
     write_questions(questions, [f"Tell me about {t} please." for t in topics], categories=("t",), later_turns=())
-    data = tmp_path / "distilled"
-    proc = run(
-        [
-            sys.executable,
-            "distill.py",
-            "model=tiny-random",
-            f"distill.prompts={questions}",
-            "distill.num_prompts=10",
-            "distill.max_new_tokens=24",
-            f"distill.output={data}",
-            "distill.decontaminate=[]",
-            "distill.features.enabled=true",
-            "distill.features.dtype=float32",
-            "distill.features.layer_ids=[1,3,5]",
-            "distill.features.max_length=96",
-            "distill.features.eval_fraction=0.2",
-        ]
-    )
+    data = tmp / "distilled"
+    generation = [f"distill.prompts={questions}", "distill.num_prompts=10", "distill.max_new_tokens=24"]
+    run([sys.executable, *distill_command(data, *generation, "distill.decontaminate=[]")])
+    return data, generation
+
+
+def test_offline_features_train_like_online(distilled, tmp_path):
+    data, _ = distilled
     features = data / "features"
-    assert (features / "train" / "index.json").is_file()
     index = json.loads((features / "train" / "index.json").read_text())
     assert index["bytes_per_token"] == 4 * 64 * 4  # three layers + final, hidden 64, fp32
-
-    common = [
-        "model=tiny-random",
-        "head=eagle3",
-        "head.layer_ids=[1,3,5]",
-        "head.draft_vocab_size=64",
-        "head.ttt_steps=3",
-        f"data.path={data}",
-        "data.max_length=96",
-        "data.eval_fraction=0.2",
-        "data.decontaminate=[]",
-        "train.max_steps=4",
-        "train.batch_size=2",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "wandb.mode=disabled",
-        "seed=3",
-    ]
-    run([sys.executable, "train.py", *common, f"output_dir={tmp_path / 'online'}"])
-    run([sys.executable, "train.py", *common, f"data.features={features}", f"output_dir={tmp_path / 'offline'}"])
+    for name, extra in (("online", []), ("offline", [f"data.features={features}"])):
+        run(
+            [
+                sys.executable,
+                "train.py",
+                *COMMON,
+                f"data.path={data}",
+                "train.batch_size=2",
+                *extra,
+                f"output_dir={tmp_path / name}",
+            ]
+        )
     online, offline = losses(tmp_path / "online"), losses(tmp_path / "offline")
     assert sorted(online) == sorted(offline) == [1, 2, 3, 4]
     for step in online:
@@ -68,7 +83,8 @@ def test_offline_features_train_like_online(tmp_path):
         [
             sys.executable,
             "train.py",
-            *common,
+            *COMMON,
+            f"data.path={data}",
             "head.layer_ids=[2,3,4]",
             f"data.features={features}",
             f"output_dir={tmp_path / 'stale'}",
@@ -81,3 +97,44 @@ def test_offline_features_train_like_online(tmp_path):
     )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: feature cache")
+
+
+def test_two_ranks_cache_the_features_of_one_and_train_from_them(distilled, tmp_path):
+    data, generation = distilled
+    two = tmp_path / "features-2"
+    proc = run(
+        [*TORCHRUN, *distill_command(data, *generation, "distill.decontaminate=[]", f"distill.features.output={two}")]
+    )
+    assert proc.stdout.strip().splitlines()[-1] == str(data)  # rank 0 prints the directory, once
+    one = data / "features"
+    for split in ("train", "eval"):
+        files = sorted(p.name for p in (one / split).iterdir())
+        assert files == sorted(p.name for p in (two / split).iterdir())
+        # byte for byte: the same shards (numbered by the plan, whichever rank wrote them) and index
+        match, mismatch, errors = filecmp.cmpfiles(one / split, two / split, files, shallow=False)
+        assert (mismatch, errors) == ([], []) and len(match) == len(files)
+    shards = json.loads((one / "train" / "index.json").read_text())["shards"]
+    assert len(shards) >= 3  # rank 1 wrote shard 1 at least: the check compares work of both ranks
+    assert not list(tmp_path.glob(".features-2.tmp-*"))
+
+    # two ranks read the cache through the distributed sampler: the losses of two ranks online
+    for name, extra in (("online", []), ("offline", [f"data.features={two}"])):
+        out = tmp_path / f"train-2-{name}"
+        run([*TORCHRUN, "train.py", *COMMON, f"data.path={data}", "train.batch_size=1", *extra, f"output_dir={out}"])
+    online, offline = losses(tmp_path / "train-2-online"), losses(tmp_path / "train-2-offline")
+    assert sorted(online) == sorted(offline) == [1, 2, 3, 4]
+    assert list(offline.values()) == pytest.approx(list(online.values()), rel=1e-4)
+
+
+def test_several_ranks_refuse_to_regenerate(tmp_path):
+    env = clean_env() | {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    proc = subprocess.run(
+        [sys.executable, *distill_command(tmp_path / "new")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "is not a finished distillation" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "new").exists()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import SpecHeadsError
+from .errors import SpecHeadsError
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,27 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kilobytes on Linux
 
 
-def all_gather_strings(value: str, d: Dist) -> list[str]:
-    """Every rank's `value`, in rank order, on every rank."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def process_rank() -> tuple[int, int]:
+    """(rank, world size) of the initialised process group; (0, 1) in a plain process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's picklable `value`, in rank order, on every rank."""
+    world = process_rank()[1]
+    if world == 1:
         return [value]
-    out: list[Any] = [None] * d.world_size
+    out: list[Any] = [None] * world
     dist.all_gather_object(out, value)
     return out
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank `src`'s picklable `value` on every rank."""
+    if process_rank()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
