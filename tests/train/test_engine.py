@@ -212,10 +212,3 @@ def test_ranks_that_disagree_on_the_trained_weights_fail_the_run(monkeypatch):
     monkeypatch.setattr(trainer_module, "all_gather_objects", lambda value: [value, "0" * 64])
     with pytest.raises(SpecHeadsError, match=r"rank\(s\) \[1\] hold head weights different"):
         Trainer.agreed_weights_digest(fake)
-
-
-def test_per_rank_values_and_peak_memory_in_a_world_of_one():
-    from specheads.distributed import Dist, peak_memory_gb, per_rank
-
-    assert per_rank(2.5, Dist(0, 0, 1, torch.device("cpu"))) == [2.5]
-    assert 0.01 < peak_memory_gb(torch.device("cpu")) < 64
