@@ -49,6 +49,7 @@ class HeadConfig:
     )
     heads_only_steps: int = 20  # stage 1: the heads alone on the unchanged target; then heads + LoRA
     lm_loss_weight: float = 1.0  # lambda: weight of the adapted target's own next-token loss
+    lora_lr: float | None = None  # the LoRA's peak learning rate; null = train.lr (the heads')
     lm_loss_warmup_steps: int = 20  # lambda ramps linearly from 0 over the first joint steps
     merge_lora: bool = False  # also write the target with the LoRA folded in (OUTPUT_DIR/merged)
 

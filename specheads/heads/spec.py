@@ -77,6 +77,8 @@ class HeadSpec(HeadConfig):
         for name in ("heads_only_steps", "lm_loss_weight", "lm_loss_warmup_steps"):
             if getattr(self, name) < 0:
                 raise SpecHeadsError(f"head.{name} must be >= 0, got {getattr(self, name)}")
+        if self.lora_lr is not None and not self.lora_lr > 0:
+            raise SpecHeadsError(f"head.lora_lr must be > 0 (or null for train.lr), got {self.lora_lr}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

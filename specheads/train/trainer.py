@@ -60,7 +60,10 @@ def initialize(head: nn.Module, t: TrainConfig, z: DeepSpeedConfig, d: Dist, tot
     objective = HeadObjective(head)
     head_dtype = next(head.parameters()).dtype
     config = deepspeed_config(t, z, d.world_size, d.device, head_dtype)
-    groups = param_groups(objective, t.weight_decay)
+    lora_lr = getattr(getattr(head, "spec", None), "lora_lr", None)
+    adapter = head.target_adapter()
+    own_lr = (adapter, lora_lr) if adapter is not None and lora_lr is not None else None
+    groups = param_groups(objective, t.weight_decay, own_lr)
     optimizer = None
     if "optimizer" not in config:
         optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)

@@ -68,6 +68,27 @@ def test_heads_and_lora_train_in_one_engine_and_resume(world, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(now.state_dict().values(), saved.state_dict().values()))
 
 
+def test_the_lora_trains_at_its_own_learning_rate(world, tmp_path):
+    from specheads.train.deepspeed_config import param_groups
+    from specheads.train.trainer import HeadObjective
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    peaks = {}
+    for lora_lr in (None, 3e-4):
+        trainer = trainer_for(job(data, tmp_path / f"run-{lora_lr}", lora_lr=lora_lr), world, tmp_path)
+        head, adapter = trainer.head, trainer.head.target_adapter()
+        groups = param_groups(HeadObjective(head), 0.0, None if lora_lr is None else (adapter, lora_lr))
+        lora = ids(adapter.parameters())
+        # every trained parameter in exactly one group; the LoRA's groups hold nothing else
+        assert sorted(id(p) for g in groups for p in g["params"]) == sorted(ids(trainer.engine.module.parameters()))
+        own = [g for g in groups if "lr" in g]
+        assert ids(p for g in own for p in g["params"]) == (lora if lora_lr else set())
+        # the engine's schedule starts from those peaks, group by group
+        peaks[lora_lr] = trainer.engine.lr_scheduler.base_lrs
+        assert peaks[lora_lr] == [g.get("lr", 3e-3) for g in groups]
+    assert set(peaks[None]) == {3e-3} and set(peaks[3e-4]) == {3e-3, 3e-4}
+
+
 def test_offline_features_cannot_feed_a_medusa2_head(tmp_path):
     cfg = job(tmp_path / "chats.jsonl", tmp_path / "run")
     cfg.data.features = "auto"
