@@ -121,15 +121,16 @@ def write_features(
         written = _write_shards(target, rows, plan, mine, layer_ids, final, names, DTYPES[dtype], max_length, tmp)
     except Exception as err:  # reported to every rank below, so none waits forever or renames a partial cache
         failure = err
-    reports = all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
-    failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+    # one exchange: every rank's failure (or None) and the shards it wrote
+    reports = all_gather_objects((None if failure is None else f"{type(failure).__name__}: {failure}", written))
+    failed = [(r, m) for r, (m, _) in enumerate(reports) if m is not None]
     if failed:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if failure is not None:
             raise failure
         raise SpecHeadsError(f"feature caching failed on rank {failed[0][0]}: {failed[0][1]}")
-    shards = sorted((e for entries in all_gather_objects(written) for e in entries), key=lambda e: e["file"])
+    shards = sorted((e for _, entries in reports for e in entries), key=lambda e: e["file"])
     bytes_per_token = len(names) * target.info.hidden_size * torch.tensor([], dtype=DTYPES[dtype]).element_size()
     index = {
         "key": key,
@@ -147,15 +148,19 @@ def write_features(
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             os.replace(tmp, out_dir)
-        except BaseException:
+        except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
+            all_gather_objects(f"{type(err).__name__}: {err}")  # the other ranks wait for this
             raise
         print(
             f"cached {index['rows']} rows / {index['tokens']} tokens of {', '.join(names)} ({dtype}) "
             f"in {len(shards)} shard(s) from {world} rank(s): {bytes_per_token} bytes per token, "
             f"{bytes_per_token * index['tokens'] / 2**20:.1f} MiB"
         )
-    all_gather_objects(None)  # no rank reads the cache before rank 0 has renamed it into place
+    # no rank reads the cache before rank 0 has renamed it into place (or failed to)
+    failure = all_gather_objects(None)[0]
+    if failure is not None:
+        raise SpecHeadsError(f"feature caching failed on rank 0: {failure}")
     return index
 
 

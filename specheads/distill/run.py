@@ -19,7 +19,7 @@ from ..config.train import DataConfig
 from ..data.datasets import build_datasets
 from ..data.features import ensure_split_features
 from ..data.shards import is_distill_output, read_manifest
-from ..distributed import main_rank_first, process_rank, setup_distributed
+from ..distributed import Dist, main_rank_first, setup_distributed
 from ..errors import SpecHeadsError
 from ..heads.spec import default_layer_ids
 from ..target import load_target, resolve_device
@@ -37,13 +37,13 @@ def distill(job: DistillJobConfig) -> Path | None:
     if launched_world_size() > 1:
         check_ranks_can_share(job)
         d = setup_distributed(job.device)
-        device, ranks = d.device, main_rank_first(d)
+        device = d.device
     else:
-        d, device, ranks = None, resolve_device(job.device), contextlib.nullcontext()
+        d, device = None, resolve_device(job.device)
     target = load_target(job.model, device)
     out = run_distillation(target, job.distill, seed=job.seed, target_path=job.model.path)
     if job.distill.features.enabled:
-        cache_features(job, target, out, ranks)
+        cache_features(job, target, out, d)
     return out if d is None or d.is_main else None
 
 
@@ -58,11 +58,11 @@ def check_ranks_can_share(job: DistillJobConfig) -> None:
         )
 
 
-def cache_features(job: DistillJobConfig, target, data_dir: Path, ranks=None) -> Path:
+def cache_features(job: DistillJobConfig, target, data_dir: Path, d: Dist | None = None) -> Path:
     """Cache the target's states over the distilled conversations, split as train.py splits them.
 
-    Train from it with `python train.py data.path=DATA_DIR data.features=FEATURES_DIR`. `ranks`
-    orders the data loading of a process group (rank 0 tokenizes first, the others reuse it).
+    Train from it with `python train.py data.path=DATA_DIR data.features=FEATURES_DIR`. In a process
+    group `d`, rank 0 tokenizes first and the others reuse its cache.
     """
     feats = job.distill.features
     out = Path(feats.output) if feats.output else data_dir / "features"
@@ -75,7 +75,7 @@ def cache_features(job: DistillJobConfig, target, data_dir: Path, ranks=None) ->
         shuffle_seed=feats.shuffle_seed,
         decontaminate=list(job.distill.decontaminate),
     )
-    with ranks or contextlib.nullcontext():
+    with main_rank_first(d) if d is not None else contextlib.nullcontext():
         train_rows, eval_rows = build_datasets(data_cfg, target.tokenizer)
     ensure_split_features(
         target,
@@ -88,6 +88,6 @@ def cache_features(job: DistillJobConfig, target, data_dir: Path, ranks=None) ->
         data_fingerprint=getattr(train_rows, "_fingerprint", None),
         shard_tokens=feats.shard_tokens,
     )
-    if process_rank()[0] == 0:
+    if d is None or d.is_main:
         print(f"features: {out}")
     return out

@@ -15,18 +15,18 @@ def param_groups(module: nn.Module, weight_decay: float, own_lr: tuple[nn.Module
     """Decay matrices only; norms and biases are left alone (the usual AdamW split). `own_lr`
     (submodule, lr) puts that submodule's parameters in groups of their own at that learning rate
     (Medusa-2's LoRA trains slower than its heads); the others take the optimizer's."""
+
+    def split(params: list, **extra) -> list[dict]:
+        rest = [p for p in params if p.ndim < 2]
+        decay = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, **extra}]
+        return decay + ([{"params": rest, "weight_decay": 0.0, **extra}] if rest else [])
+
     special = {id(p) for p in own_lr[0].parameters()} if own_lr is not None else set()
     trained = [p for p in module.parameters() if p.requires_grad]
-    common = [p for p in trained if id(p) not in special]
-    groups = [{"params": [p for p in common if p.ndim >= 2], "weight_decay": weight_decay}]
-    if any(p.ndim < 2 for p in common):
-        groups.append({"params": [p for p in common if p.ndim < 2], "weight_decay": 0.0})
+    groups = split([p for p in trained if id(p) not in special])
     if own_lr is not None:
-        own = [p for p in trained if id(p) in special]
-        for decayed in (True, False):
-            chosen = [p for p in own if (p.ndim >= 2) == decayed]
-            if chosen:
-                groups.append({"params": chosen, "weight_decay": weight_decay if decayed else 0.0, "lr": own_lr[1]})
+        own = split([p for p in trained if id(p) in special], lr=own_lr[1])
+        groups += [g for g in own if g["params"]]
     return groups
 
 
