@@ -66,6 +66,18 @@ def setup_distributed(device_name: str = "auto") -> Dist:
     return Dist(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
 
 
+def end_distributed(finished: bool = True) -> None:
+    """Leave the process group. A finished rank first waits at a barrier for its peers: a gloo rank
+    that exits while a peer still holds its connection can abort in its C++ teardown
+    ("terminate called without an active exception"). A failing rank leaves at once, since its peers
+    may never reach the barrier."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if finished and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def _skip_shm_comm_op() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (about a minute in a
     fresh environment) that only ranks sharing a machine use; a world of one has no peers."""

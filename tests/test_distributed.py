@@ -10,6 +10,7 @@ from specheads.distributed import (
     Dist,
     all_gather_objects,
     broadcast_object,
+    end_distributed,
     peak_memory_gb,
     per_rank,
     process_rank,
@@ -24,6 +25,8 @@ def test_a_plain_process_is_a_world_of_one():
     assert broadcast_object("mine") == "mine"
     assert per_rank(2.5, Dist(0, 0, 1, torch.device("cpu"))) == [2.5]
     assert 0.01 < peak_memory_gb(torch.device("cpu")) < 64
+    if not dist.is_initialized():
+        end_distributed()  # nothing to leave
 
 
 def _exchange(rank: int, port: int, results) -> None:
@@ -36,8 +39,11 @@ def _exchange(rank: int, port: int, results) -> None:
             broadcast_object(f"from {rank}"),
             per_rank(10.0 + rank, d),
         )
+        end_distributed()
+        results[f"left {rank}"] = not dist.is_initialized()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_two_ranks_gather_in_rank_order_and_broadcast_rank_0():
@@ -48,3 +54,4 @@ def test_two_ranks_gather_in_rank_order_and_broadcast_rank_0():
     mp.spawn(_exchange, args=(port, results), nprocs=2, join=True)
     for rank in (0, 1):
         assert results[rank] == ((rank, 2), ["rank 0", "rank 1"], "from 0", [10.0, 11.0])
+        assert results[f"left {rank}"]

@@ -19,7 +19,7 @@ from ..config.train import DataConfig
 from ..data.datasets import build_datasets
 from ..data.features import ensure_split_features
 from ..data.shards import is_distill_output, read_manifest
-from ..distributed import Dist, main_rank_first, setup_distributed
+from ..distributed import Dist, end_distributed, main_rank_first, setup_distributed
 from ..errors import SpecHeadsError
 from ..heads.spec import default_layer_ids
 from ..target import load_target, resolve_device
@@ -34,17 +34,26 @@ def launched_world_size() -> int:
 def distill(job: DistillJobConfig) -> Path | None:
     """Run (or finish) the distillation described by the job's settings; the directory on rank 0."""
     torch.manual_seed(job.seed)
-    if launched_world_size() > 1:
-        check_ranks_can_share(job)
-        d = setup_distributed(job.device)
-        device = d.device
-    else:
-        d, device = None, resolve_device(job.device)
-    target = load_target(job.model, device)
+    if launched_world_size() == 1:
+        return distill_on(job, None)
+    check_ranks_can_share(job)
+    d = setup_distributed(job.device)
+    finished = False
+    try:
+        out = distill_on(job, d)
+        finished = True
+    finally:
+        end_distributed(finished)
+    return out if d.is_main else None
+
+
+def distill_on(job: DistillJobConfig, d: Dist | None) -> Path:
+    """The job in one process (`d` None) or on one rank of a process group."""
+    target = load_target(job.model, d.device if d is not None else resolve_device(job.device))
     out = run_distillation(target, job.distill, seed=job.seed, target_path=job.model.path)
     if job.distill.features.enabled:
         cache_features(job, target, out, d)
-    return out if d is None or d.is_main else None
+    return out
 
 
 def check_ranks_can_share(job: DistillJobConfig) -> None:

@@ -12,13 +12,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..config.train import DataConfig, TrainJobConfig
 from ..data.datasets import build_datasets
 from ..data.features import auto_features_dir, ensure_split_features
 from ..distill.builtin import ensure_builtin_data
-from ..distributed import Dist, main_rank_first, quiet_deepspeed, setup_distributed
+from ..distributed import Dist, end_distributed, main_rank_first, quiet_deepspeed, setup_distributed
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead, build_head
 from ..provenance import provenance
@@ -98,6 +97,17 @@ def train(cfg: TrainJobConfig) -> Path | None:
     if cfg.save_dtype != "auto" and cfg.save_dtype not in FLOAT_DTYPES:
         raise SpecHeadsError(f"save_dtype must be auto or one of {', '.join(FLOAT_DTYPES)}, got {cfg.save_dtype!r}")
     d = setup_distributed(cfg.device)
+    finished = False
+    try:
+        path = train_in_group(cfg, d)
+        finished = True
+    finally:
+        end_distributed(finished)
+    return path if d.is_main else None
+
+
+def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
+    """The job on this rank of the process group `d`; the head directory it wrote."""
     quiet_deepspeed(cfg.debug)
     # before the target is loaded: a run whose target (whole, or its shard) cannot fit a rank is refused here
     on_gpu = d.device.type == "cuda"
@@ -152,5 +162,4 @@ def train(cfg: TrainJobConfig) -> Path | None:
                 f"step {trainer.step}: eval loss {last_eval['eval/loss']:.4f}, top-1 per depth [{accs}], "
                 f"sim tau {last_eval['eval/sim_tau']:.3f}"
             )
-    dist.destroy_process_group()
-    return path if d.is_main else None
+    return path

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from specheads.config.model import ModelConfig
-from specheads.distributed import setup_distributed
+from specheads.distributed import end_distributed, setup_distributed
 from specheads.target import load_target
 from specheads.train.sharded_target import frozen_parts_gathered, is_sharded, load_sharded_target
 
@@ -36,3 +36,4 @@ if __name__ == "__main__":
     if d.rank == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(report, f)
+    end_distributed()
