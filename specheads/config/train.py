@@ -49,6 +49,10 @@ class HeadConfig:
     )
     heads_only_steps: int = 20  # stage 1: the heads alone on the unchanged target; then heads + LoRA
     lm_loss_weight: float = 1.0  # lambda: weight of the adapted target's own next-token loss
+    # that loss: kl = KL(original target || adapted target), the original being the target with its
+    # LoRA switched off (self-distillation: the adapted target is held to the original's answers);
+    # ce = cross-entropy on the data's assistant tokens
+    lm_loss: str = "kl"
     lora_lr: float | None = None  # the LoRA's peak learning rate; null = train.lr (the heads')
     lm_loss_warmup_steps: int = 20  # lambda ramps linearly from 0 over the first joint steps
     merge_lora: bool = False  # also write the target with the LoRA folded in (OUTPUT_DIR/merged)

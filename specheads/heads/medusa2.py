@@ -4,7 +4,9 @@ Stage 1 (head.heads_only_steps optimizer steps) trains the heads alone on the un
 Stage 2 trains heads and LoRA together: the target's forward runs with grad through the LoRA (its
 base weights stay frozen), and the loss is the heads' Medusa loss on the adapted target's final
 states plus lambda x the adapted target's own next-token loss on the same rows, lambda ramping
-from 0 over head.lm_loss_warmup_steps joint steps.
+from 0 over head.lm_loss_warmup_steps joint steps. That loss is by default the KL divergence from
+the original target (the same forward with the LoRA switched off), which holds the adapted target's
+answers to the original's whatever the data; head.lm_loss=ce trains on the data's tokens instead.
 
 The adapted target is the new target. The head directory holds the adapter in peft's own format
 (ADAPTER_DIR), and loading the head folds it into the target's weights, so that decoding is
@@ -104,18 +106,34 @@ class Medusa2Head(MedusaHead):
         return self._target.states(batch["input_ids"], batch["attention_mask"], final=True, grad=self.joint()).final
 
     def lm_loss(self, batch, final: torch.Tensor) -> torch.Tensor:
-        """The adapted target's next-token cross-entropy over the assistant tokens."""
+        """The adapted target's own loss at the positions that predict an assistant token: KL from the
+        original target's next-token distribution (head.lm_loss=kl), or cross-entropy on the data."""
         valid = batch["attention_mask"].bool()
-        counted = shifted(batch["loss_mask"].bool() & valid, 1, False) & valid  # token t+1 is an assistant token
-        logits = self.target_logits(final)
-        ce = F.cross_entropy(logits.flatten(0, 1), shifted(batch["input_ids"], 1).flatten(), reduction="none")
-        return (ce * counted.flatten()).sum() / counted.sum().clamp(min=1)
+        counted = (shifted(batch["loss_mask"].bool() & valid, 1, False) & valid).flatten()
+        logits = self.target_logits(final).flatten(0, 1).float()
+        if self.spec.lm_loss == "kl":
+            teacher = self.target_logits(self.original_final(batch)).flatten(0, 1).float()
+            per_token = F.kl_div(logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="none")
+            per_token = per_token.sum(-1)
+        else:
+            per_token = F.cross_entropy(logits, shifted(batch["input_ids"], 1).flatten(), reduction="none")
+        return (per_token * counted).sum() / counted.sum().clamp(min=1)
+
+    @torch.no_grad()
+    def original_final(self, batch) -> torch.Tensor:
+        """[B, T, H] the original target's final states: the same forward with the LoRA switched off."""
+        with self._peft.disable_adapter():
+            return self._target.states(batch["input_ids"], batch["attention_mask"], final=True).final
 
     def loss(self, batch, states):
         final = self.adapted_final(batch)
         heads, metrics = super().loss(batch, {"final": final})
-        lm, weight = self.lm_loss(batch, final), self.lm_weight()
-        metrics.update(lm_loss=lm.item(), lm_weight=weight)
+        weight = self.lm_weight()
+        metrics.update(lm_weight=weight)
+        if weight == 0:  # stage 1 (or lambda = 0): the target's own loss would cost a forward for nothing
+            return heads, metrics
+        lm = self.lm_loss(batch, final)
+        metrics.update(lm_loss=lm.item())
         return heads + weight * lm, metrics
 
     @torch.no_grad()

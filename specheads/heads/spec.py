@@ -77,6 +77,8 @@ class HeadSpec(HeadConfig):
         for name in ("heads_only_steps", "lm_loss_weight", "lm_loss_warmup_steps"):
             if getattr(self, name) < 0:
                 raise SpecHeadsError(f"head.{name} must be >= 0, got {getattr(self, name)}")
+        if self.lm_loss not in ("kl", "ce"):
+            raise SpecHeadsError(f"head.lm_loss must be kl or ce, got {self.lm_loss!r}")
         if self.lora_lr is not None and not self.lora_lr > 0:
             raise SpecHeadsError(f"head.lora_lr must be > 0 (or null for train.lr), got {self.lora_lr}")
 

@@ -113,31 +113,74 @@ def test_shapes_and_the_fresh_lora(toy_ids):
     assert "rank-4 LoRA" in Medusa2Head.describe(head.spec, target.info, [])
 
 
-def test_lm_loss_is_the_adapted_targets_next_token_cross_entropy(toy_ids):
-    target = fresh_target()
-    head = make_medusa2(target)
-    nudge_lora(head)
-    batch = {"input_ids": toy_ids, "attention_mask": torch.ones_like(toy_ids), "loss_mask": torch.zeros_like(toy_ids)}
+def masked_batch(ids):
+    """Row 1 padded from 30; assistant tokens from 10 on (to 30 in row 1)."""
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.zeros_like(ids)}
     batch["attention_mask"][1, 30:] = 0
     batch["loss_mask"][0, 10:] = 1
     batch["loss_mask"][1, 10:30] = 1
+    return batch
+
+
+def counted_positions(batch):
+    """(row, t) whose next token t + 1 is a real assistant token: where the LM loss counts."""
+    mask, assistant = batch["attention_mask"], batch["loss_mask"]
+    rows, length = mask.shape
+    return [
+        (b, t) for b in range(rows) for t in range(length - 1) if mask[b, t] and mask[b, t + 1] and assistant[b, t + 1]
+    ]
+
+
+def test_lm_loss_ce_is_the_adapted_targets_next_token_cross_entropy(toy_ids):
+    target = fresh_target()
+    head = make_medusa2(target, lm_loss="ce")
+    nudge_lora(head)
+    batch = masked_batch(toy_ids)
     with torch.no_grad():
         _, metrics = head.loss(batch, {})
         full = target.model(toy_ids, attention_mask=batch["attention_mask"]).logits
-    ce, n = 0.0, 0
-    for b in range(2):
-        for t in range(39):
-            if batch["attention_mask"][b, t] and batch["attention_mask"][b, t + 1] and batch["loss_mask"][b, t + 1]:
-                ce += float(F.cross_entropy(full[b, t], toy_ids[b, t + 1]))
-                n += 1
-    assert metrics["lm_loss"] == pytest.approx(ce / n, rel=1e-4)
+    counted = counted_positions(batch)
+    ce = sum(float(F.cross_entropy(full[b, t], toy_ids[b, t + 1])) for b, t in counted)
+    assert metrics["lm_loss"] == pytest.approx(ce / len(counted), rel=1e-4)
+
+
+def test_lm_loss_kl_is_the_divergence_from_the_original_target(toy_ids):
+    """KL(original || adapted) per counted position, the original computed here by a target that
+    never carried the LoRA; 0 exactly while the LoRA is fresh (where cross-entropy is not)."""
+    target, original = fresh_target(), fresh_target()
+    head = make_medusa2(target)
+    assert head.spec.lm_loss == "kl"
+    batch = masked_batch(toy_ids)
+    with torch.no_grad():
+        assert head.loss(batch, {})[1]["lm_loss"] == 0.0
+        nudge_lora(head)
+        _, metrics = head.loss(batch, {})
+        adapted = target.model(toy_ids, attention_mask=batch["attention_mask"]).logits.log_softmax(-1)
+        plain = original.model(toy_ids, attention_mask=batch["attention_mask"]).logits.log_softmax(-1)
+    counted = counted_positions(batch)
+    kl = sum(float((plain[b, t].exp() * (plain[b, t] - adapted[b, t])).sum()) for b, t in counted)
+    assert kl > 1e-3  # the nudged adapter does move the target: the comparison below can fail
+    assert metrics["lm_loss"] == pytest.approx(kl / len(counted), rel=1e-4)
+
+
+def test_the_kl_term_keeps_the_adapted_target_near_the_original(toy_ids):
+    """The same joint training with lambda = 0 and lambda = 4: the KL term's run ends closer."""
+    batch = full_batch(toy_ids)
+    drift = {}
+    for weight in (0.0, 4.0):
+        target, original = fresh_target(), fresh_target()
+        head = make_medusa2(target, lm_loss_weight=weight)
+        fit(head, batch, 15, lr=1e-2)
+        adapted, plain = logits(target, toy_ids).log_softmax(-1), logits(original, toy_ids).log_softmax(-1)
+        drift[weight] = float((plain.exp() * (plain - adapted)).sum(-1).mean())
+    assert drift[4.0] < 0.5 * drift[0.0], drift
 
 
 def test_stages_lambda_ramp_and_falling_loss(toy_ids):
     """Stage 1 trains the heads alone; stage 2 trains the LoRA too, lambda ramping from 0.
     The target's base weights never change."""
     target = fresh_target()
-    head = make_medusa2(target, heads_only_steps=4, lm_loss_warmup_steps=4, lm_loss_weight=0.5)
+    head = make_medusa2(target, heads_only_steps=4, lm_loss_warmup_steps=4, lm_loss_weight=0.5, lm_loss="ce")
     batch = full_batch(toy_ids)
     lora0, base0 = lora_state(head), base_state(target)
     history = fit(head, batch, 30)
@@ -227,6 +270,7 @@ def test_adapter_refusals_are_one_line(toy_ids, tmp_path):
         ({"lora_target_modules": ["nothing_proj"]}, "lora_target_modules"),
         ({"lora_r": 0}, "lora_r >= 1"),
         ({"lm_loss_warmup_steps": -1}, "lm_loss_warmup_steps must be >= 0"),
+        ({"lm_loss": "mse"}, "lm_loss must be kl or ce"),
     ],
 )
 def test_bad_lora_settings_are_one_line(overrides, message):

@@ -49,10 +49,11 @@ def test_heads_and_lora_train_in_one_engine_and_resume(world, tmp_path):
     base0 = {k: v.clone() for k, v in model.state_dict().items() if ".lora_" not in k}
     lora0 = {k: v.clone() for k, v in adapter.state_dict().items()}
     moved = []
-    for _ in range(cfg.train.max_steps):
+    for step in range(cfg.train.max_steps):
         metrics = trainer.train_step()
         moved.append(sum(not torch.equal(v, lora0[k]) for k, v in adapter.state_dict().items()))
-        assert {"lm_loss", "lm_weight", "loss_0", "acc_3"} <= set(metrics)
+        assert {"lm_weight", "loss_0", "acc_3"} <= set(metrics)
+        assert ("lm_loss" in metrics) == (step > cfg.head.heads_only_steps)  # lambda ramps from 0
     assert moved[:3] == [0, 0, 0] and moved[-1] == len(lora0), moved  # stage 1, then every A and B
     assert all(torch.equal(v, base0[k]) for k, v in model.state_dict().items() if ".lora_" not in k)
     result = trainer.evaluate()
