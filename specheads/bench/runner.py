@@ -30,6 +30,7 @@ from ..decode.generate import SamplingConfig, speculative_generate, tau_of
 from ..decode.policy import describe_policy, tree_policy_for
 from .compared import open_compared_heads
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
+from .quality import agreement, format_agreement, read_reference, repeat_rate
 from .questions import read_questions
 
 SPEC_FIELDS = ("accept_lengths", "accepted_drafts", "tree_depths", "tree_sizes")
@@ -65,7 +66,7 @@ def _stats(rows: Sequence[dict]) -> dict:
 
 
 def summarize(rows: Sequence[dict], methods: Sequence[str]) -> dict:
-    """Per method and category (plus "all"): tau, tokens/s, speedups, overhead c."""
+    """Per method and category (plus "all"): tau, tokens/s, speedups, overhead c, repeated 4-grams."""
     groups: dict[tuple[str, str], list] = defaultdict(list)
     for r in rows:
         groups[r["method"], "all"].append(r)
@@ -77,6 +78,7 @@ def summarize(rows: Sequence[dict], methods: Sequence[str]) -> dict:
         for c in categories:
             if (m, c) in groups:
                 out[m][c] = _stats(groups[m, c])
+                out[m][c]["repeat_rate"] = repeat_rate([r["output_ids"] for r in groups[m, c]])
     for m in methods:
         for c, s in out[m].items():
             for ref in ("baseline", "plain", "prompt_lookup"):
@@ -173,7 +175,7 @@ def format_table(summary: dict) -> str:
     w = max([14, *(len(m) for m in summary)])
     head = (
         f"{'method':<{w}} {'category':<12} {'n':>4} {'tokens':>7} {'tau':>6} {'tok/s':>8} "
-        f"{'vs base':>8} {'vs plain':>8} {'vs pld':>8} {'c':>7}"
+        f"{'vs base':>8} {'vs plain':>8} {'vs pld':>8} {'c':>7} {'rep4':>5}"
     )
     lines = [head, "-" * len(head)]
 
@@ -186,7 +188,8 @@ def format_table(summary: dict) -> str:
                 f"{m:<{w}} {c[:12]:<12} {s['questions']:>4} {s['new_tokens']:>7} {s['tau']:>6.2f} "
                 f"{s['tokens_per_s']:>8.1f} {num(s['speedup_vs_baseline'], '>7.2f')}x "
                 f"{num(s['speedup_vs_plain'], '>7.2f')}x "
-                f"{num(s['speedup_vs_prompt_lookup'], '>7.2f')}x {num(s['overhead_c'], '>7.2f')}"
+                f"{num(s['speedup_vs_prompt_lookup'], '>7.2f')}x {num(s['overhead_c'], '>7.2f')} "
+                f"{num(s.get('repeat_rate'), '>5.0%')}"
             )
     return "\n".join(lines)
 
@@ -206,6 +209,11 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     b = settings.bench
     target = session.target
     questions = read_questions(b.questions, b.limit, b.per_category)
+    reference = (
+        read_reference(b.reference, {"max_new_tokens": b.max_new_tokens, "temperature": settings.temperature})
+        if b.reference
+        else None
+    )
     paths = output_paths(b.output)
     paths["rows"].parent.mkdir(parents=True, exist_ok=True)
     eos = eos_token_ids(target)
@@ -304,6 +312,11 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         report["identical_to_baseline"] = compare_to_baseline(
             target, rows, prompts, methods, greedy=settings.temperature <= 0
         )
+    if reference is not None:
+        report["agreement_with_reference"] = {
+            "reference": str(b.reference),
+            "methods": agreement(rows, reference, methods),
+        }
     write_json(paths["summary"], report)
     if b.plots:
         from .plots import plot_acceptance_per_depth, plot_tau_per_category
@@ -319,6 +332,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
                 f"  question {d['question_id']} turn {d['turn']}: first differs at token {d['index']} "
                 f"(target top-2 logit margin there {d['top2_margin']:.4f})\n"
             )
+    if reference is not None:
+        out.write("".join(line + "\n" for line in format_agreement(report["agreement_with_reference"]["methods"])))
     if report.get("costs"):
         out.write(format_costs(report["costs"]) + "\n")
     for m, info in report.get("compared_heads", {}).items():

@@ -54,6 +54,9 @@ class BenchConfig:
     # more head directories (same target) run side by side as methods spec:<name>, each with its
     # own stored tree, against the same baselines in the same run
     heads: list[str] = field(default_factory=list)
+    # an earlier benchmark's rows file (OUT.jsonl) whose baseline answers are the reference: the
+    # summary adds each method's agreement with them (a Medusa-2 head against the original target)
+    reference: str | None = None
 
 
 @dataclass

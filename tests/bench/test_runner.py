@@ -48,8 +48,11 @@ def test_summary_arithmetic():
         # spec: 9 decode tokens in 3 forwards (tau 3), in 0.5 s (speedup 2, c = 3/2 - 1)
         {"method": "spec", "category": "a", "new_tokens": 10, "target_forwards": 3, "wall_s": 0.5},
     ]
+    for r in rows:  # the baseline loops (3 of its 7 4-grams repeat), the others do not
+        r["output_ids"] = [1, 2, 3, 4] * 2 + [1, 2] if r["method"] == "baseline" else list(range(10))
     s = summarize(rows, ["baseline", "prompt_lookup", "spec"])
     assert s["baseline"]["all"]["tau"] == 1.0
+    assert s["baseline"]["a"]["repeat_rate"] == pytest.approx(3 / 7) and s["spec"]["all"]["repeat_rate"] == 0
     assert s["prompt_lookup"]["a"]["tau"] == pytest.approx(1.5)
     spec = s["spec"]["all"]
     assert spec["tau"] == pytest.approx(3.0)
