@@ -123,7 +123,7 @@ def _acc(a: dict | None) -> tuple[str, str]:
     return f"{a['mean_acceptance_length']:.2f}", " ".join(f"{p:.2f}" for p in a["per_position"])
 
 
-def table_rows(vllm: dict, infer: dict, k: int) -> list[dict]:
+def table_rows(vllm: dict, infer: dict) -> list[dict]:
     """One row per vLLM run (plain, each format, ngram), vLLM's plain outputs as the reference."""
     plain = vllm.get("plain") or {}
     reference = plain.get("output_ids")
@@ -405,7 +405,7 @@ def run(args: argparse.Namespace) -> dict:
             by_family[fam] = infer_chain(heads[fam], args.questions, args, out / "infer" / f"{fam}.jsonl", logs)
             bar.update(1)
     infer = {fmt: by_family[FORMATS[fmt][0]] for fmt in args.formats}
-    rows = table_rows(vllm, infer, args.k)
+    rows = table_rows(vllm, infer)
     table = format_table(rows, args.k, args.batch)
     report = {
         "target": target_dir,

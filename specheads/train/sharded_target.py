@@ -34,16 +34,17 @@ def inference_config() -> dict:
 
 
 def check_shardable(cfg: TrainJobConfig) -> None:
-    """What a sharded target cannot serve: one-rank-only target work and adapters inside it."""
+    """What a sharded target cannot serve: one-rank-only target work and adapters inside it. The
+    sharding was asked for (deepspeed.shard_target=true) or chosen by the plan (the whole target
+    fits no GPU): the messages name both."""
+    sharded = "a target sharded over the ranks (deepspeed.shard_target, asked for or chosen by the plan)"
     if cfg.data.features:
         raise SpecHeadsError(
-            "deepspeed.shard_target=true trains online (every rank runs its share of each target forward); "
+            f"{sharded} trains online (every rank runs its share of each target forward); "
             f"drop data.features={cfg.data.features}"
         )
     if cfg.data.path == "builtin":
-        raise SpecHeadsError(
-            "deepspeed.shard_target=true needs data.path: the built-in data is written by the target on one rank"
-        )
+        raise SpecHeadsError(f"{sharded} needs data.path: the built-in data is written by the target on one rank")
     family = HEADS.get(cfg.head.family)
     if family is not None and family.adapts_target:
         raise SpecHeadsError(f"head={cfg.head.family} trains an adapter inside the target, which cannot be sharded")

@@ -111,7 +111,7 @@ def _results():
 
 def test_table_shows_failures():
     vllm, infer = _results()
-    rows = {r["run"]: r for r in table_rows(vllm, infer, k=3)}
+    rows = {r["run"]: r for r in table_rows(vllm, infer)}
     assert rows["eagle3"]["identical"] == (2, 2) and rows["eagle3"]["agree"] is True
     assert rows["eagle3"]["speedup_batch1"] == pytest.approx(1.1)
     assert rows["eagle"]["identical"] == (1, 2) and rows["eagle"]["agree"] is False
