@@ -109,15 +109,17 @@ class Medusa2Head(MedusaHead):
         """The adapted target's own loss at the positions that predict an assistant token: KL from the
         original target's next-token distribution (head.lm_loss=kl), or cross-entropy on the data."""
         valid = batch["attention_mask"].bool()
-        counted = (shifted(batch["loss_mask"].bool() & valid, 1, False) & valid).flatten()
-        logits = self.target_logits(final).flatten(0, 1).float()
+        counted = (shifted(batch["loss_mask"].bool() & valid, 1, False) & valid).flatten().nonzero().squeeze(1)
+        # only the counted positions go through the LM head: prompts and padding would cost a
+        # vocabulary-wide row each for nothing
+        logits = self.target_logits(final.flatten(0, 1)[counted])
         if self.spec.lm_loss == "kl":
-            teacher = self.target_logits(self.original_final(batch)).flatten(0, 1).float()
+            teacher = self.target_logits(self.original_final(batch).flatten(0, 1)[counted])
             per_token = F.kl_div(logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="none")
             per_token = per_token.sum(-1)
         else:
-            per_token = F.cross_entropy(logits, shifted(batch["input_ids"], 1).flatten(), reduction="none")
-        return (per_token * counted).sum() / counted.sum().clamp(min=1)
+            per_token = F.cross_entropy(logits, shifted(batch["input_ids"], 1).flatten()[counted], reduction="none")
+        return per_token.sum() / max(len(counted), 1)
 
     @torch.no_grad()
     def original_final(self, batch) -> torch.Tensor:
