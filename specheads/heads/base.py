@@ -126,6 +126,10 @@ class DraftHead(nn.Module):
         """The trainable part of the target that trains with the head, or None (a frozen target)."""
         return None
 
+    def target_adapter_lr(self) -> float | None:
+        """The adapter's own peak learning rate, or None for the heads' (train.lr)."""
+        return None
+
     @classmethod
     def target_adapter_parameters(cls, spec: HeadSpec, info: TargetInfo) -> int:
         """The parameter count of the target adapter a head of this spec trains (for memory plans)."""

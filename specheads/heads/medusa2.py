@@ -69,6 +69,9 @@ class Medusa2Head(MedusaHead):
     def target_adapter(self) -> nn.Module | None:
         return self._lora
 
+    def target_adapter_lr(self) -> float | None:
+        return self.spec.lora_lr
+
     @classmethod
     def target_adapter_parameters(cls, spec: HeadSpec, info: TargetInfo) -> int:
         """r x (fan-in + fan-out) per adapted projection of every decoder layer (names outside the

@@ -60,9 +60,8 @@ def initialize(head: nn.Module, t: TrainConfig, z: DeepSpeedConfig, d: Dist, tot
     objective = HeadObjective(head)
     head_dtype = next(head.parameters()).dtype
     config = deepspeed_config(t, z, d.world_size, d.device, head_dtype)
-    lora_lr = getattr(getattr(head, "spec", None), "lora_lr", None)
-    adapter = head.target_adapter()
-    own_lr = (adapter, lora_lr) if adapter is not None and lora_lr is not None else None
+    adapter, adapter_lr = head.target_adapter(), head.target_adapter_lr()
+    own_lr = (adapter, adapter_lr) if adapter is not None and adapter_lr is not None else None
     groups = param_groups(objective, t.weight_decay, own_lr)
     optimizer = None
     if "optimizer" not in config:
