@@ -108,7 +108,11 @@ def test_medusa2_head_trains_and_infer_py_runs_it_on_the_adapted_target(tmp_path
     assert (out / "head" / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "merged" / "model.safetensors").is_file() and (out / "merged" / "tokenizer.json").is_file()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["train/lm_weight"] for r in records if "train/lm_weight" in r] == [0.0, 0.0, 1.0]  # the stages
+    assert [r["train/lm_weight"] for r in records if "train/lm_weight" in r] == [
+        0.0,
+        0.0,
+        10.0,
+    ]  # the stages (lambda 10)
     infer = run([sys.executable, "infer.py", f"head={out / 'head'}", "prompt=hi", "max_new_tokens=8"])
     last = infer.stdout.strip().splitlines()[-1]
     assert "[medusa2 head" in last and "8 tokens" in last and "identical to plain greedy: yes" in last, last
