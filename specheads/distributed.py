@@ -66,6 +66,19 @@ def setup_distributed(device_name: str = "auto") -> Dist:
     return Dist(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
 
 
+@contextlib.contextmanager
+def process_group(device_name: str = "auto"):
+    """setup_distributed for the block, left together by finished ranks and at once by a failing
+    one (end_distributed)."""
+    d = setup_distributed(device_name)
+    try:
+        yield d
+    except BaseException:
+        end_distributed(finished=False)
+        raise
+    end_distributed()
+
+
 def end_distributed(finished: bool = True) -> None:
     """Leave the process group. A finished rank first waits at a barrier for its peers: a gloo rank
     that exits while a peer still holds its connection can abort in its C++ teardown

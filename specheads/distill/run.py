@@ -19,7 +19,7 @@ from ..config.train import DataConfig
 from ..data.datasets import build_datasets
 from ..data.features import ensure_split_features
 from ..data.shards import is_distill_output, read_manifest
-from ..distributed import Dist, end_distributed, main_rank_first, setup_distributed
+from ..distributed import Dist, main_rank_first, process_group
 from ..errors import SpecHeadsError
 from ..heads.spec import default_layer_ids
 from ..target import load_target, resolve_device
@@ -37,13 +37,8 @@ def distill(job: DistillJobConfig) -> Path | None:
     if launched_world_size() == 1:
         return distill_on(job, None)
     check_ranks_can_share(job)
-    d = setup_distributed(job.device)
-    finished = False
-    try:
+    with process_group(job.device) as d:
         out = distill_on(job, d)
-        finished = True
-    finally:
-        end_distributed(finished)
     return out if d.is_main else None
 
 

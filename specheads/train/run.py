@@ -17,7 +17,7 @@ from ..config.train import DataConfig, TrainJobConfig
 from ..data.datasets import build_datasets
 from ..data.features import auto_features_dir, ensure_split_features
 from ..distill.builtin import ensure_builtin_data
-from ..distributed import Dist, end_distributed, main_rank_first, quiet_deepspeed, setup_distributed
+from ..distributed import Dist, main_rank_first, process_group, quiet_deepspeed
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead, build_head
 from ..provenance import provenance
@@ -96,13 +96,8 @@ def train(cfg: TrainJobConfig) -> Path | None:
     check_state_source(cfg)
     if cfg.save_dtype != "auto" and cfg.save_dtype not in FLOAT_DTYPES:
         raise SpecHeadsError(f"save_dtype must be auto or one of {', '.join(FLOAT_DTYPES)}, got {cfg.save_dtype!r}")
-    d = setup_distributed(cfg.device)
-    finished = False
-    try:
+    with process_group(cfg.device) as d:
         path = train_in_group(cfg, d)
-        finished = True
-    finally:
-        end_distributed(finished)
     return path if d.is_main else None
 
 

@@ -234,7 +234,7 @@ def test_dry_run_loads_nothing(monkeypatch, capsys):
     def forbidden(*args, **kwargs):
         raise AssertionError("a dry run must not set up ranks or load the target")
 
-    monkeypatch.setattr(run, "setup_distributed", forbidden)
+    monkeypatch.setattr(run, "process_group", forbidden)
     monkeypatch.setattr(run, "load_target", forbidden)
     cfg = job("model=llama-70b", "head=eagle", "dry_run=true", "plan.gpus=8", "plan.gpu_memory=80GB")
     assert run.train(cfg) is None
