@@ -14,7 +14,7 @@ from ..decode.policy import TreePolicy, tree_policy_for
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import HEADS, read_head_config
-from ..linear_layout import install
+from ..kernels.linear_layout import install
 
 SPEC = "spec"
 

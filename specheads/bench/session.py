@@ -9,13 +9,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .. import gqa_attention
 from ..config.infer import InferJobConfig
 from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import read_head_config
-from ..linear_layout import describe, install, measure_layouts
+from ..kernels import gqa_attention
+from ..kernels.linear_layout import describe, install, measure_layouts
 from ..target import FrozenTarget, load_target, resolve_device
 
 

@@ -80,8 +80,8 @@ class InferJobConfig:
     seed: int = 0
     device: str = "auto"
     # auto: on CPU, each linear layer of the target and head takes the kernel measured fastest on
-    # this machine for the row count at hand (specheads.linear_layout), and masked attention keeps
-    # grouped KV heads unrepeated (specheads.gqa_attention); stock: transformers as shipped
+    # this machine for the row count at hand (specheads.kernels.linear_layout), and masked attention keeps
+    # grouped KV heads unrepeated (specheads.kernels.gqa_attention); stock: transformers as shipped
     linear_layout: str = "auto"
     debug: bool = False
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from ..gqa_attention import stock_attention
-from ..linear_layout import stock_kernels
+from ..kernels.gqa_attention import stock_attention
+from ..kernels.linear_layout import stock_kernels
 from ..target import synchronize
 from .generate import SamplingConfig
 from .tree import TreeLayout

@@ -26,7 +26,7 @@ def test_the_answer_ends_at_the_first_eos(tiny_target):
 
 def test_hf_baselines_run_transformers_as_shipped(monkeypatch):
     """Kernels this package installs on the target are suspended inside hf_generate, and restored."""
-    from specheads import gqa_attention, linear_layout
+    from specheads.kernels import gqa_attention, linear_layout
     from specheads.target import FrozenTarget
     from specheads.tiny import tiny_target
 

@@ -10,12 +10,12 @@ import torch
 from conftest import POLICIES, greedy_sequences, hf_greedy, quick_head
 from scipy.stats import chisquare
 
-from specheads import gqa_attention
 from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import grow_tree, make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
 from specheads.decode.tree import TreeLayout, static_tree
-from specheads.linear_layout import (
+from specheads.kernels import gqa_attention
+from specheads.kernels.linear_layout import (
     PACKED,
     WEIGHT_LEFT,
     RowLayouts,

@@ -38,8 +38,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from .atomic import write_json
-from .target import cache_root
+from ..atomic import write_json
+from ..target import cache_root
 
 LAYOUT_VERSION = 3
 # Row counts timed; a count between two rungs takes the decision of the next rung up.

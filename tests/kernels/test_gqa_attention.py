@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specheads import gqa_attention
 from specheads.decode.kv import tree_attention_bias
+from specheads.kernels import gqa_attention
 from specheads.tiny import tiny_target
 
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads import linear_layout
-from specheads.linear_layout import (
+from specheads.kernels import linear_layout
+from specheads.kernels.linear_layout import (
     PACKED,
     ROW_LADDER,
     STOCK,

@@ -3,7 +3,7 @@
 transformers' SDPA path repeats the key/value heads up to the query heads (a copy of every layer's
 whole KV cache, at every forward) whenever a mask is given, because CUDA's fused kernels cannot
 take a mask and grouped heads together. A tree verification always carries a mask. torch's CPU
-flash kernel takes both: the result is the same to the bit (tests/test_gqa_attention.py), and the
+flash kernel takes both: the result is the same to the bit (tests/kernels/test_gqa_attention.py), and the
 copy is gone (SmolLM2-135M, 300 cached tokens, 2 queries: 151 -> 67 us per layer here).
 
 `install` switches a target that runs "sdpa" to this implementation; everything it does not
