@@ -47,11 +47,12 @@ lint: setup
 	$(PY) -m ruff check $(LINT)
 
 # Exports every head to every format vLLM loads and runs them in vLLM (plain, each head, ngram) and
-# in infer.py on the same prompts: `make engines ENGINES_ARGS="--max-new-tokens 128"` for more.
+# in infer.py on the same prompts (the shipped dev questions unless ENGINES_ARGS="--questions FILE"):
+# `make engines ENGINES_ARGS="--max-new-tokens 128"` for more.
 # The vLLM wheel's dependencies pull torchvision/torchaudio/torchcodec builds that do not match its
 # CPU torch and break `import vllm`; a text model needs none of them.
 engines: setup $(VLLM_STAMP)
-	$(PY) -m specheads.bench.engines $(ENGINES_ARGS)
+	$(PY) engines/compare.py $(ENGINES_ARGS)
 
 $(VLLM_STAMP):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)

@@ -1,27 +1,34 @@
-"""`make engines`: the orchestrator's pure parts (always), and the whole vLLM check (marker `engines`,
-only where vLLM's virtualenv exists: `pytest -m engines tests/bench/test_engines.py`)."""
+"""`make engines` (engines/compare.py, a tool of the repository): the orchestrator's pure parts
+(always), and the whole vLLM check (marker `engines`, only where vLLM's virtualenv exists:
+`pytest -m engines tests/engines/test_compare.py`)."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from specheads.bench.engines import (
-    ROOT,
-    acceptance_from_counters,
-    acceptance_from_steps,
-    agrees,
-    count_identical,
-    format_table,
-    parse_args,
-    root_cause,
-    run_logged,
-    split_log,
-    table_rows,
-)
+from specheads.data.questions import DEV_QUESTIONS
 from specheads.errors import SpecHeadsError
+
+TOOL = Path(__file__).resolve().parents[2] / "engines" / "compare.py"
+_spec = importlib.util.spec_from_file_location("engines_compare", TOOL)
+compare = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare)
+ROOT = compare.ROOT
+acceptance_from_counters = compare.acceptance_from_counters
+acceptance_from_steps = compare.acceptance_from_steps
+agrees = compare.agrees
+count_identical = compare.count_identical
+format_table = compare.format_table
+parse_args = compare.parse_args
+root_cause = compare.root_cause
+run_logged = compare.run_logged
+split_log = compare.split_log
+table_rows = compare.table_rows
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -87,6 +94,17 @@ def test_a_failed_step_is_one_line(tmp_path):
         parse_args(["--vllm-python", str(tmp_path / "absent")])
 
 
+def test_questions_default_to_the_dev_set_and_a_missing_file_is_an_error(tmp_path):
+    """The tool reads nothing beside the checkout: its questions are the package's dev set unless
+    --questions names a file, and a file that is not there stops it (no fallback to another set)."""
+    python = tmp_path / "python"
+    python.write_text("")
+    assert parse_args(["--vllm-python", str(python)]).questions == DEV_QUESTIONS
+    assert ROOT == TOOL.parents[1] and (ROOT / "engines" / "vllm_run.py").is_file()
+    with pytest.raises(SpecHeadsError, match=r"--questions .*mt_bench_question.jsonl does not exist"):
+        parse_args(["--vllm-python", str(python), "--questions", str(tmp_path / "mt_bench_question.jsonl")])
+
+
 def _results():
     plain = {"loaded": True, "output_ids": [[1, 2], [3, 4]], "tokens_per_s_batch1": 20.0, "tokens_per_s_batch": 100.0}
     good = {
@@ -133,7 +151,7 @@ def test_vllm_serves_every_export(tmp_path):
     """Every format vLLM loads: loaded, greedy outputs identical to vLLM's plain decoding, and the
     same acceptance as infer.py for the same head, prompts and chain length (heads trained once,
     into runs/engines/heads, and reused)."""
-    cmd = [sys.executable, "-m", "specheads.bench.engines", "--num-questions", "4", "--max-new-tokens", "48"]
+    cmd = [sys.executable, str(TOOL), "--num-questions", "4", "--max-new-tokens", "48"]
     cmd += ["--out", str(tmp_path)]
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
     report = json.loads((tmp_path / "engines.json").read_text())

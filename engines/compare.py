@@ -1,6 +1,10 @@
 """`make engines`: our exported heads in a real serving engine (vLLM's CPU build), beside infer.py.
 
-    python -m specheads.bench.engines [--num-questions 8] [--max-new-tokens 64] [--k 3] [--out runs/engines]
+    python engines/compare.py [--questions Q.jsonl] [--num-questions 8] [--max-new-tokens 64] [--k 3] [--out DIR]
+
+A development tool of the repository (it runs the checkout's train.py and infer.py and the shipped
+head), so it lives beside the package, not in it. The questions default to the package's shipped
+dev set; MT-bench or any other FastChat question.jsonl is given with --questions.
 
 1. heads: the shipped EAGLE-3 head; EAGLE-1 and Medusa heads given with --eagle-head/--medusa-head,
    else trained for a few steps with train.py (enough to test loading and agreement, not speed);
@@ -27,14 +31,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..atomic import write_json, write_text
-from ..errors import SpecHeadsError, one_line_errors
+from specheads.atomic import write_json, write_text
+from specheads.data.questions import DEV_QUESTIONS
+from specheads.errors import SpecHeadsError, one_line_errors
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout this tool belongs to (engines/..)
 RUNNER = ROOT / "engines" / "vllm_run.py"
 SHIPPED_EAGLE3 = ROOT / "heads" / "smollm2-135m-eagle3"
-EVAL_QUESTIONS = ROOT.parent / "shared" / "data" / "eval" / "mt_bench_question.jsonl"
-DEV_QUESTIONS = ROOT / "specheads" / "data" / "dev_questions.jsonl"
 # format -> (head family, vLLM's speculative_config method)
 FORMATS = {
     "eagle3": ("eagle3", "eagle3"),
@@ -43,7 +46,7 @@ FORMATS = {
     "vllm-medusa": ("medusa", "medusa"),
 }
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-# vLLM on this CPU (../shared/reference/vllm_cpu.md): 2 GiB of KV cache is plenty for SmolLM2.
+# 2 GiB of vLLM CPU KV cache is plenty for SmolLM2 at these lengths.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 ERROR_LINE = re.compile(r"\b(\w+(Error|Exception)): (.+)$")
 
@@ -320,9 +323,9 @@ def prompt_ids(questions: Path, num: int, per_category: int | None) -> tuple[lis
     """The questions and their chat-template token ids, exactly as infer.py encodes them."""
     from transformers import AutoTokenizer
 
-    from ..target import _dequantized_embedded
-    from .inputs import encode_prompt
-    from .questions import read_questions
+    from specheads.bench.inputs import encode_prompt
+    from specheads.bench.questions import read_questions
+    from specheads.target import _dequantized_embedded
 
     target_dir = _dequantized_embedded("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -331,9 +334,13 @@ def prompt_ids(questions: Path, num: int, per_category: int | None) -> tuple[lis
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specheads.bench.engines", description=__doc__.split("\n\n")[0])
-    default_q = EVAL_QUESTIONS if EVAL_QUESTIONS.is_file() else DEV_QUESTIONS
-    p.add_argument("--questions", type=Path, default=default_q, help="FastChat question.jsonl (first turns)")
+    p = argparse.ArgumentParser(prog="python engines/compare.py", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--questions",
+        type=Path,
+        default=DEV_QUESTIONS,
+        help="FastChat question.jsonl (first turns); default: the dev set",
+    )
     p.add_argument("--num-questions", type=int, default=8)
     p.add_argument("--per-category", type=int, default=1, help="first N questions of each category (0: no limit)")
     p.add_argument("--max-new-tokens", type=int, default=64)
