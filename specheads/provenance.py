@@ -10,16 +10,23 @@ from pathlib import Path
 from . import __version__
 
 
-def git_commit() -> str | None:
-    """The commit of the checkout specheads runs from ("+dirty" with local changes), or None
-    when it is not a git checkout (an installed wheel)."""
-    root = Path(__file__).resolve().parent.parent
+def git_commit(package_dir: Path | None = None) -> str | None:
+    """The commit of the git checkout that holds this package's own files ("+dirty" with local
+    changes), or None when git does not track them: an installed wheel, even one installed into a
+    virtualenv that lies inside some checkout. Git finds the checkout from the package's folder."""
+    package = (package_dir or Path(__file__).parent).resolve()
     try:
+        subprocess.run(
+            ["git", "-C", str(package), "ls-files", "--error-unmatch", "__init__.py"],
+            capture_output=True,
+            timeout=10,
+            check=True,
+        )
         commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+            ["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(package), "status", "--porcelain", "--untracked-files=no"],
             capture_output=True,
             text=True,
             timeout=10,

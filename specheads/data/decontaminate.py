@@ -29,23 +29,18 @@ def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
 
 
-def project_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
 def resolve_eval_files(patterns: Iterable[str]) -> list[Path]:
     """The shipped dev prompts (always, first), then the files named by paths or globs.
 
-    A glob is tried relative to the working directory, then to the project checkout; one that
-    matches nothing is skipped with one printed line saying so. A missing plain path is an error.
+    A relative path or glob is read from the working directory (an installed specheads has no
+    checkout to look in); a glob that matches nothing is skipped with one printed line saying so.
+    A missing plain path is an error.
     """
     files: list[Path] = [DEV_QUESTIONS]
     for pattern in patterns or ():
         pattern = str(Path(pattern).expanduser()) if str(pattern).startswith("~") else str(pattern)
         if _GLOB_CHARS & set(pattern):
             found = sorted(glob.glob(pattern))
-            if not found and not Path(pattern).is_absolute():
-                found = sorted(glob.glob(str(project_root() / pattern)))
             if not found:
                 print(f"decontamination: {pattern} matches no file; skipped", flush=True)
             files.extend(Path(f) for f in found)

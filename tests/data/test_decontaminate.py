@@ -41,6 +41,20 @@ def test_unmatched_glob_prints_one_line(tmp_path, capsys):
     assert capsys.readouterr().out == ""  # a glob that matches says nothing
 
 
+def test_relative_globs_are_read_from_the_working_directory_only(tmp_path, monkeypatch, capsys):
+    """A relative glob that matches files of the source tree (here: the shipped dev set's folder)
+    matches nothing when run elsewhere: an installed package has no checkout to fall back to."""
+    pattern = "specheads/data/*.jsonl"
+    monkeypatch.chdir(tmp_path)
+    assert resolve_eval_files([pattern]) == [DEV_QUESTIONS]
+    assert capsys.readouterr().out.splitlines() == [f"decontamination: {pattern} matches no file; skipped"]
+    (tmp_path / "specheads" / "data").mkdir(parents=True)
+    mine = write_questions(
+        tmp_path / "specheads" / "data" / "q.jsonl", ["a prompt of mine"], first_id=1, later_turns=()
+    )
+    assert [f.resolve() for f in resolve_eval_files([pattern])] == [DEV_QUESTIONS.resolve(), mine.resolve()]
+
+
 def test_missing_plain_file_is_an_error(tmp_path):
     with pytest.raises(SpecHeadsError, match="does not exist"):
         resolve_eval_files([str(tmp_path / "nope.jsonl")])
