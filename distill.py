@@ -12,26 +12,16 @@ prints DIR on its last line. Running the same command again finishes an interrup
 Train on it with `python train.py data.path=DIR`.
 """
 
-import hydra
-from omegaconf import DictConfig
+from pathlib import Path
 
-from specheads.cli import job, run_hydra_main
-from specheads.config import register_configs, typed
-from specheads.errors import one_line_errors
+from specheads.commands import distill
 
-register_configs()
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
-@hydra.main(config_path="conf", config_name="distill", version_base=None)
-@job
-@one_line_errors
-def main(cfg: DictConfig) -> None:
-    from specheads.distill.run import distill
-
-    out = distill(typed(cfg))
-    if out is not None:  # rank 0 of a launched group, or the only process
-        print(out, flush=True)
+def main() -> None:
+    distill(CONF_DIR)
 
 
 if __name__ == "__main__":
-    run_hydra_main(main)
+    main()

@@ -9,26 +9,16 @@ Writes the head to OUTPUT_DIR/head/ and prints that path as the last line. Runni
 command again with the same output_dir resumes from the newest complete checkpoint.
 """
 
-import hydra
-from omegaconf import DictConfig
+from pathlib import Path
 
-from specheads.cli import job, run_hydra_main
-from specheads.config import register_configs, typed
-from specheads.errors import one_line_errors
+from specheads.commands import train
 
-register_configs()
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
-@hydra.main(config_path="conf", config_name="config", version_base=None)
-@job
-@one_line_errors
-def main(cfg: DictConfig) -> None:
-    from specheads.train.run import train
-
-    head_dir = train(typed(cfg))
-    if head_dir is not None:  # rank 0
-        print(head_dir, flush=True)
+def main() -> None:
+    train(CONF_DIR)
 
 
 if __name__ == "__main__":
-    run_hydra_main(main)
+    main()

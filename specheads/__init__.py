@@ -18,4 +18,5 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("decode",),  # tree, verify, kv, drafters, tree policy, speculative generation, baselines
     ("export",),  # engine formats, validation, Hub
     ("bench",),  # questions, benchmark, calibration, plots, the infer.py session
+    ("commands",),  # train, distill, infer, export: what the scripts and the console scripts run
 )

@@ -12,9 +12,12 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
+
+from .errors import one_line_errors
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _state = {"composing": True, "user_full_error": None}
@@ -97,3 +100,19 @@ def run_hydra_main(main: Callable[[], None], argv: list[str] | None = None) -> N
     finally:
         if _state["user_full_error"] is not None:
             _restore_env()
+
+
+def hydra_command(name: str, config_name: str, conf_dir: str | os.PathLike, task: Callable) -> Callable[[], None]:
+    """A @hydra.main function over conf_dir/config_name.yaml whose job is `task(cfg)`, with `job`
+    and one-line errors around it: the one construction behind every command, whichever conf/ it
+    reads (a checkout's, or the one installed in the package). Hydra names a job after the module
+    of its task function; `name` keeps the names the scripts gave ("train", "infer", ...)."""
+    import hydra
+
+    def run(cfg):
+        return task(cfg)
+
+    run.__module__ = name
+    run.__qualname__ = run.__name__ = name
+    main = hydra.main(config_path=str(Path(conf_dir).resolve()), config_name=config_name, version_base=None)
+    return main(job(one_line_errors(run)))

@@ -9,6 +9,8 @@ those on.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -21,6 +23,22 @@ from .export import ExportJobConfig
 from .infer import InferJobConfig, TreeConfig
 from .model import ModelConfig
 from .train import DataConfig, DeepSpeedConfig, HeadConfig, TrainJobConfig
+
+
+def installed_conf_dir() -> Path:
+    """The Hydra configs installed with specheads: the package `specheads.conf`, which is conf/ of
+    the source tree copied into the wheel (setup.py), or conf/ itself in an editable install."""
+    try:
+        spec = importlib.util.find_spec("specheads.conf")
+    except ImportError:
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise SpecHeadsError(
+            "specheads' configs (the package specheads.conf) are not installed: install specheads with pip "
+            "(`pip install .`, or `pip install -e .` in a checkout), or run the scripts of a checkout"
+        )
+    return Path(locations[0])
 
 
 def register_configs() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ..config import installed_conf_dir
 from ..config.export import ExportJobConfig
 from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
@@ -17,12 +18,11 @@ from .exporter import FORMATS, ExportResult, check_servable, export_head, format
 from .hub import push_to_hub, resolve_head_path
 from .model_card import model_card, read_bench_summary
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
-
-def model_config_for_target(name: str, conf_dir: Path = CONF_DIR) -> ModelConfig | None:
-    """The conf/model option whose `name` is the head's target name (what train.py was run with)."""
-    for path in sorted((conf_dir / "model").glob("*.yaml")):
+def model_config_for_target(name: str, conf_dir: Path | None = None) -> ModelConfig | None:
+    """The conf/model option whose `name` is the head's target name (what train.py was run with);
+    conf_dir defaults to the configs installed with specheads."""
+    for path in sorted(((conf_dir or installed_conf_dir()) / "model").glob("*.yaml")):
         data = OmegaConf.load(path)
         if data.get("name") == name:
             data.pop("defaults", None)
@@ -60,7 +60,7 @@ def target_loader(model_cfg: ModelConfig, src: HeadSource, device: str):
     return load
 
 
-def run_export(cfg: ExportJobConfig) -> ExportResult:
+def run_export(cfg: ExportJobConfig, conf_dir: Path | None = None) -> ExportResult:
     fmt = cfg.format
     if fmt not in FORMATS:
         raise SpecHeadsError(f"unknown format={fmt}; choose from {', '.join(FORMATS)}")
@@ -74,7 +74,7 @@ def run_export(cfg: ExportJobConfig) -> ExportResult:
         raise SpecHeadsError(
             f"format={fmt} does not hold {src.family} heads; use one of {', '.join(formats_for(src.family))}"
         )
-    model_cfg = cfg.model if cfg.model is not None else model_config_for_target(src.info.name)
+    model_cfg = cfg.model if cfg.model is not None else model_config_for_target(src.info.name, conf_dir)
     base_model = cfg.base_model or hub_id_of(model_cfg, src.info)
     bench = read_bench_summary(cfg.bench.summary)
 
