@@ -50,6 +50,16 @@ def write_text(path: str | os.PathLike, text: str, fsync: bool = False) -> Path:
     return Path(path)
 
 
+def write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = False) -> Path:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    return Path(path)
+
+
 def write_json(path: str | os.PathLike, data: Any) -> Path:
     return write_text(path, json.dumps(data, indent=2) + "\n")
 

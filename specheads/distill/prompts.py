@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import random
 import re
+from pathlib import Path
 
 from ..config.distill import MagpieConfig
 from ..data.chat import special_token_ids
 from ..data.decontaminate import PROMPT_KEYS, NgramIndex, words
-from ..data.formats import first_user_turn, iter_rows, row_to_conversation
+from ..data.formats import iter_rows, row_to_conversation, user_turns
+from ..data.sharegpt import SOURCE_NAME as SHAREGPT_SOURCE
+from ..data.sharegpt import read_sharegpt
 from ..errors import SpecHeadsError
 from .generation import generate
 
@@ -358,21 +361,39 @@ def _cut(text: str, finished: bool, cfg: MagpieConfig) -> tuple[str, bool]:
 
 
 def dataset_prompts(path: str, format: str = "auto", split: str = "train") -> list[dict]:
-    """First user turn of every row: ShareGPT, OpenAI, FastChat question.jsonl ("turns") or
-    {"prompt"|"question"|"instruction"} rows. [{"prompt", "category"}]."""
+    """The user turns of every row: ShareGPT, OpenAI, FastChat question.jsonl ("turns") or
+    {"prompt"|"question"|"instruction"} rows. [{"prompt", "category", "follow_ups"}]: the first
+    user turn, and the later ones that answer distill.turns > 1."""
+    if path == SHAREGPT_SOURCE and not Path(path).exists():
+        return sharegpt_prompts()
     prompts = []
     for where, row in iter_rows(path, split):
-        category = "dataset"
+        category, follow_ups = "dataset", []
         if isinstance(row, dict) and isinstance(row.get("turns"), list):
             text = row["turns"][0] if row["turns"] else None
+            follow_ups = [t for t in row["turns"][1:] if isinstance(t, str)]
             category = str(row.get("category") or category)
         elif isinstance(row, dict) and any(isinstance(row.get(k), str) for k in PROMPT_KEYS):
             text = next(row[k] for k in PROMPT_KEYS if isinstance(row.get(k), str))
         else:
-            text = first_user_turn(row_to_conversation(row, format, where))
+            turns = user_turns(row_to_conversation(row, format, where))
+            text, follow_ups = (turns[0], turns[1:]) if turns else (None, [])
         if not isinstance(text, str):
             raise SpecHeadsError(f"{where}: no user prompt found")
-        prompts.append({"prompt": text, "category": category})
+        prompts.append({"prompt": text, "category": category, "follow_ups": follow_ups})
+    return prompts
+
+
+def sharegpt_prompts() -> list[dict]:
+    """ShareGPT's user turns, from the first piece of each conversation: a later piece of one the
+    cleaned split cut up opens mid-dialogue, without the context its first turn refers to."""
+    rows, _ = read_sharegpt()
+    first = [r for r in rows if r["part"] == 0]
+    print(f"sharegpt: {len(first)} conversations open a dialogue ({len(rows) - len(first)} later pieces skipped)")
+    prompts = []
+    for row in first:
+        turns = user_turns(row["messages"])
+        prompts.append({"prompt": turns[0], "category": "sharegpt", "follow_ups": turns[1:]})
     return prompts
 
 

@@ -13,6 +13,7 @@ Load the result with `datasets.load_dataset("json", data_files="DIR/shards/*.jso
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import math
@@ -24,13 +25,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..atomic import write_text
+from ..atomic import write_bytes, write_text
 from ..config.distill import DistillConfig
 from ..data.decontaminate import build_index, resolve_eval_files
 from ..data.shards import MANIFEST, METADATA, SHARDS, is_distill_output, read_manifest
 from ..errors import SpecHeadsError
-from .generation import generate
-from .prompts import PromptFilter, dataset_prompts, end_of_turn_ids, follow_up_prompts, magpie_prompts, pad_token_id
+from ..provenance import provenance
+from .backends import BACKENDS, make_backend
+from .prompts import PromptFilter, dataset_prompts, follow_up_prompts, magpie_prompts
 
 PIPELINE_VERSION = 1
 
@@ -39,9 +41,13 @@ PIPELINE_VERSION = 1
 # Output directory (read back by specheads.data.shards)
 
 
-def write_shard(directory: Path, k: int, rows: list[dict]) -> Path:
-    path = Path(directory) / SHARDS / f"shard-{k:05d}.jsonl"
-    write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), fsync=True)
+def write_shard(directory: Path, k: int, rows: list[dict], compress: bool = False) -> Path:
+    path = Path(directory) / SHARDS / f"shard-{k:05d}.jsonl{'.gz' if compress else ''}"
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    if compress:  # mtime 0: the same rows give the same bytes (a shard committed twice does not change)
+        write_bytes(path, gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0), fsync=True)
+    else:
+        write_text(path, text, fsync=True)
     return path
 
 
@@ -57,77 +63,69 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def specheads_version() -> str:
-    from .. import __version__
-
-    return __version__
-
-
 # ---------------------------------------------------------------------------------------------
 # Answering
 
 
-def answer(
-    target, conversations: list[list[dict]], cfg: DistillConfig, seed: int, desc: str | None = None
-) -> list[tuple[str, bool]]:
-    """The target's next assistant message for each conversation: (text, finished)."""
-    tokenizer = target.tokenizer
-    ids = [
-        tokenizer(
-            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False
-        )["input_ids"]
-        for c in conversations
-    ]
-    outs = generate(
-        target.model,
-        ids,
-        max_new_tokens=cfg.max_new_tokens,
-        stop_ids=end_of_turn_ids(tokenizer, target.model),
-        pad_id=pad_token_id(tokenizer),
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        batch_size=cfg.batch_size,
-        seed=seed,
-        desc=desc,
-    )
-    return [(tokenizer.decode(o.tokens, skip_special_tokens=True), o.finished) for o in outs]
-
-
 def converse(
-    target, prompts: list[dict], cfg: DistillConfig, prompt_filter: PromptFilter, seed: int, desc: str = ""
-) -> list[dict]:
-    """Answer each prompt; for turns > 1 the target also writes follow-up user turns."""
+    target, backend, prompts: list[dict], cfg: DistillConfig, prompt_filter: PromptFilter, seed: int, desc: str = ""
+) -> tuple[list[dict], dict]:
+    """Answer each prompt; for turns > 1 the next user turn is the source's own (a data set's later
+    user turn) or, where the source has none and the target is loaded here, one the target writes.
+    Each user turn is answered given the target's own earlier answers. Returns the rows and counts
+    (answers, those cut off by max_new_tokens, tokens written)."""
     rows = [
         {"category": p["category"], "messages": [{"role": "user", "content": p["prompt"]}], "finished": True}
         for p in prompts
     ]
+    stats = {"answers": 0, "cut_off": 0, "tokens": 0}
     active = list(range(len(rows)))
     for turn in range(cfg.turns):
         if turn > 0:
-            follow = follow_up_prompts(
-                target,
-                [rows[i]["messages"] for i in active],
-                cfg.magpie,
-                prompt_filter,
-                seed=_seed(seed, "follow", turn),
-                batch_size=cfg.batch_size,
-                desc=f"{desc} follow-ups turn {turn + 1}",
-            )
-            pairs = [(i, text) for i, text in zip(active, follow) if text is not None]
-            for i, text in pairs:
-                rows[i]["messages"].append({"role": "user", "content": text})
-            active = [i for i, _ in pairs]
-        replies = answer(
-            target,
+            active = _next_user_turns(target, backend, prompts, rows, active, turn, cfg, prompt_filter, seed, desc)
+            if not active:
+                break
+        replies = backend.answer(
             [rows[i]["messages"] for i in active],
-            cfg,
             seed=_seed(seed, "answer", turn),
             desc=f"{desc} answers turn {turn + 1}",
         )
-        for i, (text, finished) in zip(active, replies):
-            rows[i]["messages"].append({"role": "assistant", "content": text})
-            rows[i]["finished"] = rows[i]["finished"] and finished
-    return rows
+        for i, reply in zip(active, replies):
+            rows[i]["messages"].append({"role": "assistant", "content": reply.text})
+            rows[i]["finished"] = rows[i]["finished"] and reply.finished
+            stats["answers"] += 1
+            stats["cut_off"] += int(not reply.finished)
+            stats["tokens"] += reply.tokens
+    return rows, stats
+
+
+def _next_user_turns(target, backend, prompts, rows, active, turn, cfg, prompt_filter, seed, desc) -> list[int]:
+    """Append turn `turn`'s user message where there is one; the rows that go on."""
+    from_source = [i for i in active if "follow_ups" in prompts[i] and len(prompts[i]["follow_ups"]) >= turn]
+    written = [i for i in active if "follow_ups" not in prompts[i] or not prompts[i]["follow_ups"]]
+    going_on = []
+    for i in from_source:
+        text = prompts[i]["follow_ups"][turn - 1]
+        # Real later turns ("continue", "thanks") repeat across conversations: no dedup, but
+        # nothing empty and nothing from an evaluation set.
+        if text.strip() and not (prompt_filter.index and prompt_filter.index.matches(text)):
+            rows[i]["messages"].append({"role": "user", "content": text})
+            going_on.append(i)
+    if written and backend.name == "hf":
+        follow = follow_up_prompts(
+            target,
+            [rows[i]["messages"] for i in written],
+            cfg.magpie,
+            prompt_filter,
+            seed=_seed(seed, "follow", turn),
+            batch_size=cfg.batch_size,
+            desc=f"{desc} follow-ups turn {turn + 1}",
+        )
+        for i, text in zip(written, follow):
+            if text is not None:
+                rows[i]["messages"].append({"role": "user", "content": text})
+                going_on.append(i)
+    return sorted(going_on)
 
 
 def _seed(seed: int, *parts: Any) -> int:
@@ -190,6 +188,7 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
                     if m["role"] == "user":
                         prompt_filter.add_seen(m["content"])
 
+    backend = make_backend(target, cfg) if any(not done(k) for k in range(num_shards)) else None
     start = time.time()
     finished_rows = sum(e["rows"] for k, e in manifest["shards"].items() if done(int(k)))
     bar = tqdm(total=total, initial=finished_rows, desc="distill", unit="conv")
@@ -216,14 +215,23 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
                 )
         else:
             prompts = source[k * cfg.shard_size : (k + 1) * cfg.shard_size]
-        rows = converse(target, prompts, cfg, prompt_filter, seed=_seed(seed, "shard", k), desc=f"shard {k}")
+        shard_start = time.perf_counter()
+        rows, stats = converse(
+            target, backend, prompts, cfg, prompt_filter, seed=_seed(seed, "shard", k), desc=f"shard {k}"
+        )
+        stats["seconds"] = round(time.perf_counter() - shard_start, 2)
         for i, row in enumerate(rows):
             row["id"] = f"{k:05d}-{i:05d}"
         if not is_distill_output(out):
-            _write_metadata(out, target, cfg, seed, target_path, eval_files, fingerprint)
-        path = write_shard(out, k, rows)
+            _write_metadata(out, target, backend, cfg, seed, target_path, eval_files, fingerprint)
+        path = write_shard(out, k, rows, compress=cfg.compress)
         rejected = {key: prompt_filter.counts[key] - before[key] for key in before}
-        manifest["shards"][str(k)] = {"file": str(path.relative_to(out)), "rows": len(rows), "rejected": rejected}
+        manifest["shards"][str(k)] = {
+            "file": str(path.relative_to(out)),
+            "rows": len(rows),
+            "rejected": rejected,
+            **stats,
+        }
         write_text(out / MANIFEST, json.dumps(manifest, indent=1))
         bar.update(size)
     bar.close()
@@ -233,15 +241,34 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
     for entry in manifest["shards"].values():
         for key, v in entry.get("rejected", {}).items():
             rejected_total[key] = rejected_total.get(key, 0) + v
-    manifest.update(complete=True, conversations=rows_total, rejected=rejected_total)
+    generation = _generation_totals(manifest["shards"].values())
+    manifest.update(complete=True, conversations=rows_total, rejected=rejected_total, generation=generation)
     write_text(out / MANIFEST, json.dumps(manifest, indent=1))
-    _update_metadata(out, conversations=rows_total, rejected=rejected_total, complete=True)
+    _update_metadata(out, conversations=rows_total, rejected=rejected_total, generation=generation, complete=True)
     print(
         f"{out}: {rows_total} conversations in {num_shards} shard(s) "
         f"({time.time() - start:.0f} s this run); rejected prompts: {_nonzero(rejected_total)}; "
-        f"decontamination dropped {rejected_total.get('contaminated', 0)}"
+        f"decontamination dropped {rejected_total.get('contaminated', 0)}; {generation['answers']} answers, "
+        f"{generation['cut_off_share']:.1%} cut off at {cfg.max_new_tokens} tokens, "
+        f"{generation['tokens_per_s']} tokens/s"
     )
     return out
+
+
+def _generation_totals(shards) -> dict:
+    """Answers, the share cut off by max_new_tokens, tokens and time over the shards (any run)."""
+    shards = list(shards)
+    answers = sum(e.get("answers", 0) for e in shards)
+    tokens = sum(e.get("tokens", 0) for e in shards)
+    seconds = sum(e.get("seconds", 0.0) for e in shards)
+    return {
+        "answers": answers,
+        "cut_off": sum(e.get("cut_off", 0) for e in shards),
+        "cut_off_share": round(sum(e.get("cut_off", 0) for e in shards) / max(answers, 1), 4),
+        "tokens": tokens,
+        "seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+    }
 
 
 def _check(cfg: DistillConfig) -> None:
@@ -255,6 +282,12 @@ def _check(cfg: DistillConfig) -> None:
         (0.0 < cfg.magpie.top_p <= 1.0, "distill.magpie.top_p must be in (0, 1]"),
         (cfg.magpie.cut in ("trim", "drop", "keep"), "distill.magpie.cut must be trim, drop or keep"),
         (cfg.temperature >= 0.0, "distill.temperature must be >= 0"),
+        (cfg.backend in BACKENDS, f"unknown distill.backend={cfg.backend!r}; use one of {list(BACKENDS)}"),
+        (
+            cfg.backend == "hf" or cfg.prompts != "magpie",
+            "distill.backend=server answers prompts from a data set; the target writes Magpie prompts only "
+            "when loaded here (distill.backend=hf), or give distill.prompts=sharegpt or a prompt file",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -262,23 +295,27 @@ def _check(cfg: DistillConfig) -> None:
 
 
 def _dataset_prompt_list(target, cfg: DistillConfig, prompt_filter: PromptFilter, seed: int) -> list[dict]:
+    """The data set's prompts that get answered: not empty, not seen before, not from an evaluation
+    set, and short enough (distill.max_prompt_tokens); shuffled by the seed, then cut to num_prompts."""
     prompts = dataset_prompts(cfg.prompts, cfg.prompts_format, cfg.prompts_split)
     tokenizer = target.tokenizer
-    kept = []
+    kept, too_long = [], 0
     for p in prompts:
         # Data set prompts are only deduplicated and checked for emptiness and contamination.
-        if prompt_filter.accept(p["prompt"], quality=False):
-            kept.append(p)
-    kept = [
-        p for p in kept if len(tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]) <= cfg.max_prompt_tokens
-    ]
+        if not prompt_filter.accept(p["prompt"], quality=False):
+            continue
+        if len(tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]) > cfg.max_prompt_tokens:
+            too_long += 1
+            continue
+        kept.append(p)
     random.Random(seed).shuffle(kept)
     if cfg.num_prompts is not None:
         kept = kept[: cfg.num_prompts]
     counts = prompt_filter.counts
     print(
-        f"prompts from {cfg.prompts}: {len(prompts)} read, {counts['duplicate']} duplicates, "
-        f"{counts['contaminated']} dropped by decontamination, {len(kept)} used"
+        f"prompts from {cfg.prompts}: {len(prompts)} read, {counts['empty_or_cut']} empty, "
+        f"{counts['duplicate']} duplicates, {counts['contaminated']} dropped by decontamination, "
+        f"{too_long} over {cfg.max_prompt_tokens} tokens, {len(kept)} used"
     )
     # Those counts describe the source, not a shard: reset so shards report their own.
     prompt_filter.counts = {k: 0 for k in counts}
@@ -310,6 +347,8 @@ def _fingerprint(target, cfg: DistillConfig, seed: int, eval_files, source) -> d
         "magpie": asdict(cfg.magpie) if cfg.prompts == "magpie" or cfg.turns > 1 else None,
         "decontaminate": sorted(f.name for f in eval_files),
         "ngram": cfg.ngram,
+        "backend": cfg.backend,
+        "compress": cfg.compress,
         "pipeline_version": PIPELINE_VERSION,
     }
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -317,12 +356,12 @@ def _fingerprint(target, cfg: DistillConfig, seed: int, eval_files, source) -> d
 
 
 def _write_metadata(
-    out: Path, target, cfg: DistillConfig, seed: int, target_path: str, eval_files, fingerprint: dict
+    out: Path, target, backend, cfg: DistillConfig, seed: int, target_path: str, eval_files, fingerprint: dict
 ) -> None:
     metadata = {
         "format": "openai-messages-jsonl",
-        "data_files": f"{SHARDS}/*.jsonl",
-        "specheads_version": specheads_version(),
+        "data_files": f"{SHARDS}/*.jsonl{'.gz' if cfg.compress else ''}",
+        **provenance(),
         "pipeline_version": PIPELINE_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "target": {
@@ -332,6 +371,7 @@ def _write_metadata(
             "tokenizer": fingerprint["settings"]["tokenizer"],
         },
         "prompts": cfg.prompts,
+        **backend.describe(),
         "answers": {
             "max_new_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature,
@@ -340,7 +380,8 @@ def _write_metadata(
         },
         "magpie": asdict(cfg.magpie),
         "seed": seed,
-        "decontaminate": [str(f.resolve()) for f in eval_files],
+        # names and digests: an absolute path would name one machine's files
+        "decontaminate": [{"file": f.name, "sha256": _file_digest(f)} for f in eval_files],
         "ngram": cfg.ngram,
         "fingerprint": fingerprint["hash"],
         "complete": False,
@@ -356,8 +397,13 @@ def _update_metadata(out: Path, **fields) -> None:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def _nonzero(counts: dict) -> dict:

@@ -22,7 +22,8 @@ from ..data.shards import is_distill_output, read_manifest
 from ..distributed import Dist, main_rank_first, process_group
 from ..errors import SpecHeadsError
 from ..heads.spec import default_layer_ids
-from ..target import load_target, resolve_device
+from ..target import TINY_PREFIX, load_target, resolve_device
+from .backends import load_tokenizer_target
 from .regenerate import run_distillation
 
 
@@ -44,7 +45,14 @@ def distill(job: DistillJobConfig) -> Path | None:
 
 def distill_on(job: DistillJobConfig, d: Dist | None) -> Path:
     """The job in one process (`d` None) or on one rank of a process group."""
-    target = load_target(job.model, d.device if d is not None else resolve_device(job.device))
+    if (
+        job.distill.backend == "server"
+        and not job.distill.features.enabled
+        and not job.model.path.startswith(TINY_PREFIX)
+    ):
+        target = load_tokenizer_target(job.model)  # the weights are served elsewhere
+    else:
+        target = load_target(job.model, d.device if d is not None else resolve_device(job.device))
     out = run_distillation(target, job.distill, seed=job.seed, target_path=job.model.path)
     if job.distill.features.enabled:
         cache_features(job, target, out, d)

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 from specheads.config.distill import DistillConfig, MagpieConfig
 from specheads.data.formats import load_conversations
-from specheads.distill import regenerate
+from specheads.distill import backends, regenerate
 from specheads.distill.generation import generate
 from specheads.distill.prompts import (
     TASK_TYPES,
@@ -171,7 +171,7 @@ def test_dataset_prompts_formats(tmp_path):
     )
     plain = write_jsonl(tmp_path / "p.jsonl", [{"question": "What is 2+2?", "answer": "4"}])
     assert [p["prompt"] for p in dataset_prompts(str(fastchat))] == ["first turn", "other"]
-    assert dataset_prompts(str(sharegpt)) == [{"prompt": "hi", "category": "dataset"}]
+    assert dataset_prompts(str(sharegpt)) == [{"prompt": "hi", "category": "dataset", "follow_ups": []}]
     assert dataset_prompts(str(plain))[0]["prompt"] == "What is 2+2?"
     bad = write_jsonl(tmp_path / "b.jsonl", [{"messages": [{"role": "assistant", "content": "only"}]}])
     with pytest.raises(SpecHeadsError, match="no user prompt"):
@@ -268,7 +268,7 @@ def test_builtin_data_is_built_once_and_reused(tiny_target, tmp_path, monkeypatc
     train, evaluation = builtin_datasets(data)
     assert len(train) + len(evaluation) == 4
     [built] = list((tmp_path / "cache" / "data").iterdir())
-    monkeypatch.setattr(regenerate, "generate", lambda *a, **k: pytest.fail("rebuilt the cached set"))
+    monkeypatch.setattr(backends, "generate", lambda *a, **k: pytest.fail("rebuilt the cached set"))
     again, _ = builtin_datasets(data)
     assert list(again["input_ids"]) == list(train["input_ids"])
     data.builtin_examples = 3

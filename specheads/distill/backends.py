@@ -1,0 +1,116 @@
+"""Who writes the target's answers: the target loaded here (`hf`) or a server serving it (`server`).
+
+Both answer a batch of conversations with `answer(conversations, seed, desc)` ->
+[Answer(text, finished, tokens)], greedy by default, so regeneration (specheads.distill.regenerate)
+is the same loop whichever writes. Only `hf` can write prompts (Magpie) and follow-up user turns:
+a chat server answers conversations, it does not continue a raw user-turn prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from transformers import AutoConfig, AutoTokenizer
+
+from ..config.distill import DistillConfig
+from ..config.model import ModelConfig
+from ..errors import SpecHeadsError
+from ..target import TargetInfo, target_source
+from .generation import generate
+from .prompts import end_of_turn_ids, pad_token_id
+from .server import ServerBackend
+
+BACKENDS = ("hf", "server")
+
+
+class Answer(NamedTuple):
+    text: str
+    finished: bool  # ended its turn (False: cut off by max_new_tokens)
+    tokens: int  # tokens written, the end-of-turn token included when there is one
+
+
+class HFBackend:
+    """The loaded target's batched generation loop (specheads.distill.generation)."""
+
+    name = "hf"
+
+    def __init__(self, target, cfg: DistillConfig):
+        self.target, self.cfg = target, cfg
+
+    def describe(self) -> dict:
+        return {"backend": self.name}
+
+    def answer(self, conversations: list[list[dict]], seed: int, desc: str | None = None) -> list[Answer]:
+        tokenizer, model = self.target.tokenizer, self.target.model
+        ids = [
+            tokenizer(
+                tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+            )["input_ids"]
+            for c in conversations
+        ]
+        outs = generate(
+            model,
+            ids,
+            max_new_tokens=self.cfg.max_new_tokens,
+            stop_ids=end_of_turn_ids(tokenizer, model),
+            pad_id=pad_token_id(tokenizer),
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            batch_size=self.cfg.batch_size,
+            seed=seed,
+            desc=desc,
+        )
+        return [
+            Answer(tokenizer.decode(o.tokens, skip_special_tokens=True), o.finished, len(o.tokens) + int(o.finished))
+            for o in outs
+        ]
+
+
+class RemoteBackend:
+    """ServerBackend behind the same interface, connected and checked against the target."""
+
+    name = "server"
+
+    def __init__(self, target, cfg: DistillConfig):
+        self.server = ServerBackend(cfg.server, target.tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        self.served = self.server.connect(target.info.name)
+        print(f"server: {self.served.url} serves {self.served.model!r}; identity checked by {self.served.check}")
+
+    def describe(self) -> dict:
+        served = self.served
+        return {"backend": self.name, "server": {"model": served.model, "engine": served.engine, "check": served.check}}
+
+    def answer(self, conversations: list[list[dict]], seed: int, desc: str | None = None) -> list[Answer]:
+        return [Answer(*reply) for reply in self.server.answer(conversations, seed, desc)]
+
+
+def make_backend(target, cfg: DistillConfig):
+    if cfg.backend == "hf":
+        return HFBackend(target, cfg)
+    if cfg.backend == "server":
+        return RemoteBackend(target, cfg)
+    raise SpecHeadsError(f"unknown distill.backend={cfg.backend!r}; use one of {list(BACKENDS)}")
+
+
+@dataclass
+class TokenizerTarget:
+    """The target as far as a server backend needs it: tokenizer and sizes, no weights loaded
+    (a 70B target is served elsewhere; loading it here only to read its tokenizer would not fit)."""
+
+    tokenizer: object
+    info: TargetInfo
+    model: None = None
+
+
+def load_tokenizer_target(cfg: ModelConfig) -> TokenizerTarget:
+    source, kwargs = target_source(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpecHeadsError(f"cannot load the tokenizer of target {cfg.path!r}: {first}") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return TokenizerTarget(tokenizer, TargetInfo.from_hf_config(config, name=cfg.name, revision=cfg.revision))

@@ -1,0 +1,220 @@
+"""Answers from an OpenAI-compatible chat server (vLLM, SGLang, TGI, llama.cpp's server).
+
+A large target is served where it fits (`vllm serve MODEL --tensor-parallel-size N`) and many
+requests stay in flight, which is how regeneration keeps a serving engine's batches full. The
+client is the `openai` package. Before the first answer the server must show that it serves the
+target `model=` names: a served model's name can be anything, so the check compares what can be
+compared: the chat-templated encoding of a probe conversation through the server's /tokenize
+endpoint (vLLM, SGLang) or, where there is none, the prompt's token count the server reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from ..config.distill import ServerConfig
+from ..errors import SpecHeadsError
+
+# Mixed scripts, digits, code and whitespace: tokenizers that differ anywhere tend to differ here.
+PROBE = [
+    {"role": "system", "content": "You are a careful assistant."},
+    {
+        "role": "user",
+        "content": "Tokenizer probe: naïve café, 東京 1234567.89 — def f(x):\n    return x**2  # ok?\n\tÆØÅ 🙂",
+    },
+]
+
+
+@dataclass
+class ServedModel:
+    """What the identity check established about the server."""
+
+    url: str
+    model: str
+    check: str  # how the identity was checked
+    engine: str | None = None  # the server's /version, where it has one
+
+
+def _client(cfg: ServerConfig):
+    try:
+        import openai
+    except ImportError:
+        raise SpecHeadsError(
+            "distill.backend=server needs the openai package: pip install 'specheads[server]'"
+        ) from None
+    # httpx logs every request at INFO, and the entry points log INFO to stdout: thousands of lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    key = cfg.api_key or os.environ.get("OPENAI_API_KEY") or "none"
+    # Retries are the client's own (connection errors, 408/409/429/5xx, with backoff).
+    return openai.OpenAI(base_url=cfg.url, api_key=key, timeout=cfg.timeout, max_retries=cfg.retries)
+
+
+def _server_root(url: str) -> str:
+    """vLLM and SGLang put /tokenize and /version beside /v1, not under it."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _why(err: Exception) -> str:
+    import openai
+
+    if isinstance(err, openai.APIStatusError):
+        text = str(getattr(err, "message", "") or err).strip()
+        return f"HTTP {err.status_code}: {text.splitlines()[0][:200] if text else ''}"
+    if isinstance(err, openai.APITimeoutError):
+        return "timed out"
+    if isinstance(err, openai.APIConnectionError):
+        cause = err.__cause__ or err
+        return f"cannot connect ({type(cause).__name__}: {str(cause).splitlines()[0][:160] if str(cause) else ''})"
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+
+
+class ServerBackend:
+    """`answer(conversations, seed, desc)` -> [(text, finished, tokens)] from the served target."""
+
+    name = "server"
+
+    def __init__(self, cfg: ServerConfig, tokenizer, max_new_tokens: int, temperature: float, top_p: float):
+        if not cfg.url:
+            raise SpecHeadsError("distill.backend=server needs distill.server.url=http://HOST:PORT/v1")
+        if not cfg.url.startswith(("http://", "https://")):
+            raise SpecHeadsError(f"distill.server.url must be an http(s) URL, got {cfg.url!r}")
+        if cfg.concurrency < 1:
+            raise SpecHeadsError("distill.server.concurrency must be >= 1")
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.client = _client(cfg)
+        self.served: ServedModel | None = None
+        self.completion_tokens = 0
+        self._lock = threading.Lock()
+
+    # -- identity -------------------------------------------------------------------------------
+
+    def connect(self, target_name: str) -> ServedModel:
+        """Pick the served model and check that it is the target; one line and no request otherwise."""
+        import openai
+
+        try:
+            served = [m.id for m in self.client.models.list()]
+        except openai.OpenAIError as err:
+            raise SpecHeadsError(f"distill.server.url={self.cfg.url}: {_why(err)}") from None
+        if self.cfg.model is not None:
+            if self.cfg.model not in served:
+                raise SpecHeadsError(
+                    f"the server at {self.cfg.url} does not serve {self.cfg.model!r} (it serves {served})"
+                )
+            model = self.cfg.model
+        elif len(served) == 1:
+            model = served[0]
+        else:
+            raise SpecHeadsError(
+                f"the server at {self.cfg.url} serves {len(served)} models {served}: "
+                "pick one with distill.server.model="
+            )
+        check = self._check_identity(model, target_name)
+        self.served = ServedModel(self.cfg.url, model, check, self._engine_version())
+        return self.served
+
+    def _local_probe_ids(self) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _check_identity(self, model: str, target_name: str) -> str:
+        import httpx
+
+        local = self._local_probe_ids()
+        mismatch = f"the server at {self.cfg.url} serves {model!r}, which is not the target model={target_name}"
+        try:
+            r = httpx.post(
+                f"{_server_root(self.cfg.url)}/tokenize",
+                json={"model": model, "messages": PROBE, "add_generation_prompt": True},
+                timeout=self.cfg.timeout,
+            )
+        except httpx.HTTPError as err:
+            raise SpecHeadsError(f"distill.server.url={self.cfg.url}: cannot connect ({err})") from None
+        if r.status_code == 200 and isinstance(r.json().get("tokens"), list):
+            remote = [int(t) for t in r.json()["tokens"]]
+            if remote != local:
+                at = next((i for i, (a, b) in enumerate(zip(remote, local)) if a != b), min(len(remote), len(local)))
+                raise SpecHeadsError(
+                    f"{mismatch}: its tokenizer and chat template encode a probe differently "
+                    f"({len(remote)} vs {len(local)} tokens, first difference at token {at})"
+                )
+            return f"tokenize: the probe's {len(local)} chat-templated tokens are identical"
+        # No tokenize endpoint: the prompt's token count, which every OpenAI-compatible server reports.
+        import openai
+
+        try:
+            reply = self.client.chat.completions.create(model=model, messages=PROBE, max_tokens=1, temperature=0.0)
+        except openai.OpenAIError as err:
+            raise SpecHeadsError(f"distill.server.url={self.cfg.url}: {_why(err)}") from None
+        counted = getattr(reply.usage, "prompt_tokens", None)
+        if counted != len(local):
+            raise SpecHeadsError(
+                f"{mismatch}: it counts {counted} prompt tokens in a probe where the target has {len(local)}"
+            )
+        return f"prompt_tokens: the probe counts {counted} tokens on both sides (the server has no /tokenize)"
+
+    def _engine_version(self) -> str | None:
+        import httpx
+
+        try:
+            r = httpx.get(f"{_server_root(self.cfg.url)}/version", timeout=10)
+            return str(r.json().get("version")) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    # -- answering ------------------------------------------------------------------------------
+
+    def _one(self, messages: list[dict], seed: int) -> tuple[str, bool, int]:
+        import openai
+
+        try:
+            reply = self.client.chat.completions.create(
+                model=self.served.model,
+                messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+                max_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                seed=seed,
+            )
+        except openai.OpenAIError as err:
+            raise SpecHeadsError(f"the server at {self.cfg.url} failed a request: {_why(err)}") from None
+        choice = reply.choices[0]
+        tokens = int(getattr(reply.usage, "completion_tokens", 0) or 0)
+        with self._lock:
+            self.completion_tokens += tokens
+        # "length": cut off by max_new_tokens; anything else ("stop") ended the turn.
+        return choice.message.content or "", choice.finish_reason != "length", tokens
+
+    def answer(
+        self, conversations: list[list[dict]], seed: int, desc: str | None = None
+    ) -> list[tuple[str, bool, int]]:
+        if self.served is None:
+            raise RuntimeError("ServerBackend.connect() must run before answer()")
+        results: list[tuple[str, bool, int] | None] = [None] * len(conversations)
+        bar = tqdm(total=len(conversations), desc=desc, unit="answer", leave=False, disable=desc is None)
+
+        def run(i: int) -> None:
+            results[i] = self._one(conversations[i], seed + i)
+            bar.update(1)
+
+        # A failed request ends the batch: requests not yet sent are cancelled, those in flight
+        # finish, and the caller writes nothing of the shard.
+        with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
+            futures = [pool.submit(run, i) for i in range(len(conversations))]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in done if f.exception() is not None), None)
+            if failed is not None:
+                for f in futures:
+                    f.cancel()
+                bar.close()
+                raise failed.exception()
+        bar.close()
+        return [r for r in results if r is not None]

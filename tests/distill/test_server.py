@@ -1,0 +1,309 @@
+"""distill.backend=server against a local OpenAI-compatible server (loopback only).
+
+The server here answers with the tiny target's own greedy loop, so a distillation through it must
+equal one through distill.backend=hf row for row; it can also fail on request, serve other
+models, or lack /tokenize. The real vLLM server is exercised by the `engines` test at the end.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import write_questions
+
+from specheads.config.distill import DistillConfig, ServerConfig
+from specheads.distill.backends import HFBackend
+from specheads.distill.regenerate import run_distillation
+from specheads.errors import SpecHeadsError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeServer:
+    """/v1/models, /tokenize and /v1/chat/completions over the tiny target, with failure knobs."""
+
+    def __init__(self, target, cfg: DistillConfig, models=("tiny",), tokenize=True, fail_at=None, shift=0):
+        self.target, self.models, self.tokenize, self.fail_at, self.shift = (
+            target,
+            list(models),
+            tokenize,
+            fail_at,
+            shift,
+        )
+        self.backend = HFBackend(target, replace(cfg, batch_size=1))
+        self.requests = 0
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    return self.reply(
+                        200, {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models]}
+                    )
+                self.reply(404, {"error": {"message": "not found"}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize" and server.tokenize:
+                    ids = server.target.tokenizer.apply_chat_template(
+                        body["messages"], add_generation_prompt=True, tokenize=True
+                    )
+                    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+                    return self.reply(200, {"tokens": [t + server.shift for t in ids], "count": len(ids)})
+                if self.path == "/v1/chat/completions":
+                    return self.reply(*server.complete(body))
+                self.reply(404, {"error": {"message": "not found"}})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def complete(self, body):
+        with self.lock:
+            self.requests += 1
+            if self.fail_at is not None and self.requests >= self.fail_at:
+                return 500, {"error": {"message": "engine died", "type": "InternalServerError"}}
+            if body["model"] not in self.models:
+                return 404, {"error": {"message": f"model {body['model']} not found"}}
+            backend = replace(self.backend.cfg, max_new_tokens=body["max_tokens"])
+            [answer] = HFBackend(self.target, backend).answer([body["messages"]], seed=0)
+        tok = self.target.tokenizer
+        prompt = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+        prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+        return 200, {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": answer.text},
+                    "finish_reason": "stop" if answer.finished else "length",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt) + self.shift,
+                "completion_tokens": answer.tokens,
+                "total_tokens": len(prompt) + answer.tokens,
+            },
+        }
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def cfg(tmp_path, name, **kw):
+    prompts = write_questions(tmp_path / "q.jsonl", ["Tell me a joke.", "What is rain?", "Name a color.", "Why?"])
+    base = dict(
+        prompts=str(prompts),
+        num_prompts=None,
+        max_new_tokens=6,
+        shard_size=2,
+        batch_size=4,
+        output=str(tmp_path / name),
+    )
+    base.update(kw)
+    return DistillConfig(**base)
+
+
+def shard_rows(out):
+    rows = []
+    for f in sorted((Path(out) / "shards").glob("*.jsonl*")):
+        rows += [json.loads(line) for line in f.read_text().splitlines()]
+    return rows
+
+
+def server_cfg(base: DistillConfig, url, **kw):
+    return replace(base, backend="server", server=ServerConfig(url=url, retries=0, **kw))
+
+
+@pytest.fixture
+def server(tiny_target, tmp_path):
+    servers = []
+
+    def start(**kw):
+        s = FakeServer(tiny_target, cfg(tmp_path, "unused"), **kw)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_server_answers_equal_the_loaded_targets(tiny_target, tmp_path, server):
+    ref = shard_rows(run_distillation(tiny_target, cfg(tmp_path, "hf")))
+    fake = server()
+    out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "srv"), fake.url, concurrency=3))
+    assert shard_rows(out) == ref
+    assert fake.requests == 4
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["backend"] == "server" and meta["server"]["model"] == "tiny"
+    assert meta["server"]["check"].startswith("tokenize")
+    generation = json.loads((out / "manifest.json").read_text())["generation"]
+    assert generation["answers"] == 4 and generation["tokens"] > 0
+    assert generation["cut_off"] == sum(not r["finished"] for r in ref)
+
+
+def test_unreachable_server_is_one_line_and_writes_nothing(tiny_target, tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = server_cfg(cfg(tmp_path, "out"), f"http://127.0.0.1:{port}/v1")
+    with pytest.raises(SpecHeadsError, match="cannot connect") as err:
+        run_distillation(tiny_target, run)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_http_error_mid_run_keeps_whole_shards_and_a_rerun_resumes(tiny_target, tmp_path, server):
+    ref = shard_rows(run_distillation(tiny_target, cfg(tmp_path, "hf")))
+    failing = server(fail_at=3)  # the first shard's 2 answers succeed, then every request fails
+    run = server_cfg(cfg(tmp_path, "out"), failing.url)
+    with pytest.raises(SpecHeadsError, match="HTTP 500") as err:
+        run_distillation(tiny_target, run)
+    assert "\n" not in str(err.value)
+    out = tmp_path / "out"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert list(manifest["shards"]) == ["0"] and not manifest["complete"]
+    assert [p.name for p in (out / "shards").iterdir()] == ["shard-00000.jsonl"]  # no half shard
+    healthy = server()
+    assert shard_rows(run_distillation(tiny_target, server_cfg(cfg(tmp_path, "out"), healthy.url))) == ref
+    assert healthy.requests == 2  # only the missing shard was asked for
+
+
+def test_a_server_serving_another_model_is_refused(tiny_target, tmp_path, server):
+    other = server(shift=1)  # another tokenizer: the probe encodes differently
+    with pytest.raises(SpecHeadsError, match="not the target model=tiny-random.*encode a probe differently"):
+        run_distillation(tiny_target, server_cfg(cfg(tmp_path, "a"), other.url))
+    assert other.requests == 0
+    # no /tokenize: the prompt's token count is what can be compared
+    counting = server(tokenize=False, shift=2)
+    with pytest.raises(SpecHeadsError, match="counts .* prompt tokens in a probe"):
+        run_distillation(tiny_target, server_cfg(cfg(tmp_path, "b"), counting.url))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    same = server(tokenize=False)
+    out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "c"), same.url))
+    assert json.loads((out / "metadata.json").read_text())["server"]["check"].startswith("prompt_tokens")
+
+
+def test_picking_the_served_model(tiny_target, tmp_path, server):
+    several = server(models=("tiny", "big"))
+    with pytest.raises(SpecHeadsError, match="serves 2 models .*distill.server.model="):
+        run_distillation(tiny_target, server_cfg(cfg(tmp_path, "a"), several.url))
+    with pytest.raises(SpecHeadsError, match="does not serve 'huge'"):
+        run_distillation(tiny_target, server_cfg(cfg(tmp_path, "b"), several.url, model="huge"))
+    out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "c"), several.url, model="tiny"))
+    assert json.loads((out / "metadata.json").read_text())["server"]["model"] == "tiny"
+
+
+def test_server_backend_refuses_magpie_and_a_missing_url(tiny_target, tmp_path):
+    with pytest.raises(SpecHeadsError, match="Magpie"):
+        run_distillation(tiny_target, replace(cfg(tmp_path, "a"), prompts="magpie", num_prompts=2, backend="server"))
+    with pytest.raises(SpecHeadsError, match="distill.server.url="):
+        run_distillation(tiny_target, replace(cfg(tmp_path, "b"), backend="server"))
+
+
+def test_compressed_shards_read_back_like_plain_ones(tiny_target, tmp_path):
+    from specheads.data.formats import load_conversations
+
+    plain = run_distillation(tiny_target, cfg(tmp_path, "plain"))
+    packed = run_distillation(tiny_target, cfg(tmp_path, "packed", compress=True))
+    assert sorted(p.name for p in (packed / "shards").iterdir()) == ["shard-00000.jsonl.gz", "shard-00001.jsonl.gz"]
+    assert load_conversations(str(packed)) == load_conversations(str(plain))
+    assert shard_rows(plain) == [json.loads(x) for x in _gunzip_lines(packed)]
+
+
+def _gunzip_lines(out):
+    import gzip
+
+    lines = []
+    for f in sorted((out / "shards").iterdir()):
+        lines += gzip.decompress(f.read_bytes()).decode().splitlines()
+    return lines
+
+
+def test_distill_cli_unreachable_server_is_one_line(tmp_path):
+    prompts = write_questions(tmp_path / "q.jsonl", ["Hi there"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "distill.py"),
+            "model=tiny-random",
+            f"distill.prompts={prompts}",
+            "distill.backend=server",
+            "distill.server.url=http://127.0.0.1:9/v1",
+            "distill.server.retries=0",
+            f"distill.output={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0 and "cannot connect" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.engines
+def test_a_real_vllm_server_writes_the_data(tmp_path):
+    """The embedded target served by vLLM's CPU build (make serve's script) answers a few prompts."""
+    vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not vllm_python.is_file():
+        pytest.skip(".venv-vllm is missing: make .venv-vllm/.installed")
+    port = 8790
+    serve = [sys.executable, str(ROOT / "engines" / "vllm_serve.py")]
+    env = {**os.environ, "SPECHEADS_SERVE_STATE": str(tmp_path / "serve")}
+    started = subprocess.run([*serve, "start", "--port", str(port)], capture_output=True, text=True, env=env)
+    assert started.returncode == 0, started.stderr
+    try:
+        url = started.stdout.strip().splitlines()[-1]
+        prompts = write_questions(tmp_path / "q.jsonl", ["Name three colors.", "What is rain?", "Say hello."])
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "distill.py"),
+                f"distill.prompts={prompts}",
+                "distill.backend=server",
+                f"distill.server.url={url}",
+                "distill.max_new_tokens=32",
+                "distill.num_prompts=null",
+                f"distill.output={tmp_path / 'out'}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = shard_rows(tmp_path / "out")
+        assert len(rows) == 3 and all(r["messages"][-1]["content"].strip() for r in rows)
+        meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
+        assert meta["server"]["check"].startswith("tokenize") and meta["server"]["engine"]
+    finally:
+        subprocess.run([*serve, "stop"], capture_output=True, text=True, env=env)
