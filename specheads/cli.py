@@ -17,7 +17,7 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from .errors import one_line_errors
+from .errors import SpecHeadsError, one_line_errors
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _state = {"composing": True, "user_full_error": None}
@@ -34,6 +34,42 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
         else:
             kept.append(arg)
     return kept
+
+
+def check_output_path(path: str | os.PathLike, key: str, directory: bool = True) -> Path:
+    """`path` (the value of `key`), refused in one line where no write can succeed: a directory
+    output that exists as a file, a file output that exists as a directory, or either under an
+    existing file. Entry points call this before any work, so that a long run does not end in a
+    traceback at its first write."""
+    given = Path(path)
+    where = given.expanduser()
+    if directory and where.exists() and not where.is_dir():
+        raise SpecHeadsError(f"{key}={given} is a file; give a directory (new or existing)")
+    if not directory and where.is_dir():
+        raise SpecHeadsError(f"{key}={given} is a directory; give a file path")
+    for parent in where.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SpecHeadsError(f"{key}={given} lies under {parent}, which is a file, not a directory")
+            break
+    return where
+
+
+def require_group(argv: list[str], group: str, conf_dir: str | os.PathLike) -> None:
+    """Exit 2 with one line when `group.key=value` is given but `group=NAME` is not, in a config
+    whose defaults leave the group null (infer.py and export take the target from the head's
+    config.json): OmegaConf cannot set a field of a node that does not exist, and would fail
+    with an assertion about a NoneType root."""
+    keys = [(arg.partition("=")[0].lstrip("+~"), arg) for arg in argv[1:] if not arg.startswith("-")]
+    fields = [arg for key, arg in keys if key.startswith(group + ".")]
+    if fields and not any(key == group for key, _ in keys):
+        options = sorted(p.stem for p in (Path(conf_dir) / group).glob("*.yaml"))
+        print(
+            f"error: {fields[0]} needs {group}=NAME before it (without one the target comes from the head's "
+            f"config.json, whose fields cannot be overridden one by one); NAME is one of {', '.join(options)}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
 
 def job(task: Callable) -> Callable:
@@ -79,8 +115,11 @@ def config_error_line(err: BaseException) -> str:
     return message
 
 
-def run_hydra_main(main: Callable[[], None], argv: list[str] | None = None) -> None:
-    """Call a @hydra.main function (whose task is wrapped in `job`) with one-line config errors."""
+def run_hydra_main(main: Callable[[], None], argv: list[str] | None = None, run_dir_key: str | None = None) -> None:
+    """Call a @hydra.main function (whose task is wrapped in `job`) with one-line config errors.
+
+    `run_dir_key`: the config key that hydra.run.dir interpolates (train.py: output_dir). Hydra
+    creates that directory before the task runs, so a value that is a file is reported here."""
     sys.argv = strip_launcher_args(sys.argv if argv is None else argv)
     _state["composing"] = True
     if os.environ.get(_FULL_ERROR) == "1":
@@ -97,6 +136,15 @@ def run_hydra_main(main: Callable[[], None], argv: list[str] | None = None) -> N
             raise
         print(f"error: {config_error_line(err)}", file=sys.stderr)
         sys.exit(2)
+    except (FileExistsError, NotADirectoryError) as err:
+        if not _state["composing"] or run_dir_key is None or not err.filename:
+            raise
+        try:
+            check_output_path(err.filename, run_dir_key)
+        except SpecHeadsError as refused:
+            print(f"error: {refused}", file=sys.stderr)
+            sys.exit(2)
+        raise
     finally:
         if _state["user_full_error"] is not None:
             _restore_env()

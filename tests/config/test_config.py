@@ -1,6 +1,7 @@
 """Every YAML under conf/ composes against the structured schema; bad keys and types fail early."""
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -254,4 +255,75 @@ def test_cli_unknown_key_is_one_line_for_every_entry_point(command, tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], proc.stderr
+    assert not (ROOT / "x").exists()
+
+
+def test_an_output_path_no_write_could_succeed_at_is_refused(tmp_path):
+    from specheads.cli import check_output_path
+
+    taken = tmp_path / "taken"
+    taken.write_text("keep")
+    assert check_output_path(tmp_path / "new" / "dir", "output_dir") == tmp_path / "new" / "dir"
+    assert check_output_path(tmp_path, "output_dir") == tmp_path  # an existing directory is resumed into
+    assert check_output_path(taken, "bench.output", directory=False) == taken  # an existing file is replaced
+    with pytest.raises(SpecHeadsError, match=r"^output_dir=.*taken is a file; give a directory"):
+        check_output_path(taken, "output_dir")
+    with pytest.raises(SpecHeadsError, match=r"^out=.*taken/a/b lies under .*taken, which is a file"):
+        check_output_path(taken / "a" / "b", "out")
+    with pytest.raises(SpecHeadsError, match=r"^bench.output=.* is a directory; give a file path"):
+        check_output_path(tmp_path, "bench.output", directory=False)
+
+
+def one_line_refusal(command: list[str], *words: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    assert all(w in lines[0] for w in words), lines[0]
+    assert proc.stdout.strip() == ""  # refused before any work: no progress, no target loaded
+
+
+@pytest.mark.parametrize(
+    "command, words",
+    [
+        (["train.py", "model=tiny-random", "train.max_steps=1", "output_dir={taken}"], ["output_dir=", "is a file"]),
+        (["train.py", "model=tiny-random", "output_dir={taken}/run"], ["output_dir=", "lies under"]),
+        (["distill.py", "model=tiny-random", "distill.num_prompts=2", "distill.output={taken}"], ["distill.output="]),
+        (["distill.py", "model=tiny-random", "distill.features.output={taken}"], ["distill.features.output="]),
+        (
+            [
+                "infer.py",
+                "head={tmp}",
+                "bench.questions=specheads/data/dev_questions.jsonl",
+                "bench.output={taken}/o.jsonl",
+            ],
+            ["bench.output=", "lies under"],
+        ),
+        (["-m", "specheads.export", "head={tmp}", "format=eagle3", "out={taken}"], ["out=", "is a file"]),
+    ],
+)
+def test_every_entry_point_refuses_an_output_at_a_file_in_one_line(command, words, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("keep")
+    one_line_refusal([a.format(taken=taken, tmp=tmp_path) for a in command], *words)
+    assert taken.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["infer.py", "head=/tmp", "model.path=/some/target", "prompt=hi"],
+        ["-m", "specheads.export", "head=/tmp", "format=eagle3", "out=x", "model.path=/some/target"],
+    ],
+)
+def test_a_model_field_without_model_says_what_to_add(command):
+    """These entry points take the target from the head unless model=NAME is given."""
+    one_line_refusal(command, "model.path=/some/target needs model=NAME before it", "smollm2-135m")
     assert not (ROOT / "x").exists()
