@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .model import ModelConfig
@@ -10,8 +10,12 @@ from .model import ModelConfig
 
 @dataclass
 class HeadConfig:
-    """One draft head. Family-specific fields are ignored by the other families. The head itself
-    holds a specheads.heads.spec.HeadSpec: these fields with the target-dependent ones resolved."""
+    """One draft head. Family-specific fields are ignored by the other families (FAMILY_FIELDS says
+    which family reads which). The head itself holds a specheads.heads.spec.HeadSpec: these fields
+    with the target-dependent ones resolved.
+
+    These defaults are the only ones: conf/head/<family>.yaml selects a family and sets nothing
+    else, so the Python API and the command line train the same head (tests/config checks it)."""
 
     family: str = "eagle3"
     # Hidden-state layer ids in our convention: the residual stream entering decoder layer k
@@ -48,14 +52,52 @@ class HeadConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     heads_only_steps: int = 20  # stage 1: the heads alone on the unchanged target; then heads + LoRA
-    lm_loss_weight: float = 1.0  # lambda: weight of the adapted target's own next-token loss
+    # lambda: weight of the adapted target's own loss; 10x the heads' loss, as the Medusa recipe's
+    # heads coefficient of 0.1 has it (BENCHMARKS.md: lambda = 1 let the target drift into repetition)
+    lm_loss_weight: float = 10.0
     # that loss: kl = KL(original target || adapted target), the original being the target with its
     # LoRA switched off (self-distillation: the adapted target is held to the original's answers);
     # ce = cross-entropy on the data's assistant tokens
     lm_loss: str = "kl"
-    lora_lr: float | None = None  # the LoRA's peak learning rate; null = train.lr (the heads')
+    # the LoRA's peak learning rate, a quarter of the heads' default train.lr (the recipe's
+    # differential rate); null = train.lr (the heads')
+    lora_lr: float | None = 5e-4
     lm_loss_warmup_steps: int = 20  # lambda ramps linearly from 0 over the first joint steps
     merge_lora: bool = False  # also write the target with the LoRA folded in (OUTPUT_DIR/merged)
+
+
+# The HeadConfig fields each family reads; a head's config.json holds these and COMMON_HEAD_FIELDS
+# only (an EAGLE-3 head has no LoRA rank). Hydra and Medusa-2 extend Medusa.
+COMMON_HEAD_FIELDS = ("family", "layer_ids", "draft_vocab_size", "eval_depth")
+_MEDUSA = ("num_heads", "num_layers", "shared_lm_head", "medusa_decay")
+_EAGLE_LAYER = ("num_decoder_layers", "intermediate_size", "fc_bias")
+FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
+    "medusa": _MEDUSA,
+    "hydra": (*_MEDUSA, "hydra_teacher_loss", "hydra_prefix_layer", "intermediate_size"),
+    "medusa2": (
+        *_MEDUSA,
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "heads_only_steps",
+        "lm_loss_weight",
+        "lm_loss",
+        "lora_lr",
+        "lm_loss_warmup_steps",
+        "merge_lora",
+    ),
+    "eagle": (*_EAGLE_LAYER, "feature_loss_weight", "token_loss_weight", "noise", "noise_std"),
+    "eagle3": (*_EAGLE_LAYER, "ttt_steps", "ttt_decay"),
+}
+
+
+def family_fields(family: str) -> tuple[str, ...]:
+    """The head fields a head of `family` is made of (all of them for an unknown family)."""
+    own = FAMILY_FIELDS.get(family)
+    if own is None:
+        return COMMON_HEAD_FIELDS + tuple(f.name for f in fields(HeadConfig))
+    return COMMON_HEAD_FIELDS + own
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ..config.train import HeadConfig
+from ..config.train import HeadConfig, family_fields
 from ..errors import SpecHeadsError
 from ..target import TargetInfo
 
@@ -83,12 +83,15 @@ class HeadSpec(HeadConfig):
             raise SpecHeadsError(f"head.lora_lr must be > 0 (or null for train.lr), got {self.lora_lr}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """config.json's "head" dict: the fields of this head's own family only."""
+        own = family_fields(self.family)
+        return {k: v for k, v in asdict(self).items() if k in own}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HeadSpec:
-        """A spec from config.json's "head" dict (keys this version does not know are ignored)."""
-        known = {f.name for f in fields(cls)}
+        """A spec from config.json's "head" dict. Keys this version does not know, and the other
+        families' fields that older heads stored beside their own, are ignored."""
+        known = {f.name for f in fields(cls)} & set(family_fields(data.get("family", "")))
         return cls(**{k: v for k, v in data.items() if k in known})
 
 

@@ -1,12 +1,12 @@
 import json
-from dataclasses import asdict, fields
+from dataclasses import fields
 
 import pytest
 import torch
 from conftest import batch_rows, head_states, overfit
 from safetensors.torch import save_file
 
-from specheads.config.train import HeadConfig, ModelConfig
+from specheads.config.train import HeadConfig, ModelConfig, family_fields
 from specheads.errors import SpecHeadsError
 from specheads.heads import HEADS, build_head, load_head, save_head
 from specheads.heads.base import shifted
@@ -33,8 +33,12 @@ def test_head_spec_is_the_head_config_resolved(tiny_target):
         info.vocab_size,
         9,
     )
-    assert list(spec.to_dict()) == [f.name for f in fields(HeadConfig)] + ["eval_depth"]
-    # config.json's "head" dict as written before HeadSpec derived from HeadConfig reads back unchanged
+    # config.json holds the family's own fields: no LoRA, Hydra or Medusa knobs in an EAGLE-3 head
+    assert set(spec.to_dict()) == set(family_fields("eagle3"))
+    assert not set(spec.to_dict()) & {"lora_r", "hydra_teacher_loss", "medusa_decay", "heads_only_steps"}
+    assert {f.name for f in fields(HeadConfig)} - set(spec.to_dict()) >= {"num_heads", "noise", "lm_loss"}
+    # config.json's "head" dict as written before HeadSpec derived from HeadConfig (every family's
+    # fields in every head) reads back as the medusa head it describes
     saved = {
         "family": "medusa",
         "layer_ids": [],
@@ -54,9 +58,14 @@ def test_head_spec_is_the_head_config_resolved(tiny_target):
         "ttt_decay": 0.8,
         "eval_depth": 3,
     }
-    # (fields added since then take their defaults)
-    added = {k: v for k, v in asdict(HeadConfig()).items() if k not in saved}
-    assert HeadSpec.from_dict({**saved, "from_a_newer_version": 1}).to_dict() == {**saved, **added}
+    own = {k: v for k, v in saved.items() if k in family_fields("medusa")}
+    assert set(own) == set(family_fields("medusa"))
+    assert HeadSpec.from_dict({**saved, "from_a_newer_version": 1}).to_dict() == own
+    # a medusa2 head written with every field: its own ones read back, fields added since take defaults
+    old_m2 = {**saved, "family": "medusa2", "lora_r": 8, "lm_loss_weight": 1.0}
+    back = HeadSpec.from_dict(old_m2).to_dict()
+    assert (back["lora_r"], back["lm_loss_weight"], back["lora_lr"]) == (8, 1.0, HeadConfig().lora_lr)
+    assert "ttt_steps" not in back and set(back) == set(family_fields("medusa2"))
     partial = HeadSpec.from_dict({"family": "medusa", "num_heads": 2})  # an engine export's fields only
     assert (partial.layer_ids, partial.intermediate_size, partial.draft_vocab_size) == ([], 0, 0)
 
