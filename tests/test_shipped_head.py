@@ -4,18 +4,29 @@ is small bf16 safetensors with its calibrated tree and provenance, and decodes l
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
 from specheads.bench.inputs import encode_prompt
+from specheads.bench.questions import read_questions
 from specheads.config.infer import TreeConfig
+from specheads.data.decontaminate import build_index, resolve_eval_files
+from specheads.data.formats import load_conversations
+from specheads.data.questions import DEV_QUESTIONS
 from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import tree_policy_for
 from specheads.export import open_head
 
-SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3"
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "heads" / "smollm2-135m-eagle3"
+# its training data, in the repository (path, an unfinished distill.py output read in part)
+SHIPPED_DATA = [
+    (ROOT / "data" / "smollm2_selfdistill_23k.jsonl.gz", False),
+    (ROOT / "data" / "smollm2_diverse_256", True),
+]
 
 
 def test_shipped_head_is_small_bf16_with_tree_and_provenance():
@@ -29,7 +40,39 @@ def test_shipped_head_is_small_bf16_with_tree_and_provenance():
     training = config["training"]
     assert training["steps"] > 0 and training["commit"] and "train.py" in training["command"]
     assert "smollm2_selfdistill" in training["data"] and training["data_mix"]
-    assert "data.decontaminate" in training["command"]  # trained on decontaminated data only
+
+
+@pytest.fixture(scope="module")
+def shipped_training_data() -> list:
+    """Every conversation of the two data sets the shipped head was trained on (data/README.md),
+    a superset of the 2,256 its run sampled from them."""
+    conversations = []
+    for path, partial in SHIPPED_DATA:
+        conversations += load_conversations(str(path), partial_distill=partial)
+    return conversations
+
+
+def leaked(conversations: list, index) -> list:
+    """The conversations a user turn of which shares a decontamination n-gram with an eval prompt."""
+    return [c for c in conversations if any(m["role"] == "user" and index.matches(m["content"]) for m in c)]
+
+
+def test_shipped_head_training_data_shares_no_ngram_with_the_dev_questions(shipped_training_data):
+    """The project's own decontamination index over the shipped dev questions (what make demo and
+    tree calibration measure on) finds nothing in the head's training data."""
+    index = build_index(resolve_eval_files([]))
+    assert index and len(shipped_training_data) > 23_000
+    assert leaked(shipped_training_data, index) == []
+
+
+def test_the_overlap_check_fails_on_contaminated_data(shipped_training_data):
+    """The check can fail: one conversation that quotes a dev question, as a chat user would
+    paste it, is found among the 23,000."""
+    index = build_index(resolve_eval_files([]))
+    question = read_questions(DEV_QUESTIONS)[5]["prompt"]
+    quoting = [{"role": "user", "content": f"Help me with this: {question}"}, {"role": "assistant", "content": "Sure."}]
+    broken = shipped_training_data[:1000] + [quoting] + shipped_training_data[1000:]
+    assert leaked(broken, index) == [quoting]
 
 
 def test_shipped_head_decodes_losslessly_on_the_embedded_target(smollm2_target):

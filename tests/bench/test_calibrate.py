@@ -2,6 +2,7 @@
 
 import io
 import json
+import types
 
 import pytest
 import torch
@@ -71,7 +72,55 @@ def test_calibrate_tree_picks_and_stores_a_tree(family, tmp_path, tiny_target, s
     assert tree_policy_for(reloaded, TreeConfig(kind="default")).size == len(chosen.paths) + 1
 
 
-def test_time_target_is_non_decreasing_in_query_tokens(tiny_target):
-    times = time_target(tiny_target, list(range(1, 30)), [1, 2, 4, 8], repeats=1)
-    assert sorted(times) == [1, 2, 4, 8] and all(t > 0 for t in times.values())
-    assert [times[n] for n in sorted(times)] == sorted(times.values())
+# Scripted seconds of each timed verification forward, per query-token count: the warm-up call
+# first, then the repeats. The raw minima are not monotone in n (2 and 8 measure faster than the
+# counts below them, as a disturbed machine can make them), and the warm-ups are the extremes.
+SCRIPTED = {4: [0.001, 0.625, 0.75], 1: [9.0, 0.5, 0.25], 8: [9.0, 0.375, 0.5], 2: [0.001, 0.125, 0.1875]}
+
+
+def plain_time_target(scripted: dict[int, list[float]]) -> dict[int, float]:
+    """What time_target must report, written plainly: the warm-up dropped, the minimum of the
+    repeats, then for each n the largest minimum at or below it (more tokens never cost less)."""
+    minima = {n: min(runs[1:]) for n, runs in scripted.items()}
+    return {n: max(m for k, m in minima.items() if k <= n) for n in minima}
+
+
+def scripted_time_target(monkeypatch, target) -> dict[int, float]:
+    """time_target on the real target forwards, with a clock that advances by SCRIPTED per forward."""
+    import specheads.bench.calibrate as calibrate
+
+    clock, calls = [0.0], {n: iter(runs) for n, runs in SCRIPTED.items()}
+    real_verify = calibrate.verify_tree
+
+    def verify(target, tokens, layout, prefix, cache):
+        out = real_verify(target, tokens, layout, prefix, cache)
+        clock[0] += next(calls[len(tokens)])
+        return out
+
+    monkeypatch.setattr(calibrate, "verify_tree", verify)
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    times = time_target(target, list(range(1, 30)), list(SCRIPTED), repeats=2)
+    assert all(next(left, None) is None for left in calls.values())  # every scripted forward ran
+    return times
+
+
+def test_time_target_keeps_the_minimum_repeat_and_never_lets_more_tokens_cost_less(monkeypatch, tiny_target):
+    expected = plain_time_target(SCRIPTED)
+    assert expected == {1: 0.25, 2: 0.25, 4: 0.625, 8: 0.625}  # the script does exercise the forcing
+    assert scripted_time_target(monkeypatch, tiny_target) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "name, broken",
+    [
+        ("max", lambda measured, running: measured),  # no forcing: raw minima reported as they are
+        ("min", lambda times: times[-1]),  # the last repeat, not the least disturbed one
+    ],
+    ids=["unforced", "last-repeat"],
+)
+def test_the_time_target_check_fails_on_a_broken_timer(monkeypatch, tiny_target, name, broken):
+    """The check can fail: time_target with one of its two reductions broken is caught."""
+    import specheads.bench.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, name, broken, raising=False)  # shadows the builtin in that module only
+    assert scripted_time_target(monkeypatch, tiny_target) != pytest.approx(plain_time_target(SCRIPTED))

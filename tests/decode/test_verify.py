@@ -178,7 +178,7 @@ def test_greedy_walk_agrees_with_retrieve_cumprod(seed):
     assert all(tokens[c] != best[acc.path[-1]] for c in layout.children[acc.path[-1]])
 
 
-def test_typical_acceptance_is_lenient_and_labelled_lossy():
+def test_typical_acceptance_is_lenient():
     tree = static_tree([[0], [0, 0]])
     logits = torch.full((3, 4), -10.0)
     logits[0, 1] = 5.0  # confident: token 1 after the root
@@ -197,4 +197,68 @@ def test_typical_acceptance_is_lenient_and_labelled_lossy():
     assert acc.path == (0, 1, 2)
     acc = typical_accept([0, 3, 2], tree.layout, logits, temperature=0.7, generator=torch.Generator().manual_seed(0))
     assert acc.path == (0,)
-    assert "LOSSY" in typical_accept.__doc__
+
+
+def first_token_p_value(rule, n: int = 5_000) -> float:
+    """Chi-square p-value of the first token after the root, drawn through `rule` on the draft's
+    top-ranked tree, against the target's own distribution of it."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, _ = fixed_tree((0,))
+    p = target_probs_for((0,), tokens, 1.0, 1.0)
+    counts = Counter()
+    for _ in range(n):
+        acc = rule(tokens, p, gen)
+        counts[(tokens[acc.path[1]] if len(acc.path) > 1 else acc.bonus,)] += 1
+    p1 = probs((0,), 1.0, 1.0)
+    return chi_square_p(counts, {(a,): float(p1[a]) for a in range(V)}, n)
+
+
+def typical_rule(tokens, p, gen):
+    return typical_accept(tokens, TREE, torch.log(p), temperature=1.0, generator=gen)
+
+
+def test_typical_acceptance_does_not_sample_the_target_distribution():
+    """Lossy, measured: its first token is not distributed as the target's."""
+    assert first_token_p_value(typical_rule) < 0.01
+
+
+def test_the_lossy_check_fails_on_a_lossless_rule():
+    """The check can fail: speculative sampling in place of typical acceptance passes as lossless."""
+    assert first_token_p_value(lambda tokens, p, gen: speculative_accept(tokens, TREE, p, None, gen)) > 0.01
+
+
+def check_default_acceptance_is_lossless(monkeypatch) -> None:
+    """What a user gets without asking: infer.py's default acceptance, mapped to the decoding loop's
+    SamplingConfig, dispatches to greedy or speculative sampling at every temperature, never to
+    typical acceptance (which a sentinel stands in for here)."""
+    from specheads.bench.inputs import sampling_config
+    from specheads.config.infer import InferJobConfig
+    from specheads.decode import generate
+
+    def sentinel(*args, **kwargs):
+        raise AssertionError("typical acceptance ran without being asked for")
+
+    monkeypatch.setattr(generate, "typical_accept", sentinel)
+    tokens, _ = fixed_tree((0,))
+    logits = torch.log(target_probs_for((0,), tokens, 1.0, 1.0))
+    for temperature in (0.0, 0.7, 1.0):
+        settings = InferJobConfig(head_path="h", prompt="p", temperature=temperature)
+        cfg = sampling_config(settings, 8, [])
+        generate.accept(tokens, TREE, logits, cfg, torch.Generator().manual_seed(0))
+    # the sentinel does stand in for it: asking for typical acceptance reaches it
+    with pytest.raises(AssertionError, match="without being asked"):
+        generate.accept(tokens, TREE, logits, generate.SamplingConfig(temperature=0.7, acceptance="typical"), None)
+
+
+def test_typical_acceptance_runs_only_when_asked_for(monkeypatch):
+    check_default_acceptance_is_lossless(monkeypatch)
+
+
+def test_the_opt_in_check_fails_when_the_default_picks_typical(monkeypatch):
+    """The check can fail: a SamplingConfig whose auto rule picks typical acceptance is caught."""
+    from specheads.decode.generate import SamplingConfig
+
+    real_rule = SamplingConfig.rule
+    monkeypatch.setattr(SamplingConfig, "rule", lambda self: "typical" if self.temperature > 0 else real_rule(self))
+    with pytest.raises(AssertionError, match="without being asked"):
+        check_default_acceptance_is_lossless(monkeypatch)

@@ -3,12 +3,15 @@ would break (and only where it breaks something)."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import pytest
 import torch
 from test_export import EAGLE3, edit_config, edit_tensors, make_head_dir
 
 from specheads.export import check_directory, export_head
-from specheads.export.validate import CONTRACTS, engines_of
+from specheads.export.validate import CONTRACTS, SRC_SGLANG_EAGLE3, SRC_TRTLLM_MEDUSA, engines_of
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +42,69 @@ def fresh(exports, tmp_path):
     return copy
 
 
-def test_every_contract_cites_its_loader():
-    for fmt, contracts in CONTRACTS.items():
-        for c in contracts:
-            assert "@" in c.source and ".py" in c.source, (fmt, c.engine)
+# Each engine's own repository: a contract must have been read off that engine's loader.
+ENGINE_REPOS = {
+    "vllm": "vllm-project/vllm",
+    "sglang": "sgl-project/sglang",
+    "speculators": "vllm-project/speculators",
+    "trtllm": "NVIDIA/TensorRT-LLM",
+    "tgi": "huggingface/text-generation-inference",
+}
+# what the first cited file's path names, per format: the loader of that format, not another's
+FORMAT_WORDS = {
+    "eagle3": r"eagle3",
+    "speculators": r"speculators",
+    "eagle": r"eagle(?!3)",
+    "vllm-medusa": r"medusa",
+    "medusa": r"medusa",
+}
+# owner/repo@commit, optionally "(and COMMIT)" for a second commit read, then the loader's path
+CITATION = re.compile(
+    r"^(?P<repo>[\w.-]+/[\w.-]+)@(?P<commit>[0-9a-f]{7,40})(?: \(and [0-9a-f]{7,40}\))? (?P<path>[\w./-]+\.py)\b"
+)
+
+
+def citation_problems(contracts) -> list[str]:
+    """Each contract's source starts with ENGINE_REPO@COMMIT path/to/loader.py, in its own engine's
+    repository, with a path that names its format; and each engine's contract cites its own source."""
+    problems = []
+    for c in contracts:
+        cited = CITATION.match(c.source)
+        if cited is None:
+            problems.append(f"{c.fmt}/{c.engine}: {c.source!r} does not start with owner/repo@commit path.py")
+            continue
+        if cited["repo"] != ENGINE_REPOS.get(c.engine):
+            problems.append(f"{c.fmt}/{c.engine}: cites {cited['repo']}, not {ENGINE_REPOS.get(c.engine)}")
+        if not re.search(FORMAT_WORDS[c.fmt], cited["path"]):
+            problems.append(f"{c.fmt}/{c.engine}: {cited['path']} is not a {c.fmt} loader")
+    return problems
+
+
+def all_contracts():
+    return [c for contracts in CONTRACTS.values() for c in contracts]
+
+
+def test_every_contract_cites_its_own_engines_loader():
+    assert {c.engine for c in all_contracts()} == set(ENGINE_REPOS)
+    assert citation_problems(all_contracts()) == []
+
+
+@pytest.mark.parametrize(
+    "fmt, engine, source, problem",
+    [
+        ("eagle3", "vllm", SRC_SGLANG_EAGLE3, "cites sgl-project/sglang, not vllm-project/vllm"),
+        ("eagle", "sglang", SRC_SGLANG_EAGLE3, "is not a eagle loader"),  # sglang's file, but EAGLE-3's
+        ("medusa", "tgi", SRC_TRTLLM_MEDUSA, "cites NVIDIA/TensorRT-LLM"),
+        ("eagle3", "vllm", "vllm/model_executor/models/llama_eagle3.py", "does not start with owner/repo@commit"),
+        ("eagle3", "vllm", "vllm-project/vllm llama_eagle3.py", "does not start with owner/repo@commit"),
+    ],
+)
+def test_the_citation_check_fails_on_a_miscited_contract(fmt, engine, source, problem):
+    """The check can fail: a contract whose source is another engine's file, another format's
+    loader, or no commit at all is reported."""
+    broken = [replace(c, source=source) if (c.fmt, c.engine) == (fmt, engine) else c for c in all_contracts()]
+    found = citation_problems(broken)
+    assert len(found) == 1 and problem in found[0], found
 
 
 @pytest.mark.parametrize("fmt", list(CONTRACTS))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -172,11 +173,63 @@ def test_a_plan_that_needs_offline_features_with_their_disk():
     assert plan.choice == "offline"
     assert not plan.fits("replicated") and not plan.fits("sharded")
     assert plan.tokens == 1000 * 1024 and "data.max_examples" in plan.tokens_note
-    assert plan.disk == 1000 * 1024 * 4 * 8192 * 2  # 3 fused layers + the final state, bf16
+    # written out: EAGLE-3 fuses a low, a middle and a high layer and trains on the final state
+    # too, 4 states of Llama-3.3-70B's hidden size 8192, in bf16 (2 bytes)
+    assert plan.disk == 1000 * 1024 * (3 + 1) * 8192 * 2
     last = format_plan(plan).splitlines()[-1]
     assert last.startswith("verdict: (c) offline features") and f"{plan.disk / GB:.1f} GB of disk" in last
     assumed = make_plan(job("model=llama-70b", "head=eagle3"), plan.arch, gpus(2, "80GB"))
     assert assumed.tokens == 1_000_000 and "assumed" in format_plan(assumed)
+
+
+def measured_feature_bytes_per_token(target, head_cfg: HeadConfig, tmp_path: Path) -> float:
+    """Bytes a token takes on disk in a real bf16 feature cache of the states this head trains on,
+    written by the cache writer train.py uses (the token ids and masks stored beside the states
+    included)."""
+    from specheads.data.features import write_features
+
+    head = build_head(head_cfg, target)
+    layer_ids, final = head.training_states()
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 200, (n,), generator=g).tolist(), "loss_mask": [1] * n} for n in (300, 500)]
+    out = tmp_path / f"features-{head_cfg.family}"
+    index = write_features(target, rows, layer_ids, final, out, max_length=1024, dtype="bfloat16")
+    return sum(f.stat().st_size for f in out.glob("*.safetensors")) / index["tokens"]
+
+
+def planned_feature_bytes_per_token(family: str) -> float:
+    cfg = job("model=tiny-random", f"head={family}", "plan.tokens=800")
+    plan = make_plan(cfg, read_arch(cfg.model), gpus(1, "80GB"))
+    return plan.disk / plan.tokens
+
+
+# bytes a token takes beside its states: an int64 token id and an int8 loss-mask flag
+ID_AND_MASK_BYTES = 8 + 1
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
+def test_the_planned_feature_disk_is_what_a_real_cache_takes(tiny_target, tmp_path, family):
+    measured = measured_feature_bytes_per_token(tiny_target, HeadConfig(family=family), tmp_path)
+    planned = planned_feature_bytes_per_token(family)
+    # the plan counts the states; the cache adds ids, masks and a few hundred bytes of headers
+    assert planned + ID_AND_MASK_BYTES <= measured <= (planned + ID_AND_MASK_BYTES) * 1.03
+
+
+@pytest.mark.parametrize(
+    "name, broken",
+    [
+        ("FEATURE_BYTES", 4),  # fp32 features
+        ("state_count", lambda spec, info: 1),  # the layers a head fuses left out
+    ],
+)
+def test_the_feature_disk_check_fails_on_a_broken_plan(monkeypatch, tiny_target, tmp_path, name, broken):
+    """The check can fail: a plan that counts another dtype or another number of states is caught."""
+    import specheads.train.plan as plan_module
+
+    measured = measured_feature_bytes_per_token(tiny_target, HeadConfig(family="eagle3"), tmp_path)
+    monkeypatch.setattr(plan_module, name, broken)
+    planned = planned_feature_bytes_per_token("eagle3")
+    assert not planned + ID_AND_MASK_BYTES <= measured <= (planned + ID_AND_MASK_BYTES) * 1.03
 
 
 def test_a_plan_that_nothing_fits_is_refused_with_its_numbers():
