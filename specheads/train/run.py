@@ -20,7 +20,7 @@ from ..distill.builtin import ensure_builtin_data
 from ..distributed import Dist, main_rank_first, process_group, quiet_deepspeed
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead, build_head
-from ..provenance import provenance
+from ..provenance import data_record, portable_path, provenance
 from ..target import FLOAT_DTYPES, FrozenTarget, load_target
 from .metrics import MetricsLog, plot_metrics
 from .plan import check_fits, dry_run, shard_decision
@@ -138,8 +138,10 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
         "batch_size": cfg.train.batch_size,
         "grad_accum": cfg.train.grad_accum,
         "lr": cfg.train.lr,
-        "data": cfg.data.path,
-        "data_mix": list(cfg.data.mix),
+        # the data as a path inside its repository or a name, with the digests of local sources
+        "data": portable_path(cfg.data.path),
+        "data_mix": [portable_path(m) for m in cfg.data.mix],
+        "data_sha256": data_record([cfg.data.path, *cfg.data.mix]),
         **provenance(),
         "eval": last_eval,
     }
