@@ -232,6 +232,7 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
             "rejected": rejected,
             **stats,
         }
+        manifest["generation"] = _generation_totals(manifest["shards"].values())  # so far, across resumes
         write_text(out / MANIFEST, json.dumps(manifest, indent=1))
         bar.update(size)
     bar.close()

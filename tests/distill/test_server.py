@@ -187,6 +187,7 @@ def test_http_error_mid_run_keeps_whole_shards_and_a_rerun_resumes(tiny_target, 
     out = tmp_path / "out"
     manifest = json.loads((out / "manifest.json").read_text())
     assert list(manifest["shards"]) == ["0"] and not manifest["complete"]
+    assert manifest["generation"]["answers"] == 2  # running totals of the finished shards
     assert [p.name for p in (out / "shards").iterdir()] == ["shard-00000.jsonl"]  # no half shard
     healthy = server()
     assert shard_rows(run_distillation(tiny_target, server_cfg(cfg(tmp_path, "out"), healthy.url))) == ref
