@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml setup.py
 # own plain decoding and prompt lookup, all in one run.
 demo: setup
 	$(PY) train.py output_dir=$(DEMO_DIR)
-	$(PY) infer.py head=$(DEMO_DIR)/head tree=auto tree.calibration_prompts=2 tree.calibration_tokens=32 \
+	$(PY) infer.py head=$(DEMO_DIR)/head tree=auto tree.save=head tree.calibration_prompts=2 tree.calibration_tokens=32 \
 		tree.max_nodes=8 bench.questions=specheads/data/dev_questions.jsonl bench.heads=[$(SHIPPED_HEAD)] \
 		bench.output=$(DEMO_DIR)/bench/dev_questions.jsonl bench.max_new_tokens=32 bench.per_category=1
 

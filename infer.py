@@ -2,7 +2,7 @@
 
     python infer.py head=runs/demo/head prompt="Why is the sky blue?"
     python infer.py head=DIR bench.questions=question.jsonl bench.output=OUT.jsonl bench.max_new_tokens=64
-    python infer.py head=DIR tree=auto        # calibrate the tree for this machine, store it in DIR
+    python infer.py head=DIR tree=auto        # calibrate the tree for this machine (kept in its cache)
 
 The demo prints the answer with the drafted-and-accepted tokens marked and a stats line (tau,
 tokens/s, speedup); the benchmark writes OUT.jsonl, OUT.summary.json and plots (docs/contracts.md).

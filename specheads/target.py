@@ -9,8 +9,10 @@ States are captured with forward hooks on the unmodified transformers model.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -133,6 +135,10 @@ class FrozenTarget:
         decoder = model.get_decoder()
         self.layers = decoder.layers
         self.final_norm = decoder.norm
+        # where the weights came from and how they were loaded (load_target fills it in); part of
+        # the identity a head records of its target
+        self.loaded: dict[str, Any] = {"source": name}
+        self._identity: dict[str, Any] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -293,7 +299,9 @@ def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenT
         tiny = dict(cfg.tiny)
         seed = int(tiny.pop("seed", 0))
         model, tokenizer = tiny_target(path[len(TINY_PREFIX) :], seed=seed, **tiny)
-        return FrozenTarget(model.to(device=device, dtype=dtype), tokenizer, name=cfg.name)
+        target = FrozenTarget(model.to(device=device, dtype=dtype), tokenizer, name=cfg.name)
+        target.loaded = loaded_as(cfg, dtype)
+        return target
     source, kwargs = target_source(cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
@@ -301,4 +309,94 @@ def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenT
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SpecHeadsError(f"cannot load target {path!r}: {first}") from err
-    return FrozenTarget(model.to(device), tokenizer, name=cfg.name, revision=cfg.revision)
+    target = FrozenTarget(model.to(device), tokenizer, name=cfg.name, revision=cfg.revision)
+    target.loaded = loaded_as(cfg, dtype)
+    return target
+
+
+# -- a target's identity: which weights a head was trained on --------------------------------------
+GGUF_TYPE = re.compile(r"[.-]((?:I?Q\d\w*?)|F16|F32|BF16)\.gguf$", re.IGNORECASE)
+
+
+def gguf_quantization(path: Path) -> str:
+    """The GGUF file's quantization (Q4_1, Q8_0, F16, ...): from its name, else from its header."""
+    match = GGUF_TYPE.search(path.name)
+    if match:
+        return match.group(1).upper()
+    try:
+        from gguf import GGUFReader, LlamaFileType
+
+        field = GGUFReader(str(path)).fields["general.file_type"]
+        return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
+    except Exception:  # an unreadable header only leaves the quantization unnamed
+        return "unknown"
+
+
+def loaded_as(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """How load_target reads cfg's weights, without machine paths: the source (embedded key, Hub id,
+    a local file or directory by its name), the GGUF quantization when there is one, the dtype."""
+    path, dtype_name = cfg.path, str(dtype).removeprefix("torch.")
+    if path.startswith(TINY_PREFIX):
+        return {"source": path, "tiny": dict(cfg.tiny), "dtype": dtype_name}
+    if path.startswith(EMBEDDED_PREFIX):
+        directory, filename, hub_id = embedded_gguf(path[len(EMBEDDED_PREFIX) :])
+        quant = gguf_quantization(directory / filename)
+        return {
+            "source": path,
+            "file": filename,
+            "quantization": quant,
+            "original": hub_id,
+            "dtype": dtype_name,
+            "loaded_as": f"GGUF {quant} dequantized to {dtype_name}",
+        }
+    local = Path(path).expanduser()
+    gguf_file = local if local.is_file() and local.suffix == ".gguf" else None
+    if gguf_file is None and cfg.gguf_file:
+        gguf_file = local / cfg.gguf_file
+    out: dict[str, Any] = {"source": local.name if local.exists() else path, "revision": cfg.revision}
+    if gguf_file is not None:
+        quant = gguf_quantization(gguf_file) if gguf_file.is_file() else "unknown"
+        out.update(file=gguf_file.name, quantization=quant, loaded_as=f"GGUF {quant} dequantized to {dtype_name}")
+    out["dtype"] = dtype_name
+    return out
+
+
+def weights_digest(modules: Iterable[tuple[str, torch.nn.Module]]) -> str:
+    """sha256 of the named modules' weights rounded to bf16, so that one checkpoint loaded in
+    fp32 or bf16 digests alike while the same shape with other weights (another quantization,
+    another fine-tune) does not. Tied weights are hashed once."""
+    h = hashlib.sha256()
+    seen: set[int] = set()
+    for name, module in modules:
+        weight = getattr(module, "weight", None)
+        if weight is None or id(weight) in seen:
+            h.update(f"{name}:tied-or-none;".encode())
+            continue
+        seen.add(id(weight))
+        w = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+        h.update(f"{name}:{list(w.shape)};".encode())
+        h.update(w.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
+
+
+def target_identity(target: FrozenTarget) -> dict[str, Any]:
+    """What a head records of its target beside its shape: a digest of the weights the head reads
+    (embedding, final norm, LM head) and how they were loaded. Computed once per target."""
+    if target._identity is None:
+        parts = (("embed_tokens", target.embed_tokens), ("norm", target.final_norm), ("lm_head", target.lm_head))
+        target._identity = {
+            "weights_sha256": weights_digest(parts),
+            "weights": "embed_tokens, final norm, lm_head as bfloat16",
+            **target.loaded,
+        }
+    return dict(target._identity)
+
+
+def describe_identity(name: str, identity: dict[str, Any] | None) -> str:
+    """One phrase naming a target by its identity, e.g. for a mismatch message."""
+    if not identity:
+        return f"{name} (identity not recorded)"
+    how = identity.get("loaded_as") or identity.get("dtype") or ""
+    source = identity.get("source", name)
+    weights = str(identity.get("weights_sha256", "?"))[:12]
+    return f"{name} [{source}{', ' + how if how else ''}; weights {weights}]"

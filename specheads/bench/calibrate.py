@@ -10,6 +10,9 @@
 2. Cost. Target forwards of 1..max_nodes+1 query tokens are timed against a realistic context,
    and the head's drafting of each candidate tree is timed with the real drafter.
 3. Pick n maximising (1 + E[accepted]) / (target time + draft time).
+
+The tree goes to this machine's cache (bench/trees.py), not into the head directory, unless
+tree.save=head asks for that; its record names the prompts it was measured on.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from ..decode.tree import TreeLayout, static_tree
 from ..errors import SpecHeadsError
 from ..heads import read_head_config
 from ..heads.io import CONFIG_NAME
+from ..provenance import portable_path
 from ..target import synchronize
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
+from .trees import cache_path, machine_description, prompts_record, store_in_cache
 
 BUILTIN_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -157,16 +162,24 @@ def time_draft(
     return min(times)
 
 
-def calibration_prompts(settings: InferJobConfig, tokenizer) -> list[list[int]]:
+def calibration_texts(settings: InferJobConfig) -> tuple[str, list[str]]:
+    """(where they come from, the prompt texts) of the calibration: tree.calibration_questions'
+    first turns, else the built-in prompts."""
     t = settings.tree
-    texts = (
-        [q["prompt"] for q in read_questions(t.calibration_questions)] if t.calibration_questions else BUILTIN_PROMPTS
-    )
-    return [encode_prompt(tokenizer, x, settings.system, settings.chat) for x in texts[: t.calibration_prompts]]
+    if t.calibration_questions:
+        texts = [q["prompt"] for q in read_questions(t.calibration_questions)]
+        return portable_path(t.calibration_questions), texts[: t.calibration_prompts]
+    return "builtin", BUILTIN_PROMPTS[: t.calibration_prompts]
 
 
-def store_default_tree(head, head_dir: Path, paths: list[list[int]]) -> bool:
-    """Save the tree as the head directory's default tree (only our own, writable head format)."""
+def calibration_prompts(settings: InferJobConfig, tokenizer) -> list[list[int]]:
+    _, texts = calibration_texts(settings)
+    return [encode_prompt(tokenizer, x, settings.system, settings.chat) for x in texts]
+
+
+def store_default_tree(head, head_dir: Path, paths: list[list[int]], calibration: dict | None = None) -> bool:
+    """Save the tree as the head directory's default tree, with its calibration record (only our
+    own, writable head format). tree.save=head asks for it: the head directory is then rewritten."""
     try:
         config = read_head_config(head_dir)
     except SpecHeadsError:
@@ -176,8 +189,9 @@ def store_default_tree(head, head_dir: Path, paths: list[list[int]]) -> bool:
     ):
         return False
     head.default_tree = paths
+    extra = {"calibration": calibration} if calibration else {}
     # config.json only: the weights stay as stored (their dtype, a family's extra files)
-    write_json(Path(head_dir) / CONFIG_NAME, {**config, "default_tree": paths})
+    write_json(Path(head_dir) / CONFIG_NAME, {**config, "default_tree": paths, **extra})
     return True
 
 
@@ -187,7 +201,8 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     target, head = session.target, session.head
     limit = head.max_draft_depth(head.spec)
     depth = min(t.depth, limit) if limit is not None else t.depth
-    prompts = calibration_prompts(settings, target.tokenizer)
+    source, texts = calibration_texts(settings)
+    prompts = [encode_prompt(target.tokenizer, x, settings.system, settings.chat) for x in texts]
     if not prompts:
         raise SpecHeadsError("tree=auto needs at least one calibration prompt")
     cfg = sampling_config(settings, t.calibration_tokens, eos_token_ids(target))
@@ -243,10 +258,29 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
             f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n"
         )
-    if t.save and session.head_dir is not None:
-        if store_default_tree(head, Path(session.head_dir), best["paths"]):
-            out.write(f"stored as the default tree of {session.head_dir}\n")
+    kernels = getattr(session, "layouts", None) is not None
+    record = {
+        "prompts": prompts_record(source, texts),
+        "tokens": t.calibration_tokens,
+        "positions": n_pos,
+        "depth": depth,
+        "top_k": t.top_k,
+        "max_nodes": t.max_nodes,
+        "machine": machine_description(target.device, kernels),
+        "nodes": best["nodes"],
+        "tau": round(best["tau"], 4),
+        "expected_speedup": round(best["tokens_per_s"] / plain, 4),
+    }
+    head.calibration = record
+    head_dir = Path(session.head_dir) if session.head_dir is not None else None
+    if t.save == "head" and head_dir is not None:
+        if store_default_tree(head, head_dir, best["paths"], record):
+            out.write(f"stored as the default tree of {head_dir} (tree.save=head)\n")
         else:
-            out.write(f"{session.head_dir} is not writable here: pass the tree as tree=static 'tree.paths=...'\n")
+            out.write(f"{head_dir} is not writable here: pass the tree as tree=static 'tree.paths=...'\n")
+    elif t.save == "cache" and head_dir is not None and (head_dir / CONFIG_NAME).is_file():
+        # the head directory keeps its own tree: this one fits this machine only
+        path = store_in_cache(cache_path(head_dir, target, kernels), best["paths"], record)
+        out.write(f"stored for this machine in {path}: tree=default uses it for this head here\n")
     out.flush()
     return TreeConfig(kind="static", paths=best["paths"])

@@ -1,7 +1,8 @@
 """Heads compared side by side in one benchmark run (bench.heads=[DIR, ...]).
 
 Each runs as the method `spec:<label>` on the same target, questions and baselines as the main
-head, with its own stored tree (tree.kind=default), so the ratios of every head come from one run.
+head, with its own stored tree (tree.kind=default; one calibrated for it on this machine, when the
+cache holds one), so the ratios of every head come from one run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import HEADS, read_head_config
 from ..kernels.linear_layout import install
+from .trees import use_cached_tree
 
 SPEC = "spec"
 
@@ -51,7 +53,9 @@ def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, Tr
         label = head_label(path)
         if label == main_label or method_name(label) in out:
             raise SpecHeadsError(f"bench.heads: two heads are named {label!r}; give them distinct directory names")
-        head = open_head(directory, target)
+        head = open_head(directory, target, session.allow_target_mismatch)
+        if not is_exported_dir(directory):
+            use_cached_tree(head, directory, target, kernels=session.layouts is not None)
         if session.layouts is not None:
             install(head, session.layouts)
         policy = tree_policy_for(head, TreeConfig(kind="default"))

@@ -32,6 +32,7 @@ from .compared import open_compared_heads
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
 from .questions import read_questions
+from .trees import warn_overlap
 
 SPEC_FIELDS = ("accept_lengths", "accepted_drafts", "tree_depths", "tree_sizes")
 
@@ -225,6 +226,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         policy = tree_policy_for(session.head, settings.tree)
         spec_heads["spec"] = (make_drafter(session.head, policy), policy, str(session.head_dir))
     spec_heads.update(open_compared_heads(b.heads, session))
+    for method, (drafter, _, _) in spec_heads.items():
+        # a tree chosen on the questions it is measured on flatters its head
+        warn_overlap(method, getattr(drafter.head, "calibration", None), questions, b.turns, sys.stderr)
     methods = list(b.methods) + [m for m in spec_heads if m not in b.methods]
     gen = torch.Generator(device=target.device).manual_seed(settings.seed)
     torch.manual_seed(settings.seed)  # transformers' sampling draws from the global generator

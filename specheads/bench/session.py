@@ -17,6 +17,7 @@ from ..heads import read_head_config
 from ..kernels import gqa_attention
 from ..kernels.linear_layout import describe, install, measure_layouts
 from ..target import FrozenTarget, load_target, resolve_device
+from .trees import use_cached_tree
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Session:
     head_dir: Path | None
     head_config: dict
     layouts: Any = None  # the measured linear kernels installed on the target (linear_layout=auto)
+    allow_target_mismatch: bool = False  # heads trained on other weights of the target's shape load too
 
 
 def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:
@@ -61,7 +63,11 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
     else:
         model_cfg = model_config_for_head(head_config, conf_dir)
     target = load_target(model_cfg, resolve_device(settings.device))
-    head = open_head(head_dir, target) if head_dir else None
+    head = open_head(head_dir, target, settings.allow_target_mismatch) if head_dir else None
+    if head is not None and not exported and settings.tree.kind == "default":
+        # a tree calibrated for this head on this machine (tree=auto) beats the one it shipped with
+        kernels = settings.linear_layout == "auto" and target.device.type == "cpu"
+        use_cached_tree(head, head_dir, target, kernels=kernels)
     layouts = None
     if settings.linear_layout == "auto" and target.device.type == "cpu":
         gqa_attention.install(target.model)  # before timing: the kernels are timed as they will run
@@ -71,4 +77,4 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
             if model is not None:
                 install(model, layouts)
         print(describe(layouts), file=sys.stderr)
-    return Session(target, head, head_dir, head_config, layouts)
+    return Session(target, head, head_dir, head_config, layouts, settings.allow_target_mismatch)

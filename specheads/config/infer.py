@@ -15,6 +15,7 @@ from .model import ModelConfig
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
 METHODS = ("baseline", "plain", "prompt_lookup", "spec")
+TREE_SAVES = ("cache", "head", "none")
 DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is not given
 
 
@@ -33,7 +34,10 @@ class TreeConfig:
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     max_nodes: int = 64
-    save: bool = True  # store the calibrated tree as the head's default tree
+    # where tree=auto keeps the tree: cache = this machine's cache (tree=default uses it for this
+    # head here; the head directory keeps the tree it came with); head = the head directory's own
+    # default tree (config.json rewritten: for a head you just trained); none = this run only
+    save: str = "cache"
 
 
 @dataclass
@@ -83,6 +87,9 @@ class InferJobConfig:
     # this machine for the row count at hand (specheads.kernels.linear_layout), and masked attention keeps
     # grouped KV heads unrepeated (specheads.kernels.gqa_attention); stock: transformers as shipped
     linear_layout: str = "auto"
+    # load a head onto a target of its shape whose weights differ from those it was trained on
+    # (another quantization or fine-tune; its acceptance will be lower); refused by default
+    allow_target_mismatch: bool = False
     debug: bool = False
 
 
@@ -96,6 +103,10 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     for name in ("depth", "top_k", "total_tokens", "max_nodes", "calibration_prompts", "calibration_tokens"):
         if getattr(t, name) < 1:
             raise SpecHeadsError(f"tree.{name} must be >= 1, got {getattr(t, name)}")
+    # true / false: the values of the boolean this key was before
+    t.save = {"true": "cache", "false": "none"}.get(str(t.save).lower(), str(t.save))
+    if t.save not in TREE_SAVES:
+        raise SpecHeadsError(f"tree.save must be one of {', '.join(TREE_SAVES)}, got {t.save!r}")
     if b.turns not in ("first", "all"):
         raise SpecHeadsError(f"bench.turns must be first or all, got {b.turns!r}")
     bad = [m for m in b.methods if m not in METHODS]

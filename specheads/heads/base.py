@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import SpecHeadsError
-from ..target import FrozenTarget, TargetInfo
+from ..target import FrozenTarget, TargetInfo, describe_identity, target_identity
 from .spec import HeadSpec
 
 
@@ -46,6 +46,11 @@ class DraftHead(nn.Module):
         self.info = info
         self.__dict__["_frozen"] = None  # bypass nn.Module registration on purpose
         self.default_tree: list | None = None
+        # how default_tree was calibrated (bench/calibrate.py: its prompts, machine, measured tau)
+        self.calibration: dict | None = None
+        # the identity of the target it was trained on (specheads.target.target_identity): a digest
+        # of the weights it reads and how they were loaded; None for a head that never recorded one
+        self.target_identity: dict | None = None
         self.steps_done = 0  # optimizer steps trained so far, set by the Trainer (Medusa-2's stages)
 
     # -- target wiring -------------------------------------------------------------------
@@ -160,6 +165,30 @@ def check_compatible(head: TargetInfo, target: TargetInfo) -> None:
         raise SpecHeadsError(
             f"head was trained for target {head.name!r} but the target is {target.name!r}: " + ", ".join(diffs)
         )
+
+
+def check_same_target(
+    recorded: dict | None, head_info: TargetInfo, target: FrozenTarget, allow_mismatch: bool = False, where: str = ""
+) -> str | None:
+    """Refuse a head trained on other weights of the same shape (another quantization, another
+    fine-tune: its drafts would be accepted less often), naming both targets in one line; with
+    allow_mismatch, return that line as a warning instead. None when the identities agree.
+    A head that recorded no identity (made before specheads recorded one) gets a warning."""
+    here = target_identity(target)
+    if not recorded:
+        return (
+            f"{where or 'the head'} records no target identity (made by an older specheads): cannot check "
+            f"that it was trained on the weights of {describe_identity(target.info.name, here)}"
+        )
+    if recorded.get("weights_sha256") == here["weights_sha256"]:
+        return None
+    line = (
+        f"{where or 'the head'} was trained on target {describe_identity(head_info.name, recorded)} but this "
+        f"target is {describe_identity(target.info.name, here)}: same shape, other weights"
+    )
+    if not allow_mismatch:
+        raise SpecHeadsError(line + "; pass allow_target_mismatch=true to use it anyway")
+    return line + " (allow_target_mismatch=true: going on)"
 
 
 def shifted(x: torch.Tensor, k: int, fill: Any = 0) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from ..atomic import write_directory
 from ..errors import SpecHeadsError
 from ..target import LAYER_CONVENTION, FrozenTarget, TargetInfo
-from .base import DraftHead
+from .base import DraftHead, check_same_target
 from .registry import HEADS
 from .spec import HeadSpec
 
@@ -34,7 +35,7 @@ def head_config_dict(head: DraftHead, training: dict | None = None) -> dict[str,
         "specheads_version": __version__,
         "family": head.family,
         "head": head.spec.to_dict(),
-        "target": head.info.to_dict(),
+        "target": {**head.info.to_dict(), **({"identity": head.target_identity} if head.target_identity else {})},
         "layer_ids": head.target_layer_ids(),
         "layer_convention": LAYER_CONVENTION,
         "reads": {"layer_ids": head.target_layer_ids(), "final_post_norm": head.reads_final},
@@ -44,6 +45,7 @@ def head_config_dict(head: DraftHead, training: dict | None = None) -> dict[str,
             "mapping": "d2t offsets (target_id = draft_id + d2t[draft_id])" if head.family == "eagle3" else "identity",
         },
         "default_tree": head.default_tree,
+        **({"calibration": head.calibration} if head.calibration else {}),
         "training": training or {},
     }
 
@@ -88,10 +90,17 @@ def read_head_config(directory: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def load_head(directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
+# heads already warned about on this process (a benchmark loads the same head more than once)
+_WARNED: set[str] = set()
+
+
+def load_head(directory: str | os.PathLike, target: FrozenTarget, allow_target_mismatch: bool = False) -> DraftHead:
     """Load a head directory onto `target`; refuses a mismatched target or a corrupt file.
 
-    Hub ids and engine-format directories are opened one layer up, by specheads.export.open_head.
+    A target of the right shape but other weights than the head recorded is refused too, unless
+    allow_target_mismatch (then one line on stderr says so); a head recording no identity loads
+    with a warning, once. Hub ids and engine-format directories are opened one layer up, by
+    specheads.export.open_head.
     """
     config = read_head_config(directory)
     family = config["family"]
@@ -101,6 +110,12 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
     spec = HeadSpec.from_dict(config["head"])
     head = HEADS[family](spec, info)
     head.attach(target)
+    recorded = config["target"].get("identity")
+    warning = check_same_target(recorded, info, target, allow_target_mismatch, where=f"head {directory}")
+    if warning and str(directory) not in _WARNED:
+        _WARNED.add(str(directory))
+        print(f"warning: {warning}", file=sys.stderr)
+    head.target_identity = recorded
     weights = Path(directory) / WEIGHTS_NAME
     if not weights.is_file():
         raise SpecHeadsError(f"{directory} has no {WEIGHTS_NAME}")
@@ -115,6 +130,7 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
             f"unexpected {sorted(unexpected)[:5]}"
         )
     head.default_tree = config.get("default_tree")
+    head.calibration = config.get("calibration")
     head.load_files(Path(directory))
     return head.to(device=target.device, dtype=head_dtype(target)).eval()
 

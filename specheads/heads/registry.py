@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config.train import HeadConfig
 from ..errors import SpecHeadsError
-from ..target import FrozenTarget
+from ..target import FrozenTarget, target_identity
 from .base import DraftHead
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
@@ -29,6 +29,7 @@ def build_head(head_cfg: HeadConfig, target: FrozenTarget, train_rows=None) -> D
     spec = HeadSpec.from_config(head_cfg, target.info)
     head = HEADS[spec.family](spec, target.info)
     head.attach(target)
+    head.target_identity = target_identity(target)
     head.to(device=target.device, dtype=target.dtype)
     if isinstance(head, Eagle3Head) and spec.draft_vocab_size < target.info.vocab_size:
         if train_rows is None:

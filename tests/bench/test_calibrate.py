@@ -9,7 +9,9 @@ import torch
 from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
 
 from specheads.bench.calibrate import best_paths, calibrate_tree, path_frequencies, rank_vectors, time_target
+from specheads.bench.questions import read_questions
 from specheads.bench.session import Session
+from specheads.bench.trees import overlap, prompt_digest, use_cached_tree
 from specheads.config.infer import InferJobConfig, TreeConfig
 from specheads.decode.drafters import make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
@@ -53,23 +55,74 @@ def test_rank_vectors_predict_what_the_loop_accepts(family, tiny_target, sequenc
     assert checked >= 3 and max(res.accepted_drafts) >= 2
 
 
+def calibrate(head, head_dir, target, **tree):
+    settings = InferJobConfig(
+        head_path=str(head_dir),
+        tree=TreeConfig(
+            kind="auto", depth=3, top_k=3, calibration_prompts=2, calibration_tokens=16, max_nodes=8, **tree
+        ),
+    )
+    out = io.StringIO()
+    chosen = calibrate_tree(settings, Session(target, head, head_dir, {}), out=out)
+    assert chosen.kind == "static" and 1 <= len(chosen.paths) <= 8 and "<- chosen" in out.getvalue()
+    return chosen, out.getvalue()
+
+
+def files(directory):
+    return {p.name: p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
 @pytest.mark.parametrize("family", ["eagle", "hydra"])
-def test_calibrate_tree_picks_and_stores_a_tree(family, tmp_path, tiny_target, sequences):
+def test_calibrate_tree_stores_a_tree_in_the_head_when_asked(family, tmp_path, tiny_target, sequences):
     head = quick_head(tiny_target, family, sequences, steps=30)
     head_dir = save_head(head, tmp_path / "head", dtype=torch.bfloat16)
     weights = (head_dir / "model.safetensors").read_bytes()
-    settings = InferJobConfig(
-        head_path=str(head_dir),
-        tree=TreeConfig(kind="auto", depth=3, top_k=3, calibration_prompts=2, calibration_tokens=16, max_nodes=8),
-    )
-    out = io.StringIO()
-    chosen = calibrate_tree(settings, Session(tiny_target, head, head_dir, {}), out=out)
-    assert chosen.kind == "static" and 1 <= len(chosen.paths) <= 8
-    assert "<- chosen" in out.getvalue() and "stored as the default tree" in out.getvalue()
-    assert json.loads((head_dir / "config.json").read_text())["default_tree"] == chosen.paths
+    chosen, out = calibrate(head, head_dir, tiny_target, save="head")
+    assert "stored as the default tree" in out
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["default_tree"] == chosen.paths
+    assert config["calibration"]["prompts"]["source"] == "builtin" and config["calibration"]["prompts"]["count"] == 2
     assert (head_dir / "model.safetensors").read_bytes() == weights  # only config.json is rewritten (bf16 kept)
     reloaded = load_head(head_dir, tiny_target)
     assert tree_policy_for(reloaded, TreeConfig(kind="default")).size == len(chosen.paths) + 1
+
+
+def test_calibrating_an_existing_head_leaves_it_as_shipped_and_caches_the_tree(
+    tmp_path, monkeypatch, tiny_target, sequences
+):
+    """tree=auto (save=cache, the default): the head directory stays byte for byte; the tree goes to
+    this machine's cache, keyed by the head's digest, and tree=default finds it there."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    questions = tmp_path / "questions.jsonl"
+    texts = ["Tell me about rivers.", "Name a prime.", "Why  is\nthe sea salty?"]
+    questions.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n" for i, t in enumerate(texts)))
+    head_dir = save_head(quick_head(tiny_target, "eagle", sequences, steps=30), tmp_path / "head")
+    shipped = files(head_dir)
+    chosen, out = calibrate(
+        load_head(head_dir, tiny_target), head_dir, tiny_target, calibration_questions=str(questions)
+    )
+    assert files(head_dir) == shipped and "stored for this machine" in out
+    cached = list((tmp_path / "cache" / "trees").glob("*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["default_tree"] == chosen.paths
+    fresh = load_head(head_dir, tiny_target)
+    assert fresh.default_tree is None and use_cached_tree(
+        fresh, head_dir, tiny_target, kernels=False, out=io.StringIO()
+    )
+    assert fresh.default_tree == chosen.paths
+    # the record names the prompts: a benchmark on the same questions overlaps on the first two
+    assert fresh.calibration["prompts"] == {
+        "source": "questions.jsonl",
+        "count": 2,
+        "sha256": [prompt_digest(t) for t in texts[:2]],
+    }
+    assert overlap(fresh.calibration, read_questions(questions)) == [0, 1]
+    # another machine setting (the measured kernels) or another head's weights: nothing cached
+    assert not use_cached_tree(load_head(head_dir, tiny_target), head_dir, tiny_target, kernels=True)
+    other = save_head(quick_head(tiny_target, "eagle", sequences, steps=1), tmp_path / "other")
+    assert not use_cached_tree(load_head(other, tiny_target), other, tiny_target, kernels=False)
+    # save=none: this run only
+    _, out = calibrate(load_head(other, tiny_target), other, tiny_target, save="none")
+    assert "stored" not in out and len(list((tmp_path / "cache" / "trees").glob("*.json"))) == 1
 
 
 # Scripted seconds of each timed verification forward, per query-token count: the warm-up call

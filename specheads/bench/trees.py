@@ -1,0 +1,143 @@
+"""Calibrated trees kept per machine, and what a calibration was measured on.
+
+A tree calibrated by tree=auto fits the machine it was timed on, so it belongs to that machine, not
+to the head: it goes to the cache (cache_root()/trees/<head digest>-<machine key>.json) and
+tree=default on that machine drafts with it from then on, while the head directory keeps the tree
+it was shipped with. Only tree.save=head writes it into the head directory itself.
+
+Each calibration records the identity of its prompts (a digest per prompt), so that a benchmark
+can say when it measures a head on the very prompts its tree was chosen on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from ..atomic import write_json
+from ..heads.io import CONFIG_NAME
+from ..target import cache_root, target_identity
+
+CACHE_VERSION = 1
+
+
+def prompt_digest(text: str) -> str:
+    """A prompt's identity: sha256 of its words (whitespace-insensitive), 16 hex digits."""
+    return hashlib.sha256(" ".join(str(text).split()).encode()).hexdigest()[:16]
+
+
+def head_digest(head_dir: str | Path) -> str:
+    """sha256 of the head's weights and files, config.json left out (a stored tree does not make
+    another head)."""
+    root = Path(head_dir)
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() != CONFIG_NAME):
+        h.update(f"{f.relative_to(root).as_posix()}\0".encode())
+        with open(f, "rb") as src:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def machine_description(device: torch.device, kernels: bool) -> dict[str, Any]:
+    """What a calibration's timings depend on, without naming the host: the processor, the
+    device, the threads, torch, and whether the measured CPU kernels were installed."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "cpu": platform.processor() or _cpu_model() or platform.machine(),
+        "device": device.type + (f" ({gpu})" if gpu else ""),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__.split("+")[0],
+        "kernels": "measured" if kernels else "stock",
+    }
+
+
+def cache_path(head_dir: str | Path, target, kernels: bool) -> Path:
+    """The cache file of this head's tree on this machine (and target: its weights and dtype)."""
+    parts = {
+        "version": CACHE_VERSION,
+        "host": platform.node(),
+        "machine": machine_description(target.device, kernels),
+        "target": target_identity(target)["weights_sha256"],
+        "dtype": str(target.dtype),
+    }
+    machine = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "trees" / f"{head_digest(head_dir)[:16]}-{machine}.json"
+
+
+def store_in_cache(path: Path, paths: list[list[int]], calibration: dict) -> Path:
+    write_json(path, {"version": CACHE_VERSION, "default_tree": paths, "calibration": calibration})
+    return path
+
+
+def read_cache(path: Path) -> dict | None:
+    """The cached calibration, or None (missing, unreadable or from another version: calibrate anew)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    ok = isinstance(stored, dict) and stored.get("version") == CACHE_VERSION and stored.get("default_tree")
+    return stored if ok else None
+
+
+def use_cached_tree(head, head_dir: str | Path, target, kernels: bool, out: TextIO = sys.stderr) -> bool:
+    """tree=default: a tree calibrated for this head on this machine replaces the stored one (one
+    line says so). False when there is none (the head's own tree stays)."""
+    path = cache_path(head_dir, target, kernels)
+    stored = read_cache(path)
+    if stored is None:
+        return False
+    head.default_tree = stored["default_tree"]
+    head.calibration = stored.get("calibration")
+    out.write(
+        f"tree: {head_dir} drafts with the tree calibrated on this machine "
+        f"({len(head.default_tree)} nodes, {path}; tree=auto calibrates again)\n"
+    )
+    return True
+
+
+def prompts_record(source: str, texts: Sequence[str]) -> dict[str, Any]:
+    """The identity of a calibration's prompts: where they came from and a digest of each."""
+    return {"source": source, "count": len(texts), "sha256": [prompt_digest(t) for t in texts]}
+
+
+def overlap(calibration: dict | None, questions: Iterable[dict], turns: str = "first") -> list:
+    """question_ids of the questions (the turns measured) that the calibration's prompts include."""
+    digests = set(((calibration or {}).get("prompts") or {}).get("sha256") or [])
+    if not digests:
+        return []
+    hits = []
+    for q in questions:
+        texts = q["turns"] if turns == "all" else q["turns"][:1]
+        if any(prompt_digest(t) in digests for t in texts):
+            hits.append(q["question_id"])
+    return hits
+
+
+def warn_overlap(method: str, calibration: dict | None, questions: Sequence[dict], turns: str, out: TextIO) -> list:
+    """One line when a head's tree was calibrated on questions this benchmark measures."""
+    hits = overlap(calibration, questions, turns)
+    if hits:
+        source = ((calibration or {}).get("prompts") or {}).get("source", "?")
+        shown = ", ".join(str(h) for h in hits[:8]) + (", ..." if len(hits) > 8 else "")
+        out.write(
+            f"warning: {method}'s tree was calibrated on {len(hits)} of the {len(questions)} questions measured "
+            f"here (question_id {shown}, from {source}): its tree was chosen on them; calibrate on other "
+            "prompts (tree.calibration_questions=...) for an unbiased measurement\n"
+        )
+    return hits

@@ -1,0 +1,79 @@
+"""specheads/heads/io.py: a head directory records its target's identity and its own family's fields;
+loading refuses another target of the same shape unless asked, and old heads still load."""
+
+import json
+
+import pytest
+import torch
+from conftest import quick_head
+
+from specheads.config.model import ModelConfig
+from specheads.config.train import HeadConfig, family_fields
+from specheads.errors import SpecHeadsError
+from specheads.heads import load_head, save_head
+from specheads.target import load_target, loaded_as, target_identity
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny(seed=0, dtype="float32"):
+    return load_target(
+        ModelConfig(name="tiny-random", path="tiny:llama", tiny={"seed": seed}, dtype=dtype), torch.device("cpu")
+    )
+
+
+def test_a_head_records_its_targets_identity_and_loads_back_silently(tmp_path, tiny_target, capsys):
+    head = quick_head(tiny_target, "eagle3")
+    directory = save_head(head, tmp_path / "head")
+    recorded = json.loads((directory / "config.json").read_text())["target"]["identity"]
+    assert recorded == target_identity(tiny_target)
+    assert recorded["source"] == "tiny:llama" and len(recorded["weights_sha256"]) == 64
+    capsys.readouterr()
+    assert load_head(directory, tiny_target).target_identity == recorded
+    # the same weights loaded in bf16 are the same target
+    load_head(directory, tiny(dtype="bfloat16"))
+    assert capsys.readouterr().err == ""
+
+
+def test_other_weights_of_the_same_shape_are_refused_unless_asked(tmp_path, tiny_target, capsys):
+    directory = save_head(quick_head(tiny_target, "medusa"), tmp_path / "head")
+    other = tiny(seed=1)
+    assert other.info == tiny_target.info  # check_compatible alone would let it through
+    with pytest.raises(SpecHeadsError) as err:
+        load_head(directory, other)
+    line = str(err.value)
+    assert "\n" not in line and "allow_target_mismatch=true" in line
+    ours, theirs = target_identity(tiny_target)["weights_sha256"], target_identity(other)["weights_sha256"]
+    assert ours[:12] in line and theirs[:12] in line  # names both
+    capsys.readouterr()
+    head = load_head(directory, other, allow_target_mismatch=True)
+    assert head.target_identity["weights_sha256"] == ours  # still the identity it was trained on
+    assert "same shape, other weights" in capsys.readouterr().err
+
+
+def test_an_old_head_with_every_familys_fields_and_no_identity_loads_with_one_warning(tmp_path, tiny_target, capsys):
+    head = quick_head(tiny_target, "eagle3")
+    directory = save_head(head, tmp_path / "head")
+    config = json.loads((directory / "config.json").read_text())
+    assert set(config["head"]) == set(family_fields("eagle3"))  # its own family's fields only
+    # as written before: every family's fields, no identity
+    config["head"] = {**vars(HeadConfig(lora_r=64, medusa_decay=0.5)), **config["head"]}
+    del config["target"]["identity"]
+    (directory / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    for _ in range(2):
+        loaded = load_head(directory, tiny_target)
+    assert capsys.readouterr().err.count("records no target identity") == 1
+    assert loaded.spec == head.spec and loaded.target_identity is None
+    for a, b in zip(loaded.state_dict().values(), head.state_dict().values()):
+        assert torch.equal(a, b)
+    resaved = json.loads((save_head(loaded, tmp_path / "again") / "config.json").read_text())
+    assert "lora_r" not in resaved["head"] and "medusa_decay" not in resaved["head"]
+
+
+def test_the_embedded_target_is_named_as_a_dequantized_q4_1_gguf():
+    how = loaded_as(ModelConfig(), torch.float32)
+    assert how["source"] == "embedded:smollm2" and how["quantization"] == "Q4_1"
+    assert how["loaded_as"] == "GGUF Q4_1 dequantized to float32"
+    assert how["original"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert not any(str(v).startswith("/") for v in how.values())
