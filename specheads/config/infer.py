@@ -34,6 +34,13 @@ class TreeConfig:
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     max_nodes: int = 64
+    # hybrid (the head's tree + what followed the text's last n-gram earlier in the prompt and
+    # answer, one tree): the longest n-gram matched (shorter ones after it) and the text nodes per
+    # step (None: the calibrated share, else 8); hybrid_paths is the head's part of the hybrid
+    # tree, set by tree=auto (None: the head's tree as above; []: no head nodes)
+    ngram_max: int = 3
+    ngram_nodes: int | None = None
+    hybrid_paths: list[Any] | None = None
     # where tree=auto keeps the tree: cache = this machine's cache (tree=default uses it for this
     # head here; the head directory keeps the tree it came with); head = the head directory's own
     # default tree (config.json rewritten: for a head you just trained); none = this run only
@@ -103,6 +110,8 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     for name in ("depth", "top_k", "total_tokens", "max_nodes", "calibration_prompts", "calibration_tokens"):
         if getattr(t, name) < 1:
             raise SpecHeadsError(f"tree.{name} must be >= 1, got {getattr(t, name)}")
+    if t.ngram_max < 1 or (t.ngram_nodes is not None and t.ngram_nodes < 0):
+        raise SpecHeadsError(f"need tree.ngram_max >= 1 and tree.ngram_nodes >= 0, got {t.ngram_max}, {t.ngram_nodes}")
     # true / false: the values of the boolean this key was before
     t.save = {"true": "cache", "false": "none"}.get(str(t.save).lower(), str(t.save))
     if t.save not in TREE_SAVES:

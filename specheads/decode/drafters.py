@@ -6,7 +6,8 @@ A drafter follows the generation loop through three calls:
   advance(states, tokens, bonus)   after verification; states and tokens of the accepted path
                                    (root first), bonus = the target's next token (the next root)
 (and rewind(n), which makes the next draft() redo the work of the last n accepted tokens: used
-to time drafting during tree calibration).
+to time drafting during tree calibration). A drafter may also say where each node of its last tree
+came from (`sources`, tree.FROM_HEAD / FROM_TEXT bits), which the loop counts for accepted nodes.
 Drafts are deterministic (top-k), so any acceptance rule that treats them as one-hot proposals
 is lossless.
 
@@ -23,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpecHeadsError
-from .policy import DynamicTreeSpec, TreePolicy, check_depth
-from .tree import StaticTree, TreeLayout, select_dynamic, static_tree
+from .policy import DynamicTreeSpec, HybridPolicy, TreePolicy, check_depth
+from .tree import StaticTree, TreeLayout, merge_chains, select_dynamic, static_tree
 
 
 @dataclass
@@ -310,3 +311,92 @@ def make_drafter(head, policy: TreePolicy):
         raise SpecHeadsError(f"no drafter for head family {head.family!r}")
     check_depth(head, policy)  # a Medusa head drafts one depth per head
     return DRAFTERS[head.draft_kind](head, policy)
+
+
+def text_continuations(seq: Sequence[int], max_ngram: int, budget: int, max_len: int) -> list[list[int]]:
+    """What followed the text's last n-gram where it occurred before (prompt lookup, as a trie).
+
+    n runs from max_ngram down to 1 (longer matches first); for each n the most recent earlier
+    occurrence comes first. Each continuation is cut at max_len tokens, and continuations are
+    taken while their trie (shared prefixes counted once) has at most `budget` nodes, so the
+    first one can take the whole budget, as a single prompt-lookup chain would.
+    """
+    seq = list(seq)
+    total = len(seq)
+    chains: list[list[int]] = []
+    if budget < 1 or max_len < 1:
+        return chains
+    trie: set[tuple[int, ...]] = set()
+    for n in range(min(max_ngram, total - 1), 0, -1):
+        tail = seq[-n:]
+        last = tail[-1]
+        for start in range(total - n - 1, -1, -1):  # an occurrence with at least one token after it
+            if seq[start + n - 1] != last or seq[start : start + n] != tail:
+                continue
+            kept: list[int] = []
+            added = False
+            for t in seq[start + n : start + n + max_len]:
+                path = (*kept, t)
+                if path not in trie:
+                    if len(trie) == budget:
+                        break
+                    trie.add(path)
+                    added = True
+                kept.append(t)
+            if added:  # a continuation already in the trie adds nothing
+                chains.append(kept)
+            if len(trie) == budget:
+                return chains
+    return chains
+
+
+class HybridDrafter:
+    """One tree from two drafters: a head's tree (any family, or none) and the continuations of
+    the text's own repeats (prompt and answer so far), merged by tree.merge_chains and verified in
+    one target forward. Without a head it is prompt lookup decoding through this package's loop.
+
+    Every node is a deterministic function of the text (the head drafts top-k), so the verify
+    rules treat it as a one-hot proposal; `sources` says which drafter proposed each node of the
+    last tree, for the benchmark's share of accepted tokens per source.
+    """
+
+    def __init__(self, inner, policy: HybridPolicy):
+        self.inner = inner  # the head's drafter, or None
+        self.head = getattr(inner, "head", None)
+        self.policy = policy
+        self.layer_ids = list(inner.layer_ids) if inner is not None else []
+        self.reads_final = inner.reads_final if inner is not None else False
+        self.text: list[int] = []  # prompt + committed tokens, the root included
+        self.sources: tuple[int, ...] = (0,)
+
+    def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
+        self.text = prompt_ids[0].tolist() + [int(root)]
+        if self.inner is not None:
+            self.inner.start(prompt_ids, states, root)
+
+    def advance(self, states: dict, tokens: Sequence[int], bonus: int) -> None:
+        self.text += [int(t) for t in tokens[1:]] + [int(bonus)]
+        if self.inner is not None:
+            self.inner.advance(states, tokens, bonus)
+
+    def rewind(self, n: int) -> None:
+        """The text is not changed by drafting: only the head has work to redo."""
+        if self.inner is not None:
+            self.inner.rewind(n)
+
+    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        if self.inner is not None:
+            tokens, layout = self.inner.draft(root, prefix_len, max_depth)
+        else:
+            tokens, layout = [root], TreeLayout((-1,))
+        p = self.policy
+        chains = text_continuations(self.text, p.ngram_max, p.ngram_nodes, max_depth)
+        tokens, layout, self.sources = merge_chains(tokens, layout, chains)
+        return tokens, layout
+
+
+def make_hybrid_drafter(head, policy: HybridPolicy) -> HybridDrafter:
+    """The hybrid drafter of `policy` over `head` (None: the text's repeats alone)."""
+    if head is None or policy.head is None:
+        return HybridDrafter(None, policy)
+    return HybridDrafter(make_drafter(head, policy.head), policy)

@@ -20,9 +20,11 @@ import torch
 from ..sampling import sampling_probs
 from ..target import synchronize
 from .kv import compact_cache, new_cache, verify_tree
+from .tree import FROM_HEAD, FROM_TEXT
 from .verify import Acceptance, greedy_accept, speculative_accept, typical_accept
 
 ACCEPTANCE_RULES = ("auto", "greedy", "speculative", "typical")
+SOURCE_NAMES = {FROM_HEAD: "head", FROM_TEXT: "text", FROM_HEAD | FROM_TEXT: "both"}
 
 
 @dataclass
@@ -59,6 +61,9 @@ class GenerationResult:
     accepted_drafts: list[int] = field(default_factory=list)  # per decode forward, before truncation
     tree_depths: list[int] = field(default_factory=list)  # per decode forward
     tree_sizes: list[int] = field(default_factory=list)  # per decode forward (root included)
+    # accepted drafts that reached the output, by the drafter that proposed them (drafters that
+    # say, tree.FROM_HEAD / FROM_TEXT): head only, text only, both
+    accepted_sources: dict[str, int] = field(default_factory=dict)
     target_forwards: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -177,6 +182,11 @@ def speculative_generate(
         res.accepted_drafts.append(acc.num_accepted)
         res.tree_depths.append(layout.max_depth)
         res.tree_sizes.append(layout.size)
+        sources = getattr(drafter, "sources", None)
+        if sources is not None:
+            for node in path[1 : 1 + min(emitted, acc.num_accepted)]:
+                key = SOURCE_NAMES[sources[node]]
+                res.accepted_sources[key] = res.accepted_sources.get(key, 0) + 1
         if not done:
             compact_cache(cache, prefix_len, path)
             prefix_len += len(path)

@@ -3,6 +3,7 @@
 A policy is a static tree of rank paths (tree.py) or an EAGLE-2 dynamic tree (DynamicTreeSpec).
 `tree.kind=default` takes the head's stored tree, else its family's fallback tree, else a
 dynamic tree; `auto` is resolved into a static tree by calibration (bench/calibrate.py) first.
+A hybrid policy (HybridPolicy) adds the continuations of the text's own repeats to a head's tree.
 """
 
 from __future__ import annotations
@@ -75,7 +76,47 @@ def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
     return policy
 
 
-def describe_policy(policy: TreePolicy) -> str:
+DEFAULT_NGRAM_NODES = 8  # text-continuation nodes of a hybrid tree that no calibration chose
+
+
+@dataclass(frozen=True)
+class HybridPolicy:
+    """The hybrid drafter's budget: the head's tree (None: no head drafting) and at most
+    `ngram_nodes` nodes continuing the text's last n-gram (n <= ngram_max) where it occurred before."""
+
+    head: TreePolicy | None
+    ngram_nodes: int = DEFAULT_NGRAM_NODES
+    ngram_max: int = 3
+
+
+def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
+    """The hybrid tree to draft. tree=auto's split (tree.hybrid_paths and tree.ngram_nodes, set by
+    calibration) first; with tree=default, the split stored with the head's calibration; else the
+    head's own tree (tree_policy_for) and tree.ngram_nodes text nodes. Without a head: text only."""
+    stored = ((getattr(head, "calibration", None) or {}).get("hybrid") or {}) if head is not None else {}
+    nodes = tree.ngram_nodes
+    if tree.hybrid_paths is not None:
+        paths = tree.hybrid_paths
+    elif tree.kind == "default" and stored.get("paths") is not None:
+        paths = stored["paths"]
+        nodes = stored.get("ngram_nodes") if nodes is None else nodes
+    else:
+        paths = None
+    if head is None:
+        policy = None
+    elif paths is not None:
+        policy = static_tree(paths) if paths else None  # [] : the calibration gave the head no node
+        if policy is not None:
+            check_depth(head, policy)
+    else:
+        policy = tree_policy_for(head, tree)
+    return HybridPolicy(policy, DEFAULT_NGRAM_NODES if nodes is None else int(nodes), tree.ngram_max)
+
+
+def describe_policy(policy: TreePolicy | HybridPolicy) -> str:
+    if isinstance(policy, HybridPolicy):
+        head = describe_policy(policy.head) if policy.head is not None else "no head"
+        return f"hybrid: {head} + up to {policy.ngram_nodes} text-continuation nodes (n-gram <= {policy.ngram_max})"
     if isinstance(policy, StaticTree):
         return f"static tree ({policy.size - 1} nodes, depth {policy.layout.max_depth})"
     return f"dynamic tree (depth {policy.depth}, top_k {policy.top_k}, {policy.total_tokens} nodes)"

@@ -167,3 +167,44 @@ def select_dynamic(parents: Sequence[int], scores: Sequence[float], total_tokens
             raise ValueError(f"candidate {c} kept without its parent {p}: scores must not grow with depth")
         tree_parents.append(0 if p == -1 else node_of[p])
     return kept, TreeLayout(tuple(tree_parents))
+
+
+# where a node of a merged tree came from (a bit mask: a node both sources drafted has both bits)
+FROM_HEAD = 1
+FROM_TEXT = 2
+
+
+def merge_chains(
+    tokens: Sequence[int], layout: TreeLayout, chains: Sequence[Sequence[int]]
+) -> tuple[list[int], TreeLayout, tuple[int, ...]]:
+    """Hang token chains below the root of a drafted tree, as one tree (a token trie).
+
+    A chain walks down from the root through the child that already carries its next token and
+    adds a node where none does, so shared prefixes share nodes and no parent gets two children
+    with the same token. The tree's own nodes keep their ids and the added ones come after them
+    (parents still before children), so at every node the tree's own children come before the
+    added ones: the order verify.speculative_accept's proof for mixed siblings relies on.
+
+    Returns (tokens, layout, sources): sources[i] is FROM_HEAD for the tree's own nodes,
+    FROM_TEXT for added ones, both bits for a tree node a chain also passed through (root: 0).
+    """
+    tokens = list(tokens)
+    parents = list(layout.parents)
+    sources = [0] + [FROM_HEAD] * (len(tokens) - 1)
+    child_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for i in range(1, len(tokens)):
+        child_of.setdefault((parents[i], tokens[i]), i)
+    for chain in chains:
+        node = 0
+        for t in chain:
+            t = int(t)
+            nxt = child_of.get((node, t))
+            if nxt is None:
+                nxt = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+                sources.append(0)
+                child_of[node, t] = nxt
+            sources[nxt] |= FROM_TEXT
+            node = nxt
+    return tokens, TreeLayout(tuple(parents)), tuple(sources)

@@ -8,7 +8,8 @@ generator they are handed.
 - greedy_accept: the longest path that matches the target's argmax, plus the argmax after it.
   Output is exactly the target's greedy decoding.
 - speculative_accept: recursive rejection sampling over siblings (SpecInfer / EAGLE). Lossless:
-  the emitted tokens are distributed exactly as sampling from the target one token at a time.
+  the emitted tokens are distributed exactly as sampling from the target one token at a time,
+  also when a head's sampled children and the text's one-hot continuations are siblings.
 - typical_accept: Medusa's typical acceptance. LOSSY by design; opt-in only.
 """
 
@@ -54,6 +55,7 @@ def speculative_accept(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    one_hot: Sequence[bool] | None = None,
 ) -> Acceptance:
     """Multi-round rejection sampling down the tree; the output follows target_probs exactly.
 
@@ -61,13 +63,34 @@ def speculative_accept(
     `sampling_probs`). draft_probs: [N, V] or None; row i = the distribution node i's token was
     drawn from, given its parent and its earlier siblings (for drafts sampled without replacement
     that is the parent's draft distribution with the earlier siblings removed and renormalised).
-    None means every draft is deterministic (top-k), i.e. a one-hot proposal.
+    None means every draft is deterministic (top-k), i.e. a one-hot proposal. one_hot: per node,
+    True where the proposal is one-hot at the node's token whatever draft_probs holds there: the
+    text's continuations of a hybrid tree (tree.merge_chains) beside a head's sampled children.
 
     At a node with target distribution p, each child x (proposal q) in turn is accepted with
     probability min(1, p(x) / q(x)); on rejection p becomes norm(max(p - q, 0)). If every child
     is rejected, the bonus token is drawn from what is left of p. Each round is a standard
     speculative-sampling step whose fallback is the next round, so by induction the token that
     leaves the node is distributed as the original p, whatever the proposals were.
+
+    Why the rounds stay exact with mixed siblings. Write p_k for what is left of p when child k
+    is tried, and H_k for everything drawn before it (the earlier siblings' tokens and uniforms).
+    The step lemma: if, given H_k, x ~ q_k, then "accept x with min(1, p_k(x)/q_k(x)), else take a
+    sample of r = norm(max(p_k - q_k, 0))" outputs y with probability
+    min(p_k(y), q_k(y)) + (1 - sum_z min(p_k(z), q_k(z))) r(y) = p_k(y), because
+    sum_z max(p_k(z) - q_k(z), 0) = 1 - sum_z min(p_k(z), q_k(z)). So each node needs q_k = the law
+    of its token given H_k, and then by induction from the last round (the bonus draw from what is
+    left) the token leaving the node follows p_1 = p. A head child sampled without replacement
+    has that law in draft_probs: its draw depends on its earlier head siblings only. A text child
+    (a continuation of an earlier occurrence of the last n-gram) is a fixed function of the
+    committed text and of H_k, so given H_k its law is the point mass at its token: acceptance
+    with probability p_k(x) and residual p_k without x (max(p_k - onehot_x, 0), renormalised). That
+    holds for the decision to add it at all: merge_chains puts the head's children first and
+    drops a text token equal to one of them, a function of H_k as well (and such a token was
+    already rejected, so p_k(x) = 0 and skipping its round changes nothing). In the other order a
+    head child equal to an earlier text sibling would be dropped depending on its own draw, and
+    its law would no longer be draft_probs. Giving a text child the head's q instead (accept with
+    p(x)/q(x), residual p - q) is not exact: its token was not drawn from q.
     """
     node, path = 0, [0]
     uniforms = torch.rand(layout.size, generator=generator, device=target_probs.device).tolist()
@@ -76,7 +99,8 @@ def speculative_accept(
         moved = False
         for child in layout.children[node]:
             x = tokens[child]
-            if draft_probs is None:
+            point = draft_probs is None or (one_hot is not None and one_hot[child])
+            if point:
                 ratio = float(p[x])  # q is one-hot at x
             else:
                 q = draft_probs[child].float()
@@ -86,7 +110,7 @@ def speculative_accept(
                 node, moved = child, True
                 path.append(child)
                 break
-            if draft_probs is None:
+            if point:
                 residual = p.clone()
                 residual[x] = 0
             else:

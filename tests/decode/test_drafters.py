@@ -1,16 +1,26 @@
 """The sequential (Hydra) drafter: a node's children come from the head of its depth given the node's
 path, one head call per level; with the Hydra++ prefix layer its KV cache follows the committed text."""
 
+import random
+
 import pytest
 import torch
 from conftest import POLICIES, hf_greedy, overfit
 
 from specheads.config.infer import TreeConfig
 from specheads.config.train import HeadConfig
-from specheads.decode.drafters import DraftTable, MedusaDrafter, SequentialDrafter, make_drafter, path_tokens
+from specheads.decode.drafters import (
+    DraftTable,
+    MedusaDrafter,
+    SequentialDrafter,
+    make_drafter,
+    make_hybrid_drafter,
+    path_tokens,
+    text_continuations,
+)
 from specheads.decode.generate import SamplingConfig, speculative_generate
-from specheads.decode.policy import tree_policy_for
-from specheads.decode.tree import chain_paths, static_tree
+from specheads.decode.policy import HybridPolicy, tree_policy_for
+from specheads.decode.tree import FROM_TEXT, chain_paths, static_tree
 from specheads.errors import SpecHeadsError
 from specheads.heads import MedusaHead, build_head
 
@@ -130,3 +140,72 @@ def test_prefix_drafter_base_state_follows_the_committed_text(tiny_target, seque
         assert drafter.cache.length == 13
         assert drafter.draft(ids[16], 16, 3) == tree
         assert drafter.cache.length == 16
+
+
+def plain_continuations(seq, max_ngram, budget, max_len):
+    """text_continuations written plainly: every earlier occurrence of the last n-gram (longest n
+    first, then the most recent), its continuation cut at max_len, and the first `budget` distinct
+    prefixes in that order: the nodes the text drafter adds, as a set of token paths."""
+    order = []
+    for n in range(max_ngram, 0, -1):
+        if n >= len(seq):
+            continue
+        for start in reversed(range(len(seq) - n)):
+            if seq[start : start + n] == seq[-n:]:
+                cont = seq[start + n : start + n + max_len]
+                order += [tuple(cont[:m]) for m in range(1, len(cont) + 1)]
+    return set(list(dict.fromkeys(order))[:budget])
+
+
+def chain_prefixes(chains):
+    return {tuple(c[:m]) for c in chains for m in range(1, len(c) + 1)}
+
+
+def check_continuations(find, seed):
+    rng = random.Random(seed)
+    seq = [rng.randrange(4) for _ in range(rng.randint(1, 40))]
+    max_ngram, budget, max_len = rng.randint(1, 4), rng.randint(0, 12), rng.randint(1, 6)
+    chains = find(seq, max_ngram, budget, max_len)
+    assert chain_prefixes(chains) == plain_continuations(seq, max_ngram, budget, max_len)
+    assert all(1 <= len(c) <= max_len for c in chains)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_text_continuations_agree_with_a_plain_search(seed):
+    check_continuations(text_continuations, seed)
+
+
+def test_the_continuation_check_fails_on_shortest_ngram_first():
+    def shortest_first(seq, max_ngram, budget, max_len):
+        chains = []
+        for n in range(1, max_ngram + 1):  # wrong order: the weakest matches take the budget
+            chains += text_continuations(seq, n, budget, max_len) if n == 1 else []
+        return chains
+
+    failures = 0
+    for seed in range(30):
+        try:
+            check_continuations(shortest_first, seed)
+        except AssertionError:
+            failures += 1
+    assert failures > 0
+
+
+def test_without_a_head_the_hybrid_drafter_is_prompt_lookup(tiny_target):
+    """No head: only the text's continuations, through the package's own loop, exact greedy."""
+    drafter = make_hybrid_drafter(None, HybridPolicy(None, ngram_nodes=4, ngram_max=2))
+    assert drafter.layer_ids == [] and drafter.head is None
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 8, 5, 6]])
+    drafter.start(prompt, {}, 9)
+    tokens, layout = drafter.draft(9, 8, 10)
+    assert tokens == [9] and layout.size == 1  # "6 9" never occurred: nothing to propose
+    drafter.advance({}, [9], 5)
+    drafter.advance({}, [5], 6)
+    tokens, layout = drafter.draft(6, 10, 10)
+    # "5 6" occurred three times before: the most recent continuation first (it takes 3 of the 4
+    # nodes), then the one before; its shorter 1-gram matches find no budget left
+    leaves = [[tokens[n] for n in layout.path_to(leaf)[1:]] for leaf in layout.leaves]
+    assert sorted(leaves) == [[8], [9, 5, 6]]
+    assert set(drafter.sources[1:]) == {FROM_TEXT}
+    res = speculative_generate(tiny_target, drafter, prompt, SamplingConfig(max_new_tokens=12))
+    assert res.output_ids == hf_greedy(tiny_target, prompt, 12)

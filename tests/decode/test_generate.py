@@ -11,8 +11,9 @@ from conftest import POLICIES, greedy_sequences, hf_greedy, quick_head
 from scipy.stats import chisquare
 
 from specheads.decode.baselines import PlainDrafter
-from specheads.decode.drafters import grow_tree, make_drafter
+from specheads.decode.drafters import HybridDrafter, grow_tree, make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
+from specheads.decode.policy import HybridPolicy
 from specheads.decode.tree import TreeLayout, static_tree
 from specheads.kernels import gqa_attention
 from specheads.kernels.linear_layout import (
@@ -398,3 +399,42 @@ def test_real_target_linear_kernels_match_greedy(kernel, smollm2_target):
         gqa_attention.uninstall(tgt.model)
     assert installed and res.output_ids == ref and res.tau > 2
     assert plain.output_ids == ref  # one row at a time on the kernel: the same greedy output
+
+
+class PlantedText(HybridDrafter):
+    """A hybrid drafter whose text starts with `planted` (the prompt and the reference answer,
+    some of its tokens changed) before the real prompt: the text's n-grams are found there with
+    the true continuation after them, so text nodes get accepted (and rejected) at random places."""
+
+    def __init__(self, inner, policy, planted):
+        super().__init__(inner, policy)
+        self.planted = planted
+
+    def start(self, prompt_ids, states, root):
+        super().start(prompt_ids, states, root)
+        self.text = self.planted + self.text
+
+
+@pytest.mark.parametrize("drafts", ["random", *FAMILIES])
+def test_hybrid_trees_give_exact_greedy_output(drafts, target, heads, sequences):
+    """Random trees from both sources, merged: the target's own greedy output, fp32."""
+    accepted = Counter()
+    for seed in range(3):
+        rng = random.Random(seed)
+        prompt = sequences[1 + seed : 2 + seed, :8]  # the heads were fitted on its continuation
+        ref = hf_greedy(target, prompt, 30)
+        if drafts == "random":
+            inner = RandomTreeDrafter(seed, oracle=greedy_oracle(target))
+        else:
+            inner = make_drafter(heads[drafts, "trained"], POLICIES[rng.choice(list(POLICIES))])
+        answer = [t if rng.random() < 0.7 else rng.randrange(320) for t in ref]
+        policy = HybridPolicy(None, ngram_nodes=rng.randint(1, 12), ngram_max=rng.randint(1, 3))
+        drafter = PlantedText(inner, policy, prompt[0].tolist() + answer)
+        res = speculative_generate(target, drafter, prompt, SamplingConfig(max_new_tokens=30))
+        assert res.output_ids == ref, seed
+        # every drafted token that reached the output is counted once, under its source
+        emitted = sum(min(e, a) for e, a in zip(res.accept_lengths, res.accepted_drafts))
+        assert sum(res.accepted_sources.values()) == emitted
+        accepted.update(res.accepted_sources)
+    # both drafters' nodes were accepted
+    assert accepted["text"] + accepted["both"] > 0 and accepted["head"] + accepted["both"] > 0, accepted

@@ -8,7 +8,14 @@ from omegaconf import OmegaConf
 from specheads.config.infer import TreeConfig
 from specheads.config.train import HeadConfig
 from specheads.decode.drafters import EagleDrafter, MedusaDrafter, make_drafter
-from specheads.decode.policy import DynamicTreeSpec, describe_policy, tree_policy_for
+from specheads.decode.policy import (
+    DEFAULT_NGRAM_NODES,
+    DynamicTreeSpec,
+    HybridPolicy,
+    describe_policy,
+    hybrid_policy_for,
+    tree_policy_for,
+)
 from specheads.decode.tree import StaticTree, chain_paths, static_tree
 from specheads.errors import SpecHeadsError
 from specheads.heads import MedusaHead, build_head
@@ -59,3 +66,21 @@ def test_the_head_picks_its_drafter_and_its_depth_limit(tiny_target):
 def test_describe_policy():
     assert describe_policy(static_tree([[0], [1], [0, 0]])) == "static tree (3 nodes, depth 2)"
     assert describe_policy(DynamicTreeSpec(4, 3, 12)) == "dynamic tree (depth 4, top_k 3, 12 nodes)"
+
+
+def test_hybrid_policies(tiny_target):
+    """The hybrid split: tree=auto's, else the one stored with the head's calibration under
+    tree=default, else the head's own tree and tree.ngram_nodes; text only without a head."""
+    eagle = build_head(HeadConfig(family="eagle"), tiny_target)
+    assert hybrid_policy_for(None, TreeConfig()) == HybridPolicy(None, DEFAULT_NGRAM_NODES, 3)
+    plain = hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=2, ngram_nodes=5, ngram_max=2))
+    assert plain == HybridPolicy(static_tree(chain_paths(2)), 5, 2)
+    eagle.calibration = {"hybrid": {"paths": [[0], [1]], "ngram_nodes": 6}}
+    stored = hybrid_policy_for(eagle, TreeConfig(kind="default"))
+    assert stored.head.paths == ((0,), (1,)) and stored.ngram_nodes == 6
+    assert hybrid_policy_for(eagle, TreeConfig(kind="default", ngram_nodes=2)).ngram_nodes == 2
+    assert hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=3)).head.size == 4  # asked for: not the stored one
+    auto = hybrid_policy_for(eagle, TreeConfig(kind="static", paths=[[0]], hybrid_paths=[], ngram_nodes=4))
+    assert auto == HybridPolicy(None, 4, 3)  # calibration gave the head no node
+    assert "hybrid: no head + up to 4 text" in describe_policy(auto)
+    assert "static tree (2 nodes" in describe_policy(stored)

@@ -3,7 +3,16 @@ import random
 import pytest
 import torch
 
-from specheads.decode.tree import TreeLayout, chain_paths, full_paths, select_dynamic, static_tree
+from specheads.decode.tree import (
+    FROM_HEAD,
+    FROM_TEXT,
+    TreeLayout,
+    chain_paths,
+    full_paths,
+    merge_chains,
+    select_dynamic,
+    static_tree,
+)
 from specheads.errors import SpecHeadsError
 
 
@@ -97,3 +106,77 @@ def test_select_dynamic_prefers_shallow_high_value_nodes():
     kept, layout = select_dynamic([-1, -1, 0], [-0.1, -2.0, -0.2], 2)
     assert kept == [0, 2]
     assert layout.parents == (-1, 0, 1)
+
+
+def token_paths(tokens, layout):
+    """Every node's root-to-node token path (root excluded)."""
+    return [tuple(tokens[n] for n in layout.path_to(i)[1:]) for i in range(layout.size)]
+
+
+def random_head_tree(rng: random.Random, vocab: int):
+    """A random tree with distinct tokens among siblings, as a drafter makes it."""
+    n = rng.randint(1, 12)
+    parents, tokens = [-1], [rng.randrange(vocab)]
+    for i in range(1, n):
+        p = rng.randrange(i)
+        used = {tokens[c] for c in range(1, i) if parents[c] == p}
+        free = [t for t in range(vocab) if t not in used]
+        if not free:
+            break
+        parents.append(p)
+        tokens.append(rng.choice(free))
+    return tokens, TreeLayout(tuple(parents))
+
+
+def check_merge(merge, seed: int) -> None:
+    """The merged tree against a plain model of it, the set of token paths: exactly the head's
+    paths and every prefix of every chain, each once, the head's nodes unchanged and first among
+    their siblings, and each node's sources saying which of the two contains its path."""
+    rng = random.Random(seed)
+    vocab = 4  # small: chains often share prefixes with each other and with the head's tree
+    tokens, layout = random_head_tree(rng, vocab)
+    chains = [[rng.randrange(vocab) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(0, 4))]
+    merged, mlayout, sources = merge(tokens, layout, chains)
+    head_paths = set(token_paths(tokens, layout))
+    text_paths = {tuple(c[:m]) for c in chains for m in range(1, len(c) + 1)}
+    paths = token_paths(merged, mlayout)
+    assert len(paths) == len(set(paths)), "two siblings carry the same token"
+    assert set(paths) == head_paths | text_paths | {()}
+    assert merged[: len(tokens)] == tokens and mlayout.parents[: layout.size] == layout.parents
+    for i, path in enumerate(paths[1:], start=1):
+        assert bool(sources[i] & FROM_HEAD) == (i < layout.size)
+        assert bool(sources[i] & FROM_TEXT) == (path in text_paths)
+    for kids in mlayout.children:
+        own = [k for k in kids if k < layout.size]
+        assert kids[: len(own)] == tuple(own)  # the head's children come first
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_merge_chains_is_the_union_of_both_trees(seed):
+    check_merge(merge_chains, seed)
+
+
+def drop_a_sibling(tokens, layout, chains):
+    """A broken merge: a chain that would give a node a second added child is left out."""
+    known = set(token_paths(tokens, layout))
+    branched, kept = set(), []
+    for c in chains:
+        m = next((m for m in range(1, len(c) + 1) if tuple(c[:m]) not in known), None)
+        if m is None:
+            continue
+        if tuple(c[: m - 1]) in branched:
+            continue
+        branched.add(tuple(c[: m - 1]))
+        known |= {tuple(c[:k]) for k in range(1, len(c) + 1)}
+        kept.append(c)
+    return merge_chains(tokens, layout, kept)
+
+
+def test_the_merge_check_fails_on_a_merge_that_drops_a_sibling():
+    failures = 0
+    for seed in range(40):
+        try:
+            check_merge(drop_a_sibling, seed)
+        except AssertionError:
+            failures += 1
+    assert failures > 0

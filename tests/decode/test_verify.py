@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specheads.decode.tree import TreeLayout, static_tree
+from specheads.decode.tree import FROM_HEAD, FROM_TEXT, TreeLayout, merge_chains, static_tree
 from specheads.decode.verify import greedy_accept, speculative_accept, typical_accept
 from specheads.sampling import sampling_probs
 
@@ -262,3 +262,79 @@ def test_the_opt_in_check_fails_when_the_default_picks_typical(monkeypatch):
     monkeypatch.setattr(SamplingConfig, "rule", lambda self: "typical" if self.temperature > 0 else real_rule(self))
     with pytest.raises(AssertionError, match="without being asked"):
         check_default_acceptance_is_lossless(monkeypatch)
+
+
+HEAD_TREE = static_tree([[0], [1], [0, 0]]).layout
+
+
+def hybrid_tree(context: tuple, rng: random.Random, text_like_head: bool):
+    """A hybrid tree: the head's children sampled without replacement from the draft, then the
+    text's continuations (a fixed function of the context: here the target's own top ranks, so
+    that they are often accepted) merged in by merge_chains. Returns tokens, layout, sources and
+    the proposal rows: the head's nodes get their draft distribution; the text's are one-hot, or
+    with text_like_head (a broken rule) the draft's distribution at their parent, as if the head
+    had proposed them."""
+    tokens, qrows = [context[-1]], [[0.0] * V]
+    for i in range(1, HEAD_TREE.size):
+        parent = HEAD_TREE.parents[i]
+        q = list(draft_q(context + tuple(tokens[n] for n in HEAD_TREE.path_to(parent)[1:])))
+        for s in HEAD_TREE.children[parent]:
+            if s < i:
+                q[tokens[s]] = 0.0
+        total = sum(q)
+        q = [x / total for x in q]
+        tokens.append(rng.choices(range(V), weights=q)[0])
+        qrows.append(q)
+    top = torch.argsort(probs(context, 1.0, 1.0), descending=True).tolist()
+    first = top[0]
+    chains = [[first, int(probs(context + (first,), 1.0, 1.0).argmax())], [top[2]]]
+    merged, layout, sources = merge_chains(tokens, HEAD_TREE, chains)
+    one_hot = [bool(s == FROM_TEXT) for s in sources]
+    for i in range(len(tokens), len(merged)):
+        q = list(draft_q(context + tuple(merged[n] for n in layout.path_to(layout.parents[i])[1:])))
+        for s in layout.children[layout.parents[i]]:
+            if s < i:
+                q[merged[s]] = 0.0
+        total = sum(q)
+        qrows.append([x / total for x in q])
+    return merged, layout, sources, torch.tensor(qrows), (None if text_like_head else one_hot)
+
+
+def sample_two_tokens_hybrid(gen, rng, text_like_head, through):
+    """Like sample_two_tokens, over hybrid trees; counts draws through accepted text / head nodes."""
+    context, out = (0,), []
+    while len(out) < 2:
+        tokens, layout, sources, q, one_hot = hybrid_tree(context, rng, text_like_head)
+        p = torch.stack(
+            [probs(context + tuple(tokens[n] for n in layout.path_to(i)[1:]), 1.0, 1.0) for i in range(layout.size)]
+        )
+        acc = speculative_accept(tokens, layout, p, q, gen, one_hot=one_hot)
+        if not out:
+            through["text"] += any(sources[n] == FROM_TEXT for n in acc.path[1:])
+            through["head"] += any(sources[n] & FROM_HEAD for n in acc.path[1:])
+        new = [tokens[i] for i in acc.path[1:]] + [acc.bonus]
+        out += new
+        context = context + tuple(new)
+    return tuple(out[:2])
+
+
+def hybrid_two_token_p_value(text_like_head: bool, n: int = 10_000) -> tuple[float, Counter]:
+    gen = torch.Generator().manual_seed(4321)
+    rng = random.Random(5)
+    counts, through = Counter(), Counter()
+    for _ in range(n):
+        counts[sample_two_tokens_hybrid(gen, rng, text_like_head, through)] += 1
+    return chi_square_p(counts, exact_two_token_distribution(1.0, 1.0), n), through
+
+
+def test_mixed_head_and_text_siblings_follow_the_target_distribution():
+    """Sampled head children beside the text's one-hot continuations: still exact."""
+    p_value, through = hybrid_two_token_p_value(text_like_head=False)
+    assert through["text"] > 0 and through["head"] > 0, through  # both kinds of node were accepted
+    assert p_value > 0.01
+
+
+def test_the_mixed_check_fails_when_a_text_node_is_treated_like_a_head_node():
+    """The check has power: the text's nodes given the head's proposal (p/q, residual p - q)."""
+    p_value, through = hybrid_two_token_p_value(text_like_head=True)
+    assert through["text"] > 0 and p_value < 0.01
