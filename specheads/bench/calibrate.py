@@ -10,6 +10,12 @@
 2. Cost. Target forwards of 1..max_nodes+1 query tokens are timed against a realistic context,
    and the head's drafting of each candidate tree is timed with the real drafter.
 3. Pick n maximising (1 + E[accepted]) / (target time + draft time).
+4. The hybrid tree (the head's tree + continuations of the text's repeats, decode.drafters.
+   HybridDrafter): at the same positions the text drafter's nodes are listed in the order it
+   adds them, so for g text nodes its accepted length A_t(g) is known; a merged tree accepts the
+   longer of the two paths, max(A_h(n), A_t(g)). The pair (n, g), n = 0 meaning no head nodes,
+   with the most expected tokens per second (its verify cost at the mean merged size, the head's
+   drafting, the lookup) is stored in the calibration record as "hybrid".
 
 The tree goes to this machine's cache (bench/trees.py), not into the head directory, unless
 tree.save=head asks for that; its record names the prompts it was measured on.
@@ -17,6 +23,7 @@ tree.save=head asks for that; its record names the prompts it was measured on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -32,7 +39,7 @@ from tqdm import tqdm
 from ..atomic import write_json
 from ..config.infer import InferJobConfig, TreeConfig
 from ..decode.baselines import hf_generate
-from ..decode.drafters import make_drafter
+from ..decode.drafters import make_drafter, text_continuations
 from ..decode.kv import new_cache, verify_tree
 from ..decode.tree import TreeLayout, static_tree
 from ..errors import SpecHeadsError
@@ -57,6 +64,7 @@ BUILTIN_PROMPTS = [
     "Translate 'Where is the train station?' into French and Spanish.",
 ]
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64, 80, 96, 128)
+TEXT_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)  # text-continuation budgets a hybrid tree may take
 MISS = 1 << 30
 
 
@@ -162,6 +170,117 @@ def time_draft(
     return min(times)
 
 
+def text_acceptance(ids: Sequence[int], answer_start: int, ngram_max: int, max_nodes: int) -> list[tuple[int, ...]]:
+    """For each answer position (those of rank_vectors), the accepted length of the text drafter
+    with g = 0..max_nodes nodes (entry g), cut where it runs out of nodes."""
+    full = list(ids)
+    out = []
+    for t in range(answer_start - 1, len(full) - 2):  # tree rooted at token t+1
+        truth = full[t + 2 :]
+        order: list[tuple[int, ...]] = []  # the nodes as the drafter adds them (a prefix-closed order)
+        seen: set[tuple[int, ...]] = set()
+        for chain in text_continuations(full[: t + 2], ngram_max, max_nodes, max_nodes):
+            for m in range(1, len(chain) + 1):
+                if tuple(chain[:m]) not in seen:
+                    seen.add(tuple(chain[:m]))
+                    order.append(tuple(chain[:m]))
+        accepted, best = [0], 0
+        for path in order:
+            if list(path) == truth[: len(path)]:
+                best = max(best, len(path))
+            accepted.append(best)
+        out.append(tuple(accepted))
+    return out
+
+
+def interpolate(times: dict[int, float], n: int) -> float:
+    """Seconds of a forward of n query tokens from the measured sizes (linear between two)."""
+    sizes = sorted(times)
+    if n in times:
+        return times[n]
+    lo = max((k for k in sizes if k < n), default=sizes[0])
+    hi = min((k for k in sizes if k > n), default=sizes[-1])
+    if hi == lo:
+        return times[lo]
+    return times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
+
+
+def hybrid_choice(
+    vectors: Sequence[tuple[int, ...]],
+    text: Sequence[tuple[int, ...]],
+    head_rows: Sequence[dict],
+    target_s: dict[int, float],
+    lookup_s: float,
+) -> list[dict]:
+    """Every (head nodes, text nodes) pair scored: expected tau of the merged tree, its mean size,
+    tokens per second. head_rows: the head-only rows (nodes, paths, draft_ms); vectors and text
+    hold the same positions."""
+    out = []
+    heads = [{"nodes": 0, "paths": [], "draft_ms": 0.0}, *head_rows]
+    for h in heads:
+        tree = {tuple(p) for p in h["paths"]}
+        head_acc = [max([m for m in range(1, len(v) + 1) if v[:m] in tree], default=0) for v in vectors]
+        for g in TEXT_NODES:
+            if h["nodes"] == 0 and g == 0:
+                continue
+            accepted, cost = 0.0, 0.0
+            for a_h, a_t in zip(head_acc, text):
+                used = min(g, len(a_t) - 1)
+                accepted += max(a_h, a_t[used])
+                cost += interpolate(target_s, 1 + h["nodes"] + used)
+            n = len(text)
+            step = cost / n + h["draft_ms"] / 1e3 + (lookup_s if g else 0.0)
+            tau = 1 + accepted / n
+            out.append(
+                {
+                    "head_nodes": h["nodes"],
+                    "ngram_nodes": g,
+                    "paths": h["paths"],
+                    "tau": tau,
+                    "tokens_per_s": tau / step,
+                }
+            )
+    return out
+
+
+def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vectors, rows, target_s, out) -> dict:
+    """Step 4 of the module's recipe: the best split of a hybrid tree between head and text."""
+    t = settings.tree
+    top = max(TEXT_NODES)
+    text = []
+    for ids, full in zip(prompts, contexts):
+        text += text_acceptance(full, len(ids), t.ngram_max, top)
+    longest = max(r["nodes"] for r in rows) + top + 1
+    missing = sorted(({n for n in SIZES if n <= longest} | {longest}) - set(target_s))
+    context = max(contexts, key=len)
+    if missing:
+        target_s = {**target_s, **time_target(target, context, missing)}
+        running = 0.0
+        for n in sorted(target_s):  # two timing runs merged: more tokens still never cost less
+            running = target_s[n] = max(target_s[n], running)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        text_continuations(context, t.ngram_max, top, top)
+        times.append(time.perf_counter() - t0)
+    scored = hybrid_choice(vectors, text, rows, target_s, min(times))
+    best = max(scored, key=lambda r: r["tokens_per_s"])
+    plain = 1 / target_s[1]
+    head_best = max(r["tokens_per_s"] for r in rows)
+    out.write(
+        f"hybrid: {best['head_nodes']} head nodes + up to {best['ngram_nodes']} text nodes (n-gram <= {t.ngram_max}): "
+        f"tau {best['tau']:.2f}, expected speedup {best['tokens_per_s'] / plain:.2f}x "
+        f"(the head's tree alone {head_best / plain:.2f}x)\n"
+    )
+    return {
+        "paths": best["paths"],
+        "ngram_nodes": best["ngram_nodes"],
+        "ngram_max": t.ngram_max,
+        "tau": round(best["tau"], 4),
+        "expected_speedup": round(best["tokens_per_s"] / plain, 4),
+    }
+
+
 def calibration_texts(settings: InferJobConfig) -> tuple[str, list[str]]:
     """(where they come from, the prompt texts) of the calibration: tree.calibration_questions'
     first turns, else the built-in prompts."""
@@ -258,6 +377,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
             f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n"
         )
+    hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, rows, target_s, out)
     kernels = getattr(session, "layouts", None) is not None
     record = {
         "prompts": prompts_record(source, texts),
@@ -270,6 +390,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         "nodes": best["nodes"],
         "tau": round(best["tau"], 4),
         "expected_speedup": round(best["tokens_per_s"] / plain, 4),
+        "hybrid": hybrid,
     }
     head.calibration = record
     head_dir = Path(session.head_dir) if session.head_dir is not None else None
@@ -283,4 +404,6 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         path = store_in_cache(cache_path(head_dir, target, kernels), best["paths"], record)
         out.write(f"stored for this machine in {path}: tree=default uses it for this head here\n")
     out.flush()
-    return TreeConfig(kind="static", paths=best["paths"])
+    return dataclasses.replace(
+        t, kind="static", paths=best["paths"], hybrid_paths=hybrid["paths"], ngram_nodes=hybrid["ngram_nodes"]
+    )

@@ -3,7 +3,10 @@ one process, one JSON row per (question, method), a summary per method and categ
 
 Methods: baseline = the target's own decoding with transformers `generate`; plain = plain decoding
 through this package's own loop and forward path (no drafts); prompt_lookup = transformers' prompt
-lookup decoding; spec = this package's tree speculative decoding.
+lookup decoding; spec = this package's tree speculative decoding; hybrid = the head's tree and the
+continuations of the text's own repeats merged into one tree (decode.drafters.HybridDrafter; prompt
+lookup through this package's loop when there is no head), with the share of accepted tokens that
+came from each source.
 Conventions: target_forwards counts decode-phase forwards (prefill excluded); tau = tokens
 produced by decode forwards / decode forwards (1.0 for plain decoding); speedup = tokens/s over
 baseline tokens/s on the same questions; overhead c = tau / speedup - 1.
@@ -25,9 +28,9 @@ from tqdm import tqdm
 from ..atomic import write_json
 from ..config.infer import InferJobConfig
 from ..decode.baselines import PlainDrafter, hf_generate
-from ..decode.drafters import make_drafter
+from ..decode.drafters import make_drafter, make_hybrid_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
-from ..decode.policy import describe_policy, tree_policy_for
+from ..decode.policy import describe_policy, hybrid_policy_for, tree_policy_for
 from .compared import open_compared_heads
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
@@ -49,7 +52,28 @@ def run_spec(target, drafter, prompt: torch.Tensor, cfg: SamplingConfig, generat
         "stopped_by": res.stopped_by,
     }
     row.update({k: getattr(res, k) for k in SPEC_FIELDS})
+    if getattr(drafter, "sources", None) is not None:
+        row["accepted_sources"] = res.accepted_sources
     return row
+
+
+def source_shares(rows: Sequence[dict]) -> dict | None:
+    """The share of accepted drafted tokens proposed by the head only, the text only, or both."""
+    counts: dict[str, int] = defaultdict(int)
+    for r in rows:
+        for k, v in (r.get("accepted_sources") or {}).items():
+            counts[k] += v
+    total = sum(counts.values())
+    if not any("accepted_sources" in r for r in rows):
+        return None
+    return {k: (counts[k] / total if total else 0.0) for k in ("head", "text", "both")} | {"accepted": total}
+
+
+def format_shares(s: dict) -> str:
+    return (
+        f"accepted drafts {s['accepted']}: {s['head']:.0%} from the head, {s['text']:.0%} from the text, "
+        f"{s['both']:.0%} from both"
+    )
 
 
 def _stats(rows: Sequence[dict]) -> dict:
@@ -225,6 +249,10 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     if "spec" in b.methods:
         policy = tree_policy_for(session.head, settings.tree)
         spec_heads["spec"] = (make_drafter(session.head, policy), policy, str(session.head_dir))
+    if "hybrid" in b.methods:
+        hybrid = hybrid_policy_for(session.head, settings.tree)
+        path = str(session.head_dir) if session.head is not None else None
+        spec_heads["hybrid"] = (make_hybrid_drafter(session.head, hybrid), hybrid, path)
     spec_heads.update(open_compared_heads(b.heads, session))
     for method, (drafter, _, _) in spec_heads.items():
         # a tree chosen on the questions it is measured on flatters its head
@@ -312,6 +340,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     if "spec" in heads:  # the main head's entries sit at the top level of the summary
         main = heads.pop("spec")
         report["acceptance_per_depth"], report["costs"] = main["acceptance_per_depth"], main["costs"]
+    if "hybrid" in heads:
+        report["hybrid"] = heads.pop("hybrid")
+        report["hybrid"]["accepted_sources"] = source_shares([r for r in rows if r["method"] == "hybrid"])
     if heads:
         report["compared_heads"] = heads
     if "baseline" in methods:
@@ -342,6 +373,13 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         out.write("".join(line + "\n" for line in format_agreement(report["agreement_with_reference"]["methods"])))
     if report.get("costs"):
         out.write(format_costs(report["costs"]) + "\n")
+    if report.get("hybrid"):
+        info = report["hybrid"]
+        out.write(f"hybrid: {info['tree']}\n")
+        if info["costs"]:
+            out.write(f"hybrid: {format_costs(info['costs'])}\n")
+        if info["accepted_sources"]:
+            out.write(f"hybrid: {format_shares(info['accepted_sources'])}\n")
     for m, info in report.get("compared_heads", {}).items():
         if info["costs"]:
             out.write(f"{m}: {format_costs(info['costs'])}\n")

@@ -14,7 +14,7 @@ from ..errors import SpecHeadsError
 from .model import ModelConfig
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
-METHODS = ("baseline", "plain", "prompt_lookup", "spec")
+METHODS = ("baseline", "plain", "prompt_lookup", "spec", "hybrid")
 TREE_SAVES = ("cache", "head", "none")
 DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is not given
 

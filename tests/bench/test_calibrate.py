@@ -8,14 +8,22 @@ import pytest
 import torch
 from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
 
-from specheads.bench.calibrate import best_paths, calibrate_tree, path_frequencies, rank_vectors, time_target
+from specheads.bench.calibrate import (
+    TEXT_NODES,
+    best_paths,
+    calibrate_tree,
+    path_frequencies,
+    rank_vectors,
+    text_acceptance,
+    time_target,
+)
 from specheads.bench.questions import read_questions
 from specheads.bench.session import Session
 from specheads.bench.trees import overlap, prompt_digest, use_cached_tree
 from specheads.config.infer import InferJobConfig, TreeConfig
-from specheads.decode.drafters import make_drafter
+from specheads.decode.drafters import HybridDrafter, make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
-from specheads.decode.policy import tree_policy_for
+from specheads.decode.policy import HybridPolicy, hybrid_policy_for, tree_policy_for
 from specheads.decode.tree import static_tree
 from specheads.heads import load_head, save_head
 
@@ -55,6 +63,49 @@ def test_rank_vectors_predict_what_the_loop_accepts(family, tiny_target, sequenc
     assert checked >= 3 and max(res.accepted_drafts) >= 2
 
 
+class PlantedText(HybridDrafter):
+    """A hybrid drafter whose text starts with `planted`: the text's n-grams are found there."""
+
+    def __init__(self, inner, policy, planted):
+        super().__init__(inner, policy)
+        self.planted = planted
+
+    def start(self, prompt_ids, states, root):
+        super().start(prompt_ids, states, root)
+        self.text = self.planted + self.text
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+def test_the_hybrid_model_predicts_what_the_hybrid_loop_accepts(family, tiny_target, sequences):
+    """Two implementations agree: a merged tree accepts max(head's path, text's path), as
+    calibration models it from rank vectors and text_acceptance, and as the real loop finds."""
+    head = quick_head(tiny_target, family, sequences, steps=60)
+    paths = [[0], [1]]
+    tree = {tuple(p) for p in paths}
+    prompt = sequences[2:3, :8]
+    ref = hf_answer = tiny_target.model.generate(prompt, max_new_tokens=32, do_sample=False)[0, 8:].tolist()
+    # the text holds the answer once before, with some tokens changed: text nodes get accepted
+    planted = prompt[0].tolist() + [t if i % 7 != 3 else (t + 1) % 320 for i, t in enumerate(ref)]
+    g = 6
+    drafter = PlantedText(make_drafter(head, static_tree(paths)), HybridPolicy(None, g, 2), planted)
+    res = speculative_generate(tiny_target, drafter, prompt, SamplingConfig(max_new_tokens=32))
+    assert res.output_ids == hf_answer
+    full = prompt[0].tolist() + res.output_ids
+    vectors = rank_vectors(tiny_target, head, full, 8, depth=1)
+    text = text_acceptance(planted + full, len(planted) + 8, 2, max(TEXT_NODES))
+    offset, checked, from_text = 0, 0, 0
+    for accepted, emitted in zip(res.accepted_drafts, res.accept_lengths):
+        if offset + 1 + 2 + 12 < len(res.output_ids):  # trees cut near max_new_tokens are skipped
+            v = vectors[offset]
+            head_part = max([m for m in range(1, len(v) + 1) if v[:m] in tree], default=0)
+            text_part = text[offset][min(g, len(text[offset]) - 1)]
+            assert accepted == max(head_part, text_part), offset
+            checked += 1
+            from_text += text_part > head_part
+        offset += emitted
+    assert checked >= 3 and from_text >= 1
+
+
 def calibrate(head, head_dir, target, **tree):
     settings = InferJobConfig(
         head_path=str(head_dir),
@@ -85,6 +136,13 @@ def test_calibrate_tree_stores_a_tree_in_the_head_when_asked(family, tmp_path, t
     assert (head_dir / "model.safetensors").read_bytes() == weights  # only config.json is rewritten (bf16 kept)
     reloaded = load_head(head_dir, tiny_target)
     assert tree_policy_for(reloaded, TreeConfig(kind="default")).size == len(chosen.paths) + 1
+    # the hybrid split is chosen with it and stored where the calibration is
+    hybrid = config["calibration"]["hybrid"]
+    assert "hybrid:" in out and hybrid["ngram_nodes"] == chosen.ngram_nodes in TEXT_NODES
+    assert hybrid["paths"] == chosen.hybrid_paths and hybrid["tau"] >= 1
+    policy = hybrid_policy_for(reloaded, TreeConfig(kind="default"))
+    assert policy.ngram_nodes == chosen.ngram_nodes
+    assert (policy.head.paths if policy.head else ()) == tuple(tuple(p) for p in sorted(chosen.hybrid_paths, key=len))
 
 
 def test_calibrating_an_existing_head_leaves_it_as_shipped_and_caches_the_tree(

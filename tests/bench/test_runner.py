@@ -138,8 +138,8 @@ def test_run_benchmark_in_process(tmp_path, tiny_target, family):
 
     report = run_benchmark(settings, Session(tiny_target, head, tmp_path / "head", {}), out=Out())
     rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 * 4
-    assert {r["method"] for r in rows} == {"baseline", "plain", "prompt_lookup", "spec"}
+    assert len(rows) == 3 * 5
+    assert {r["method"] for r in rows} == {"baseline", "plain", "prompt_lookup", "spec", "hybrid"}
     for r in rows:
         assert ROW_FIELDS <= set(r)
         assert r["new_tokens"] == len(r["output_ids"]) <= 12
@@ -148,10 +148,13 @@ def test_run_benchmark_in_process(tmp_path, tiny_target, family):
     # greedy: every method gives the target's own output
     assert report["identical_to_baseline"]["spec"] == {"equal": 3, "total": 3, "divergences": []}
     assert report["identical_to_baseline"]["plain"]["equal"] == 3  # our own loop, no drafts
+    assert report["identical_to_baseline"]["hybrid"] == {"equal": 3, "total": 3, "divergences": []}
+    hybrid_rows = [r for r in rows if r["method"] == "hybrid"]
+    assert all("accepted_sources" in r and "accepted_sources" not in s for r, s in zip(hybrid_rows, spec_rows))
     plain_rows = [r for r in rows if r["method"] == "plain"]
     assert all(r["target_forwards"] == r["new_tokens"] - 1 and set(r["tree_sizes"]) == {1} for r in plain_rows)
     summary = json.loads((tmp_path / "out" / "res.summary.json").read_text())
-    assert set(summary["methods"]) == {"baseline", "plain", "prompt_lookup", "spec"}
+    assert set(summary["methods"]) == {"baseline", "plain", "prompt_lookup", "spec", "hybrid"}
     assert summary["methods"]["plain"]["all"]["tau"] == 1.0
     assert set(summary["methods"]["spec"]) == {"all", "writing", "math"}
     for key in (
@@ -169,6 +172,11 @@ def test_run_benchmark_in_process(tmp_path, tiny_target, family):
     assert "vs base" in text and "spec: 3/3 outputs identical to baseline" in text
     assert "break-even tau" in text and summary["costs"]["verify_ms"] > 0
     assert summary["costs"]["own_plain_step_ms"] > 0 and "own loop" in text
+    # the hybrid method: its tree, its cost line and where its accepted drafts came from
+    hybrid = summary["hybrid"]
+    assert hybrid["tree"].startswith("hybrid: dynamic tree") and hybrid["costs"]["verify_ms"] > 0
+    assert set(hybrid["accepted_sources"]) == {"head", "text", "both", "accepted"}
+    assert "hybrid: spec step: draft" in text and "hybrid: accepted drafts" in text
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
 
 
@@ -269,3 +277,22 @@ def test_compared_heads_are_refused_for_another_target_or_a_clashing_name(tmp_pa
     (tmp_path / "c" / "head" / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecHeadsError, match="changes its target; benchmark it alone"):
         open_compared_heads([str(tmp_path / "c" / "head")], session)
+
+
+def test_hybrid_without_a_head_is_prompt_lookup_through_our_loop(tmp_path, tiny_target):
+    settings = InferJobConfig(
+        bench=BenchConfig(
+            questions=str(numbered_questions(tmp_path / "q.jsonl", 2)),
+            output=str(tmp_path / "res.jsonl"),
+            max_new_tokens=10,
+            methods=["baseline", "hybrid"],
+            warmup=0,
+            plots=False,
+        ),
+    )
+    report = run_benchmark(settings, Session(tiny_target, None, None, {}), out=io.StringIO())
+    assert report["identical_to_baseline"]["hybrid"]["equal"] == 2
+    assert report["hybrid"]["tree"].startswith("hybrid: no head") and report["hybrid"]["head"] is None
+    rows = [json.loads(line) for line in (tmp_path / "res.jsonl").read_text().splitlines()]
+    counts = [r["accepted_sources"] for r in rows if r["method"] == "hybrid"]
+    assert all(set(c) <= {"text"} for c in counts)  # no head: every accepted draft is the text's
