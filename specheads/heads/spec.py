@@ -30,7 +30,11 @@ class HeadSpec(HeadConfig):
         family = raw.get("family")
         if family not in FAMILIES:
             raise SpecHeadsError(f"unknown head family {family!r}; choose from {', '.join(FAMILIES)}")
-        spec = cls.from_dict({k: v for k, v in raw.items() if v is not None})
+        if raw.get("merge_lora") and family != "medusa2":  # checked before from_dict drops the field
+            raise SpecHeadsError(f"head.merge_lora: a {family} head trains no LoRA (only medusa2 does)")
+        # None means "the target's" for the fields resolved below; elsewhere it is a value (lora_lr)
+        resolved = ("layer_ids", "intermediate_size", "draft_vocab_size")
+        spec = cls.from_dict({k: v for k, v in raw.items() if v is not None or k not in resolved})
         spec.layer_ids = list(raw.get("layer_ids") or default_layer_ids(family, info.num_layers))
         if not spec.intermediate_size:
             spec.intermediate_size = info.intermediate_size

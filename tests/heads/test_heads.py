@@ -33,6 +33,9 @@ def test_head_spec_is_the_head_config_resolved(tiny_target):
         info.vocab_size,
         9,
     )
+    # null is a value where it is not "the target's": lora_lr=null trains the LoRA at train.lr
+    assert HeadSpec.from_config(HeadConfig(family="medusa2", lora_lr=None), info).lora_lr is None
+    assert HeadSpec.from_config(HeadConfig(family="medusa2"), info).lora_lr == HeadConfig().lora_lr
     # config.json holds the family's own fields: no LoRA, Hydra or Medusa knobs in an EAGLE-3 head
     assert set(spec.to_dict()) == set(family_fields("eagle3"))
     assert not set(spec.to_dict()) & {"lora_r", "hydra_teacher_loss", "medusa_decay", "heads_only_steps"}
