@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .cli import hydra_command, run_hydra_main
+from .cli import check_output_path, hydra_command, require_group, run_hydra_main
 from .config import installed_conf_dir, register_configs, typed
 from .errors import one_line_errors
 
@@ -30,6 +30,7 @@ def conf_dir_or_installed(conf_dir: str | os.PathLike | None) -> Path:
 
 def run_train(cfg: DictConfig) -> None:
     settings = typed(cfg)
+    check_output_path(settings.output_dir, "output_dir")
     from .train.run import train as train_head
 
     head_dir = train_head(settings)
@@ -42,7 +43,7 @@ def train(conf_dir: str | os.PathLike | None = None) -> None:
     conf_dir = conf_dir_or_installed(conf_dir)
     register_configs()
     main = hydra_command("train", "config", conf_dir, run_train)
-    run_hydra_main(main)
+    run_hydra_main(main, run_dir_key="output_dir")  # hydra.run.dir is ${output_dir}
 
 
 # -- distill ----------------------------------------------------------------------------------------
@@ -50,6 +51,9 @@ def train(conf_dir: str | os.PathLike | None = None) -> None:
 
 def run_distill(cfg: DictConfig) -> None:
     settings = typed(cfg)
+    check_output_path(settings.distill.output, "distill.output")
+    if settings.distill.features.output:
+        check_output_path(settings.distill.features.output, "distill.features.output")
     from .distill.run import distill as distill_data
 
     out = distill_data(settings)
@@ -90,6 +94,8 @@ def run_infer(cfg: DictConfig, conf_dir: Path) -> None:
     from .config.infer import validate
 
     settings = validate(typed(cfg))  # before torch is imported: bad input fails at once
+    if settings.bench.questions:
+        check_output_path(settings.bench.output, "bench.output", directory=False)
     from .bench.demo import run_demo
     from .bench.session import load_session
 
@@ -110,6 +116,7 @@ def infer(conf_dir: str | os.PathLike | None = None) -> None:
     """Speculative decoding with a trained head: a demo answer or the benchmark (conf/infer.yaml)."""
     conf_dir = conf_dir_or_installed(conf_dir)
     register_configs()
+    require_group(sys.argv, "model", conf_dir)
     main = hydra_command("infer", "infer", conf_dir, lambda cfg: run_infer(cfg, conf_dir))
     run_hydra_main(main, plain_values(sys.argv))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..cli import hydra_command, run_hydra_main
+from ..cli import check_output_path, hydra_command, require_group, run_hydra_main
 from ..config import installed_conf_dir, register_configs, typed
 from ..errors import one_line_errors
 
@@ -21,6 +21,8 @@ def head_alias(argv: list[str]) -> list[str]:
 
 def run_export_job(cfg: DictConfig, conf_dir: Path) -> None:
     settings = typed(cfg)
+    if settings.out:
+        check_output_path(settings.out, "out")
     from .job import run_export
 
     run_export(settings, conf_dir)
@@ -35,5 +37,6 @@ def export(conf_dir: str | os.PathLike | None = None) -> None:
     """Export a trained head; `conf_dir` defaults to the configs installed with specheads."""
     conf_dir = _conf_dir(conf_dir)
     register_configs()
+    require_group(sys.argv, "model", conf_dir)
     main = hydra_command("export", "export", conf_dir, lambda cfg: run_export_job(cfg, conf_dir))
     run_hydra_main(main, head_alias(sys.argv))
