@@ -375,7 +375,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         out.write(format_costs(report["costs"]) + "\n")
     if report.get("hybrid"):
         info = report["hybrid"]
-        out.write(f"hybrid: {info['tree']}\n")
+        out.write(f"{info['tree']}\n")  # it starts with "hybrid: "
         if info["costs"]:
             out.write(f"hybrid: {format_costs(info['costs'])}\n")
         if info["accepted_sources"]:
