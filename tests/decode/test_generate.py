@@ -10,6 +10,7 @@ import torch
 from conftest import POLICIES, greedy_sequences, hf_greedy, quick_head
 from scipy.stats import chisquare
 
+from specheads.bench.inputs import eos_token_ids
 from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import HybridDrafter, grow_tree, make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
@@ -438,3 +439,21 @@ def test_hybrid_trees_give_exact_greedy_output(drafts, target, heads, sequences)
         accepted.update(res.accepted_sources)
     # both drafters' nodes were accepted
     assert accepted["text"] + accepted["both"] > 0 and accepted["head"] + accepted["both"] > 0, accepted
+
+
+@pytest.mark.slow
+def test_real_target_hybrid_without_a_head_matches_greedy(smollm2_target):
+    """The text's own repeats on the real target: a quoted sentence is drafted from the prompt."""
+    tgt = smollm2_target
+    ids = tgt.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )["input_ids"]
+    prompt = torch.tensor([ids])
+    ref = hf_greedy(tgt, prompt, 20)
+    drafter = HybridDrafter(None, HybridPolicy(None, ngram_nodes=8, ngram_max=3))
+    cfg = SamplingConfig(max_new_tokens=20, eos_token_ids=eos_token_ids(tgt))  # the answer is short
+    res = speculative_generate(tgt, drafter, prompt, cfg)
+    assert res.output_ids == ref
+    assert res.accepted_sources.get("text", 0) > 0 and res.tau > 1
