@@ -49,7 +49,8 @@ def provenance() -> dict[str, str | None]:
 # by a path inside the repository that holds them, else by name and digest, never by a path that
 # only means something on the machine that wrote them.
 OUTSIDE = "PATH/TO"  # stands for a folder of the writing machine in a recorded command
-_ABSOLUTE = re.compile(r"(?<![\w.~$/-])(?:~|/)[^\s'\",\[\]=]*")
+# ":" before the slash: a URL (http://host:port/v1), which means the same on every machine
+_ABSOLUTE = re.compile(r"(?<![\w.~$/:-])(?:~|/)[^\s'\",\[\]=]*")
 
 
 def work_tree(path: Path) -> Path | None:

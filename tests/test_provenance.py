@@ -54,6 +54,7 @@ def test_a_recorded_command_holds_no_machine_path(tmp_path):
         "model.path=~/models/target.gguf",
         "prompt=a/b and c",
         "train.max_steps=7",
+        "distill.server.url=http://127.0.0.1:8771/v1",
     ]
     command = portable_command(argv)
     assert not ABSOLUTE.search(command), command
@@ -63,4 +64,4 @@ def test_a_recorded_command_holds_no_machine_path(tmp_path):
     assert words[3] == f"data.mix=[data/set,{OUTSIDE}/mine.jsonl]"
     assert words[4] == f"data.decontaminate=[{OUTSIDE}/*.jsonl]"
     assert words[5] == f"model.path={OUTSIDE}/target.gguf"
-    assert words[6:] == ["prompt=a/b and c", "train.max_steps=7"]
+    assert words[6:] == ["prompt=a/b and c", "train.max_steps=7", "distill.server.url=http://127.0.0.1:8771/v1"]
