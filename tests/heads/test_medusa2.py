@@ -32,7 +32,7 @@ def fresh_target() -> FrozenTarget:
 def make_medusa2(target, seed=0, **overrides) -> Medusa2Head:
     torch.manual_seed(seed)
     # lambda 1 and the LoRA at the heads' rate: the small adapter these checks were sized for (the defaults,
-    # lambda 10 and a LoRA rate of its own, are tested in tests/config/test_train.py)
+    # lambda 10 and a LoRA rate of its own, are tested in tests/config/test_train_schema.py)
     fields = {"num_heads": 4, "lora_r": 4, "lora_dropout": 0.0, "heads_only_steps": 0, "lm_loss_warmup_steps": 0}
     fields.update(lm_loss_weight=1.0, lora_lr=None)
     return build_head(HeadConfig(family="medusa2", **{**fields, **overrides}), target)
