@@ -23,6 +23,7 @@ import torch
 
 from ..atomic import write_json
 from ..heads.io import CONFIG_NAME
+from ..kernels.linear_layout import cpu_model
 from ..target import cache_root, target_identity
 
 CACHE_VERSION = 1
@@ -46,20 +47,12 @@ def head_digest(head_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
 def machine_description(device: torch.device, kernels: bool) -> dict[str, Any]:
     """What a calibration's timings depend on, without naming the host: the processor, the
     device, the threads, torch, and whether the measured CPU kernels were installed."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
-        "cpu": platform.processor() or _cpu_model() or platform.machine(),
+        "cpu": platform.processor() or cpu_model() or platform.machine(),
         "device": device.type + (f" ({gpu})" if gpu else ""),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__.split("+")[0],

@@ -205,7 +205,7 @@ def machine_key(model: nn.Module) -> str:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
-        "cpu": platform.processor() or _cpu_model(),
+        "cpu": platform.processor() or cpu_model(),
         "model": getattr(model.config, "model_type", ""),
         "layers": getattr(model.config, "num_hidden_layers", 0),
         "shapes": shapes,
@@ -214,7 +214,8 @@ def machine_key(model: nn.Module) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The processor's model name from /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
