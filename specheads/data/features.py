@@ -6,7 +6,9 @@ Layout of a cache directory:
         input_ids [N] int64, loss_mask [N] int8, offsets [R+1] int64 (row r = N-range offsets[r]:offsets[r+1])
         layer_<k> [N, H] and/or final [N, H] in the cache dtype
 A cache whose key differs from what a run needs (another target, layers, tokenizer, template or
-max_length) is refused with a message naming the differing fields.
+max_length) is refused with a message naming the differing fields. Until its last shard is written
+a cache lives in `.<name>.partial/` beside it (plan.json + the finished shards), where an
+interrupted pass resumes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,12 +28,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_path, write_json
 from ..distributed import all_gather_objects, broadcast_object, process_rank
 from ..errors import SpecHeadsError
 from ..target import FLOAT_DTYPES, LAYER_CONVENTION, FrozenTarget
 from .datasets import row_lengths
 
 INDEX_NAME = "index.json"
+PLAN_NAME = "plan.json"  # in an unfinished cache only: what its shards belong to
 CACHE_VERSION = 1
 DTYPES = FLOAT_DTYPES
 
@@ -81,6 +84,36 @@ def shard_plan(lengths: Iterable[int], shard_tokens: int) -> list[range]:
     return plan
 
 
+def partial_dir(out_dir) -> Path:
+    """Where an unfinished cache keeps its finished shards until the last one is written."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f".{out_dir.name}.partial"
+
+
+def rows_digest(rows) -> str:
+    """What the rows hold (a `datasets.Dataset` by its fingerprint): a resumed cache continues only
+    the pass over the same rows."""
+    fingerprint = getattr(rows, "_fingerprint", None)
+    if fingerprint is not None:
+        return f"dataset:{fingerprint}"
+    h = hashlib.sha256()
+    for row in rows:
+        h.update(b"|" + ",".join(map(str, row["input_ids"])).encode())
+        h.update(b"/" + bytes(int(m) for m in row["loss_mask"]))
+    return h.hexdigest()[:16]
+
+
+def check_disk(directory: Path, need: int, tokens: int, bytes_per_token: int) -> None:
+    """Refuse, before the target pass starts, a cache that the disk cannot hold."""
+    free = shutil.disk_usage(directory).free
+    if need > free:
+        raise SpecHeadsError(
+            f"the feature cache needs {need / 1e9:.1f} GB for {tokens:,} tokens ({bytes_per_token:,} bytes a token) "
+            f"but {directory} has {free / 1e9:.1f} GB free: point data.features (or distill.features.output) at a "
+            "larger disk, cache fewer layers or a bf16 dtype, or train online (data.features=null)"
+        )
+
+
 def write_features(
     target: FrozenTarget,
     rows,
@@ -95,10 +128,16 @@ def write_features(
     """Run the target once over `rows` (dicts with input_ids, loss_mask) and cache its states.
 
     Rows run one at a time (no padding), so a cached row is bit-identical to a fresh forward of it.
-    In a process group every rank must call this: rank r writes shards r, r + N, ... of the plan
-    into one temp directory, and rank 0 writes the index (with `extra` fields) and renames the
-    directory into place once every rank has finished; a rank that fails fails them all and
-    leaves nothing behind.
+    Shards are written one file at a time (each renamed into place whole) into a hidden
+    `.<name>.partial` directory beside `out_dir`, which is renamed onto `out_dir` once the index is
+    written. An interrupted pass (a crash, a lost machine, Ctrl-C) leaves whole shards only, and
+    the same call resumes it: the shards already written are kept when the plan (what the
+    tensors depend on, the rows and their split into shards) is the same, and the finished cache
+    equals an uninterrupted one file for file. A plan that changed starts over.
+
+    In a process group every rank must call this: rank r writes shards r, r + N, ... of the plan,
+    and rank 0 writes the index (with `extra` fields) and renames the directory into place once
+    every rank has finished; a rank that fails fails them all.
     """
     if dtype not in DTYPES:
         raise SpecHeadsError(f"feature dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -109,29 +148,42 @@ def write_features(
     names = state_names(layer_ids, final)
     rank, world = process_rank()
     out_dir = Path(out_dir)
-    plan = shard_plan((min(n, max_length) for n in row_lengths(rows)), shard_tokens)
-    mine = list(range(rank, len(plan), world))
-    tmp = None
+    lengths = [min(n, max_length) for n in row_lengths(rows)]
+    plan = shard_plan(lengths, shard_tokens)
+    element = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    bytes_per_token = len(names) * target.info.hidden_size * element
+    shards = [{"file": shard_name(j), "rows": len(r), "tokens": sum(lengths[i] for i in r)} for j, r in enumerate(plan)]
+    work = partial_dir(out_dir)
+    failure = None
     if rank == 0:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-")
-    tmp = Path(broadcast_object(tmp))
-    written, failure = [], None
+        try:
+            _prepare_partial(work, key, dtype, names, plan, rows_digest(rows), extra)
+            todo = [e["tokens"] for e in shards if not (work / e["file"]).is_file()]
+            # states plus 9 bytes of ids and mask a token
+            check_disk(work, sum(todo) * (bytes_per_token + 9), sum(todo), bytes_per_token)
+            if len(todo) < len(shards):
+                print(
+                    f"resuming the feature cache {out_dir}: {len(shards) - len(todo)} of {len(shards)} shards written"
+                )
+        except Exception as err:
+            failure = err
+    failed = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if failed is not None:
+        raise SpecHeadsError(f"feature caching failed on rank 0: {failed}")
+    mine = [j for j in range(rank, len(plan), world) if not (work / shards[j]["file"]).is_file()]
     try:
-        written = _write_shards(target, rows, plan, mine, layer_ids, final, names, DTYPES[dtype], max_length, tmp)
+        _write_shards(target, rows, plan, mine, layer_ids, final, names, DTYPES[dtype], max_length, work)
     except Exception as err:  # reported to every rank below, so none waits forever or renames a partial cache
         failure = err
-    # one exchange: every rank's failure (or None) and the shards it wrote
-    reports = all_gather_objects((None if failure is None else f"{type(failure).__name__}: {failure}", written))
-    failed = [(r, m) for r, (m, _) in enumerate(reports) if m is not None]
+    # one exchange: every rank's failure (or None)
+    reports = all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
+    failed = [(r, m) for r, m in enumerate(reports) if m is not None]
     if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
         if failure is not None:
             raise failure
         raise SpecHeadsError(f"feature caching failed on rank {failed[0][0]}: {failed[0][1]}")
-    shards = sorted((e for _, entries in reports for e in entries), key=lambda e: e["file"])
-    bytes_per_token = len(names) * target.info.hidden_size * torch.tensor([], dtype=DTYPES[dtype]).element_size()
     index = {
         "key": key,
         "dtype": dtype,
@@ -144,12 +196,12 @@ def write_features(
     }
     if rank == 0:
         try:
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            (work / PLAN_NAME).unlink()
+            write_json(work / INDEX_NAME, index)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
-            os.replace(tmp, out_dir)
+            os.replace(work, out_dir)
         except BaseException as err:
-            shutil.rmtree(tmp, ignore_errors=True)
             all_gather_objects(f"{type(err).__name__}: {err}")  # the other ranks wait for this
             raise
         print(
@@ -164,9 +216,42 @@ def write_features(
     return index
 
 
-def _write_shards(target, rows, plan, mine, layer_ids, final, names, dtype, max_length, directory) -> list[dict]:
-    """This rank's shards of the plan, each written under its number in the plan."""
-    entries = []
+def shard_name(number: int) -> str:
+    return f"shard-{number:05d}.safetensors"
+
+
+def _prepare_partial(work: Path, key, dtype, names, plan, digest, extra) -> None:
+    """Keep an unfinished pass's shards when it was the same pass; else start an empty one."""
+    wanted = {
+        "key": key,
+        "dtype": dtype,
+        "names": names,
+        "plan": [[r.start, r.stop] for r in plan],
+        "rows": digest,
+        "extra": extra or {},
+    }
+    found = None
+    if (work / PLAN_NAME).is_file():
+        try:
+            found = json.loads((work / PLAN_NAME).read_text())
+        except json.JSONDecodeError:
+            found = None
+    if found != wanted:
+        if work.exists():
+            if found is not None:
+                print(f"the unfinished feature cache {work} was for other rows or settings: starting over")
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
+        write_json(work / PLAN_NAME, wanted)
+        return
+    # a process killed while saving leaves its temporary file: never part of the cache
+    for stray in work.iterdir():
+        if stray.name != PLAN_NAME and not stray.name.startswith("shard-"):
+            stray.unlink()
+
+
+def _write_shards(target, rows, plan, mine, layer_ids, final, names, dtype, max_length, directory) -> None:
+    """This rank's (remaining) shards of the plan, each written whole under its number in the plan."""
     bar = tqdm(total=sum(len(plan[j]) for j in mine), desc="caching features", unit="row")
     for j in mine:
         buf = _ShardBuffer(names)
@@ -180,9 +265,8 @@ def _write_shards(target, rows, plan, mine, layer_ids, final, names, dtype, max_
                 states["final"] = s.final[0]
             buf.add(ids, mask, {n: states[n].to(dtype).cpu() for n in names})
             bar.update(1)
-        entries.append(buf.flush(directory, j))
+        buf.flush(directory / shard_name(j))
     bar.close()
-    return entries
 
 
 class _ShardBuffer:
@@ -206,8 +290,7 @@ class _ShardBuffer:
         self.lengths.append(ids.numel())
         self.tokens += ids.numel()
 
-    def flush(self, directory: Path, number: int) -> dict:
-        name = f"shard-{number:05d}.safetensors"
+    def flush(self, path: Path) -> None:
         offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.long)
         offsets[1:] = torch.tensor(self.lengths).cumsum(0)
         tensors = {
@@ -216,10 +299,9 @@ class _ShardBuffer:
             "offsets": offsets,
         }
         tensors.update({n: torch.cat(self.states[n]).contiguous() for n in self.names})
-        save_file(tensors, str(directory / name))
-        entry = {"file": name, "rows": self.rows, "tokens": self.tokens}
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp))
         self.reset()
-        return entry
 
 
 @dataclass

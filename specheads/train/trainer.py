@@ -42,23 +42,27 @@ class HeadObjective(nn.Module):
     Going through the engine's forward (not head.loss directly) lets ZeRO-3 gather parameters.
     """
 
-    def __init__(self, head: nn.Module):
+    def __init__(self, head: nn.Module, autocast: torch.dtype | None = None):
         super().__init__()
         self.head = head
+        self.autocast = autocast
         adapter = head.target_adapter()
         if adapter is not None:
             self.adapter = adapter
 
     def forward(self, batch, states, evaluate: bool = False):
-        return self.head.evaluate(batch, states) if evaluate else self.head.loss(batch, states)
+        device = batch["input_ids"].device.type
+        # mixed precision: matmuls in `autocast`, weights, optimizer and losses stay in the head's dtype
+        with torch.autocast(device, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            return self.head.evaluate(batch, states) if evaluate else self.head.loss(batch, states)
 
 
 def initialize(head: nn.Module, t: TrainConfig, z: DeepSpeedConfig, d: Dist, total_steps: int):
     """deepspeed.initialize on the head (and its target adapter) only. Returns the engine."""
     import deepspeed
 
-    objective = HeadObjective(head)
     head_dtype = next(head.parameters()).dtype
+    objective = HeadObjective(head, autocast_dtype(t.autocast, head_dtype))
     config = deepspeed_config(t, z, d.world_size, d.device, head_dtype)
     adapter, adapter_lr = head.target_adapter(), head.target_adapter_lr()
     own_lr = (adapter, adapter_lr) if adapter is not None and adapter_lr is not None else None
@@ -78,6 +82,20 @@ def initialize(head: nn.Module, t: TrainConfig, z: DeepSpeedConfig, d: Dist, tot
         config=config,
     )
     return engine
+
+
+def autocast_dtype(name: str | None, head_dtype: torch.dtype) -> torch.dtype | None:
+    """train.autocast: null (none), bfloat16 or float16; refused over a head already in low precision."""
+    if name is None:
+        return None
+    if name not in ("bfloat16", "float16"):
+        raise SpecHeadsError(f"train.autocast must be null, bfloat16 or float16, got {name!r}")
+    if head_dtype != torch.float32:
+        raise SpecHeadsError(
+            f"train.autocast={name} mixes precisions over float32 weights, but the head trains in {head_dtype} "
+            "(the target's dtype): load the target in float32 (model.dtype=float32) or drop train.autocast"
+        )
+    return FLOAT_DTYPES[name]
 
 
 def fingerprint_diffs(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

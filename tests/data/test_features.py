@@ -67,20 +67,82 @@ def test_shard_plan_is_the_sequential_rule(shard_tokens):
     assert shard_plan([], shard_tokens) == []
 
 
-def test_a_failed_pass_leaves_nothing_behind(tiny_target, tmp_path, monkeypatch):
+def failing_after(target, monkeypatch, forwards, error="out of memory"):
+    """The target's states fail on forward number `forwards` (counted from 1); returns the count."""
     calls = []
-    real = tiny_target.states
+    real = target.states
 
-    def failing(*args, **kwargs):
+    def states(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("out of memory")
+        if len(calls) == forwards:
+            raise RuntimeError(error)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tiny_target, "states", failing)
+    monkeypatch.setattr(target, "states", states)
+    return calls
+
+
+def tree_bytes(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_an_interrupted_pass_keeps_whole_shards_and_resumes_to_the_same_cache(tiny_target, tmp_path, monkeypatch):
+    data = rows(8)
+    args = dict(max_length=64, dtype="float32", shard_tokens=40, extra={"data": "abc"})
+    write_features(tiny_target, data, [2], True, tmp_path / "whole" / "feat", **args)
+    want = tree_bytes(tmp_path / "whole" / "feat")
+    plan = shard_plan([len(r["input_ids"]) for r in data], 40)
+    assert len(plan) >= 4
+    # dies on the first row of the third shard: two whole shards, nothing of the third
+    third = plan[2].start + 1
+    calls = failing_after(tiny_target, monkeypatch, third)
     with pytest.raises(RuntimeError, match="out of memory"):
-        write_features(tiny_target, rows(), [2], True, tmp_path / "feat", max_length=64, shard_tokens=20)
-    assert len(calls) == 3 and list(tmp_path.iterdir()) == []
+        write_features(tiny_target, data, [2], True, tmp_path / "run" / "feat", **args)
+    assert len(calls) == third
+    assert not (tmp_path / "run" / "feat").exists()
+    partial = tmp_path / "run" / ".feat.partial"
+    assert sorted(p.name for p in partial.iterdir()) == [
+        "plan.json",
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    ]
+    monkeypatch.undo()
+    (partial / ".shard-00002.safetensors.x1.tmp.safetensors").write_bytes(b"half")  # a kill inside save_file
+    # the rerun computes only the missing shards' rows and ends with the uninterrupted cache
+    calls = failing_after(tiny_target, monkeypatch, 10_000)
+    write_features(tiny_target, data, [2], True, tmp_path / "run" / "feat", **args)
+    assert len(calls) == len(data) - plan[2].start
+    assert tree_bytes(tmp_path / "run" / "feat") == want
+    assert list((tmp_path / "run").iterdir()) == [tmp_path / "run" / "feat"]
+
+
+def test_an_unfinished_pass_over_other_rows_starts_over(tiny_target, tmp_path, monkeypatch):
+    calls = failing_after(tiny_target, monkeypatch, 3)
+    with pytest.raises(RuntimeError):
+        write_features(tiny_target, rows(6), [2], True, tmp_path / "feat", max_length=64, shard_tokens=20)
+    monkeypatch.undo()
+    other = rows(6, seed=1)  # the same lengths, other tokens: the kept shards do not belong to it
+    calls = failing_after(tiny_target, monkeypatch, 10_000)
+    write_features(tiny_target, other, [2], True, tmp_path / "feat", max_length=64, shard_tokens=20)
+    assert len(calls) == len(other)
+    cache = FeatureCache(tmp_path / "feat")
+    assert [cache[i].input_ids.tolist() for i in range(len(other))] == [r["input_ids"] for r in other]
+
+
+def test_a_cache_the_disk_cannot_hold_is_refused_before_the_pass(tiny_target, tmp_path, monkeypatch):
+    import shutil
+
+    from specheads.data import features
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    calls = failing_after(tiny_target, monkeypatch, 10_000)
+    with pytest.raises(SpecHeadsError, match=r"needs 0\.0 GB for 90 tokens .* has 0\.0 GB free") as err:
+        write_features(tiny_target, rows(5), [2], True, tmp_path / "feat", max_length=64, dtype="float32")
+    assert "\n" not in str(err.value) and calls == []
+    assert not (tmp_path / "feat").exists()
+    monkeypatch.setattr(features.shutil, "disk_usage", real)
+    write_features(tiny_target, rows(5), [2], True, tmp_path / "feat", max_length=64, dtype="float32")
 
 
 def test_stale_cache_is_refused(tiny_target, tmp_path):
