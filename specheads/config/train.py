@@ -152,9 +152,11 @@ class TrainConfig:
     warmup_steps: int = 6
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    # mixed precision for a float32 head: its forward and backward matmuls in bfloat16 (or float16)
-    # under torch.autocast, weights and optimizer state in float32. On CPUs with AVX512-BF16 or AMX
-    # this is the fast path (BENCHMARKS.md "Training at the data's scale"); null = plain float32.
+    # mixed precision for a float32 head: the online target forward and the head's forward and
+    # backward run their matmuls in bfloat16 (or float16) under torch.autocast; weights, optimizer
+    # state and losses stay float32, and a feature cache is still written in float32. On CPUs with
+    # AVX512-BF16 or AMX this is the fast path (BENCHMARKS.md "Training at the data's scale");
+    # null = plain float32.
     autocast: str | None = None
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # sort rows by length inside windows of batches (less padding, order still random)

@@ -26,7 +26,7 @@ from .metrics import MetricsLog, plot_metrics
 from .plan import check_fits, dry_run, shard_decision
 from .sharded_target import check_shardable, frozen_parts_gathered, load_sharded_target
 from .state_source import OfflineStates, OnlineStates, StateSource
-from .trainer import Trainer
+from .trainer import Trainer, autocast_dtype
 
 
 def data_splits(data_cfg: DataConfig, target: FrozenTarget, d: Dist) -> dict:
@@ -51,7 +51,7 @@ def head_and_states(cfg: TrainJobConfig, target: FrozenTarget, d: Dist) -> tuple
         )
     else:
         splits = data_splits(cfg.data, target, d)
-        source = OnlineStates(target, splits, pad_id=pad_id)
+        source = OnlineStates(target, splits, pad_id=pad_id, autocast=autocast_dtype(cfg.train.autocast, target.dtype))
     with main_rank_first(d):  # EAGLE-3 caches its draft vocab on first build
         head = build_head(cfg.head, target, train_rows=source.rows("train"))
     if features == "auto":

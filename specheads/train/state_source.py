@@ -46,10 +46,13 @@ class StateSource(Protocol):
 
 
 class OnlineStates:
-    """States computed by the frozen target, one no-grad forward per batch."""
+    """States computed by the frozen target, one no-grad forward per batch (its matmuls in
+    `autocast`'s dtype when one is given: train.autocast)."""
 
-    def __init__(self, target: FrozenTarget, splits: dict[str, Sequence[dict]], pad_id: int):
-        self.target, self.splits, self.pad_id = target, splits, pad_id
+    def __init__(
+        self, target: FrozenTarget, splits: dict[str, Sequence[dict]], pad_id: int, autocast: torch.dtype | None = None
+    ):
+        self.target, self.splits, self.pad_id, self.autocast = target, splits, pad_id, autocast
         self.layer_ids: list[int] = []
         self.final = True
 
@@ -66,9 +69,11 @@ class OnlineStates:
         batch = {k: v.to(self.target.device) for k, v in batch.items()}
         if not self.layer_ids and not self.final:
             return batch, {}  # a head that runs the target itself (Medusa-2) needs no states
-        captured = self.target.states(
-            batch["input_ids"], batch["attention_mask"], layer_ids=self.layer_ids, final=self.final
-        )
+        device = batch["input_ids"].device.type
+        with torch.autocast(device, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            captured = self.target.states(
+                batch["input_ids"], batch["attention_mask"], layer_ids=self.layer_ids, final=self.final
+            )
         states: States = dict(captured.hidden)
         if self.final:
             states["final"] = captured.final
