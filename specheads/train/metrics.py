@@ -93,8 +93,25 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
+def tokens_seen(records: list[dict]) -> dict[int, float]:
+    """Training tokens read up to each logged step, summed over the logged windows.
+
+    Each train record covers the steps since the one before it, and its tokens/s over steps/s is
+    that window's tokens a step, so the sum needs nothing the log does not already hold (and
+    stays right across a resume, which keeps the records up to its checkpoint)."""
+    seen, total, last = {}, 0.0, 0
+    for r in records:
+        rate, steps_rate = r.get("train/tokens_per_s"), r.get("train/steps_per_s")
+        if isinstance(rate, (int, float)) and isinstance(steps_rate, (int, float)) and steps_rate > 0:
+            total += rate / steps_rate * (r["step"] - last)
+            last = r["step"]
+            seen[r["step"]] = total
+    return seen
+
+
 def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
-    """Loss (train and eval) and eval top-1 accuracy per draft depth against the step."""
+    """Loss (train and eval) and eval top-1 accuracy per draft depth against the step, and the
+    held-out simulated acceptance length against the training tokens read."""
     records = read_metrics(metrics_path)
     if not records:
         return None
@@ -107,13 +124,14 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
         pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_acc, ax_tau) = plt.subplots(1, 3, figsize=(16, 4))
     for key, style in (("train/loss", "-"), ("eval/loss", "o-")):
         xs, ys = series(key)
         if xs:
             ax_loss.plot(xs, ys, style, label=key, markersize=3)
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
-    ax_loss.legend()
+    if ax_loss.lines:
+        ax_loss.legend()
 
     # eval accuracy per draft depth (points), and the head's own training accuracy per depth
     # (dashed, same colour), which shows the trend between the few evaluations
@@ -144,5 +162,12 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     )
     if eval_keys or train_keys:
         ax_acc.legend(fontsize=7, ncol=2)
+
+    # acceptance against data read: still rising at the end means more data or steps would pay
+    seen = tokens_seen(records)
+    taus = [(seen[r["step"]] / 1e6, r["eval/sim_tau"]) for r in records if "eval/sim_tau" in r and r["step"] in seen]
+    if taus:
+        ax_tau.plot([t[0] for t in taus], [t[1] for t in taus], "o-", markersize=4)
+    ax_tau.set(xlabel="training tokens read (millions)", ylabel="eval sim tau", title="acceptance against data read")
     fig.tight_layout()
     return save_figure(fig, png_path, dpi=100)
