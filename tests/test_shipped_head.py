@@ -22,11 +22,12 @@ from specheads.export import open_head
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "heads" / "smollm2-135m-eagle3"
-# its training data, in the repository (path, an unfinished distill.py output read in part)
-SHIPPED_DATA = [
-    (ROOT / "data" / "smollm2_selfdistill_23k.jsonl.gz", False),
-    (ROOT / "data" / "smollm2_diverse_256", True),
-]
+
+
+def shipped_data() -> list[Path]:
+    """The data sets its provenance names (training.data and data_mix): paths inside the repository."""
+    training = json.loads((SHIPPED / "config.json").read_text())["training"]
+    return [ROOT / p for p in [training["data"], *training.get("data_mix", [])]]
 
 
 def test_shipped_head_is_small_bf16_with_tree_and_provenance():
@@ -39,16 +40,18 @@ def test_shipped_head_is_small_bf16_with_tree_and_provenance():
     assert config["default_tree"], "the calibrated tree is stored with the head"
     training = config["training"]
     assert training["steps"] > 0 and training["commit"] and "train.py" in training["command"]
-    assert "smollm2_selfdistill" in training["data"] and training["data_mix"]
+    assert "sharegpt_smollm2_135m" in training["data"] and training["data_mix"]
+    for path in shipped_data():  # named by a repository path that exists, not a machine's
+        assert path.exists() and path.resolve().is_relative_to(ROOT / "data"), path
 
 
 @pytest.fixture(scope="module")
 def shipped_training_data() -> list:
-    """Every conversation of the two data sets the shipped head was trained on (data/README.md),
-    a superset of the 2,256 its run sampled from them."""
+    """Every conversation of the data sets the shipped head was trained on (data/README.md); a
+    distill.py output still unfinished is read in its finished shards, as the run read it."""
     conversations = []
-    for path, partial in SHIPPED_DATA:
-        conversations += load_conversations(str(path), partial_distill=partial)
+    for path in shipped_data():
+        conversations += load_conversations(str(path), partial_distill=path.is_dir())
     return conversations
 
 
@@ -61,13 +64,13 @@ def test_shipped_head_training_data_shares_no_ngram_with_the_dev_questions(shipp
     """The project's own decontamination index over the shipped dev questions (what make demo and
     tree calibration measure on) finds nothing in the head's training data."""
     index = build_index(resolve_eval_files([]))
-    assert index and len(shipped_training_data) > 23_000
+    assert index and len(shipped_training_data) > 8_000
     assert leaked(shipped_training_data, index) == []
 
 
 def test_the_overlap_check_fails_on_contaminated_data(shipped_training_data):
     """The check can fail: one conversation that quotes a dev question, as a chat user would
-    paste it, is found among the 23,000."""
+    paste it, is found among the 8,000."""
     index = build_index(resolve_eval_files([]))
     question = read_questions(DEV_QUESTIONS)[5]["prompt"]
     quoting = [{"role": "user", "content": f"Help me with this: {question}"}, {"role": "assistant", "content": "Sure."}]
