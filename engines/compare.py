@@ -1,6 +1,7 @@
 """`make engines`: our exported heads in a real serving engine (vLLM's CPU build), beside infer.py.
 
-    python engines/compare.py [--questions Q.jsonl] [--num-questions 8] [--max-new-tokens 64] [--k 3] [--out DIR]
+    python engines/compare.py [--questions Q.jsonl] [--num-questions 8] [--max-new-tokens 64] [--k 3 ...]
+                              [--peers ngram suffix] [--formats eagle3 ...] [--out DIR]
 
 A development tool of the repository (it runs the checkout's train.py and infer.py and the shipped
 head), so it lives beside the package, not in it. The questions default to the package's shipped
@@ -9,11 +10,15 @@ dev set; MT-bench or any other FastChat question.jsonl is given with --questions
 1. heads: the shipped EAGLE-3 head; EAGLE-1 and Medusa heads given with --eagle-head/--medusa-head,
    else trained for a few steps with train.py (enough to test loading and agreement, not speed);
 2. exports: every format vLLM loads (`python -m specheads.export`);
-3. vLLM: engines/vllm_run.py in vLLM's own virtualenv runs plain greedy, each export and vLLM's ngram
-   speculation on the same prompt token ids, with chains of K tokens;
-4. infer.py: the same heads, prompts and chain length (tree=chain tree.depth=K);
-5. one table: loaded, greedy outputs identical to vLLM plain, acceptance in vLLM and in infer.py,
-   tokens/s at batch 1 and batch 8; saved as OUT/engines.json and OUT/engines.md.
+3. vLLM: engines/vllm_run.py in vLLM's own virtualenv runs plain greedy, each export and vLLM's own
+   model-free speculation (--peers: ngram, and Suffix Decoding, which needs arctic-inference in
+   vLLM's virtualenv) on the same prompt token ids, with chains of K tokens for every K given;
+4. infer.py: the same heads, prompts and chain lengths (tree=chain tree.depth=K);
+5. one table per K: loaded, greedy outputs identical to vLLM plain, acceptance in vLLM and in
+   infer.py, tokens/s at batch 1 and batch 8; saved as OUT/engines.json and OUT/engines.md.
+
+With several K a run is named `NAME-kK` (eagle3-k2, suffix-k2, ...); with one K, just NAME.
+A Medusa export runs at the largest K only: vLLM drafts one token per Medusa head.
 
 Acceptance is counted the way vLLM counts it: per verified draft, the number of drafted tokens
 accepted; mean acceptance length = 1 + accepted / drafts (the bonus token included).
@@ -45,7 +50,15 @@ FORMATS = {
     "eagle": ("eagle", "eagle"),
     "vllm-medusa": ("medusa", "medusa"),
 }
-NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# vLLM's model-free drafters run beside the heads. Suffix Decoding keeps a tree of earlier answers
+# (its defaults otherwise), so its batched pass gets a fresh engine: else it would be timed on
+# answers to the very prompts it has just seen.
+PEERS = {
+    "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "suffix": {"method": "suffix"},
+}
+FRESH_ENGINE_PER_PASS = {"suffix"}
+WARMUP_PROMPT = "Say hello in one short sentence."  # not a benchmark question: warms the engine only
 # 2 GiB of vLLM CPU KV cache is plenty for SmolLM2 at these lengths.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 ERROR_LINE = re.compile(r"\b(\w+(Error|Exception)): (.+)$")
@@ -126,12 +139,15 @@ def _acc(a: dict | None) -> tuple[str, str]:
     return f"{a['mean_acceptance_length']:.2f}", " ".join(f"{p:.2f}" for p in a["per_position"])
 
 
-def table_rows(vllm: dict, infer: dict) -> list[dict]:
-    """One row per vLLM run (plain, each format, ngram), vLLM's plain outputs as the reference."""
+def table_rows(vllm: dict, infer: dict, names: Sequence[str] | None = None) -> list[dict]:
+    """One row per vLLM run (plain, each format, each peer; only `names` when given), vLLM's plain
+    outputs as the reference."""
     plain = vllm.get("plain") or {}
     reference = plain.get("output_ids")
     rows = []
     for name, res in vllm.items():
+        if names is not None and name not in names:
+            continue
         vacc = acceptance_from_counters(res.get("spec"))
         ours = infer.get(name) or {}
         iacc = ours.get("acceptance")
@@ -247,14 +263,14 @@ def export(head: Path, fmt: str, out: Path, k: int, logs: Path) -> Path:
     return out
 
 
-def infer_chain(head: Path, questions: Path, args, out: Path, logs: Path) -> dict:
+def infer_chain(head: Path, questions: Path, args, k: int, out: Path, logs: Path) -> dict:
     """infer.py's benchmark, spec only, a chain of K: accepted drafts per step and the outputs."""
     cmd = [
         sys.executable,
         "infer.py",
         f"head={head}",
         "tree=chain",
-        f"tree.depth={args.k}",
+        f"tree.depth={k}",
         "temperature=0",
         f"bench.questions={questions}",
         f"bench.limit={args.num_questions}",
@@ -269,7 +285,7 @@ def infer_chain(head: Path, questions: Path, args, out: Path, logs: Path) -> dic
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
     accepted = [n for r in rows for n in r.get("accepted_drafts", [])]
     return {
-        "acceptance": acceptance_from_steps(accepted, args.k),
+        "acceptance": acceptance_from_steps(accepted, k),
         "output_ids": [r["output_ids"] for r in rows],
         "tau": sum(r["new_tokens"] for r in rows) / max(1, sum(r["target_forwards"] for r in rows)),
     }
@@ -319,8 +335,11 @@ def split_log(lines: Sequence[str]) -> dict[str, list[str]]:
 # -- the job ------------------------------------------------------------------------------------------
 
 
-def prompt_ids(questions: Path, num: int, per_category: int | None) -> tuple[list[dict], list[list[int]], str]:
-    """The questions and their chat-template token ids, exactly as infer.py encodes them."""
+def prompt_ids(
+    questions: Path, num: int, per_category: int | None
+) -> tuple[list[dict], list[list[int]], str, list[int]]:
+    """The questions and their chat-template token ids, exactly as infer.py encodes them, and the
+    warm-up prompt's."""
     from transformers import AutoTokenizer
 
     from specheads.bench.inputs import encode_prompt
@@ -330,7 +349,8 @@ def prompt_ids(questions: Path, num: int, per_category: int | None) -> tuple[lis
     target_dir = _dequantized_embedded("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     rows = read_questions(questions, num, per_category)
-    return rows, [encode_prompt(tokenizer, q["prompt"]) for q in rows], str(target_dir)
+    ids = [encode_prompt(tokenizer, q["prompt"]) for q in rows]
+    return rows, ids, str(target_dir), encode_prompt(tokenizer, WARMUP_PROMPT)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -344,14 +364,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num-questions", type=int, default=8)
     p.add_argument("--per-category", type=int, default=1, help="first N questions of each category (0: no limit)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--k", type=int, default=3, help="chain length (num_speculative_tokens, tree.depth)")
+    p.add_argument(
+        "--k",
+        type=int,
+        nargs="+",
+        default=[3],
+        help="chain lengths (num_speculative_tokens, tree.depth), one table each",
+    )
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        default=["ngram"],
+        choices=list(PEERS),
+        help="vLLM's model-free drafters run beside the heads (suffix needs arctic-inference in vLLM's virtualenv)",
+    )
     p.add_argument("--batch", type=int, default=8, help="requests in the batched throughput pass")
     p.add_argument("--eagle3-head", type=Path, default=SHIPPED_EAGLE3)
     p.add_argument("--eagle-head", type=Path, default=None, help="default: train one in --heads-dir")
     p.add_argument("--medusa-head", type=Path, default=None, help="default: train one in --heads-dir")
     p.add_argument("--train-steps", type=int, default=20)
     p.add_argument("--heads-dir", type=Path, default=ROOT / "runs" / "engines" / "heads")
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "engines")
     args = p.parse_args(argv)
@@ -359,79 +392,118 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SpecHeadsError(f"{args.vllm_python} does not exist: run `make engines` (it builds vLLM's virtualenv)")
     if not args.questions.is_file():
         raise SpecHeadsError(f"--questions {args.questions} does not exist")
-    if min(args.num_questions, args.max_new_tokens, args.k, args.batch, args.train_steps) < 1:
+    args.k = sorted(set(args.k))
+    if min(args.num_questions, args.max_new_tokens, *args.k, args.batch, args.train_steps) < 1:
         raise SpecHeadsError("--num-questions, --max-new-tokens, --k, --batch and --train-steps must be >= 1")
     args.per_category = args.per_category or None
     return args
+
+
+def run_name(name: str, k: int, ks: Sequence[int]) -> str:
+    return name if len(ks) == 1 else f"{name}-k{k}"
+
+
+def chain_lengths(fmt: str, ks: Sequence[int]) -> list[int]:
+    """The K a format runs at: every K, but a Medusa export only at the largest (one head a token)."""
+    return [max(ks)] if FORMATS[fmt][0] == "medusa" else list(ks)
+
+
+def vllm_runs(exports: dict, peers: Sequence[str], ks: Sequence[int]) -> list[dict]:
+    """vLLM plain, then per K every export and every peer."""
+    runs = [{"name": "plain", "speculative_config": None}]
+    for k in ks:
+        for fmt, path in exports.items():
+            if k in chain_lengths(fmt, ks):
+                config = {"method": FORMATS[fmt][1], "model": str(path), "num_speculative_tokens": k}
+                runs.append({"name": run_name(fmt, k, ks), "speculative_config": config})
+        for peer in peers:
+            run = {"name": run_name(peer, k, ks), "speculative_config": {**PEERS[peer], "num_speculative_tokens": k}}
+            if peer in FRESH_ENGINE_PER_PASS:
+                run["fresh_engine_per_pass"] = True
+            runs.append(run)
+    return runs
 
 
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     out, logs = args.out.resolve(), args.out.resolve() / "logs"
+    ks = args.k
     families = sorted({FORMATS[f][0] for f in args.formats})
     given = {"eagle3": args.eagle3_head, "eagle": args.eagle_head, "medusa": args.medusa_head}
     to_train = [f for f in families if given[f] is None]
-    steps = len(to_train) + len(args.formats) + (len(args.formats) + 2) + len(families)
-    with tqdm(total=steps, desc="engines", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
+    chains = [(fam, k) for fam in families for k in ([max(ks)] if fam == "medusa" else ks)]
+    with tqdm(
+        total=len(to_train) + len(args.formats) + len(chains), desc="engines", unit="step", file=sys.stderr
+    ) as bar:
         heads = {}
         for fam in families:
             if given[fam] is None:
                 bar.set_description(f"train {fam}")
-                heads[fam] = train_head(fam, args.heads_dir.resolve() / fam, args.train_steps, args.k, logs)
+                heads[fam] = train_head(fam, args.heads_dir.resolve() / fam, args.train_steps, max(ks), logs)
                 bar.update(1)
             else:
                 heads[fam] = given[fam].resolve()
         exports = {}
         for fmt in args.formats:
             bar.set_description(f"export {fmt}")
-            exports[fmt] = export(heads[FORMATS[fmt][0]], fmt, out / "export" / fmt, args.k, logs)
+            exports[fmt] = export(heads[FORMATS[fmt][0]], fmt, out / "export" / fmt, max(ks), logs)
             bar.update(1)
-        questions, prompts, target_dir = prompt_ids(args.questions, args.num_questions, args.per_category)
-        runs = [{"name": "plain", "speculative_config": None}]
-        for fmt, path in exports.items():
-            method = FORMATS[fmt][1]
-            runs.append(
-                {
-                    "name": fmt,
-                    "speculative_config": {"method": method, "model": str(path), "num_speculative_tokens": args.k},
-                }
-            )
-        runs.append({"name": "ngram", "speculative_config": {**NGRAM, "num_speculative_tokens": args.k}})
+        questions, prompts, target_dir, warmup = prompt_ids(args.questions, args.num_questions, args.per_category)
+        runs = vllm_runs(exports, args.peers, ks)
+        bar.total += len(runs)
+        bar.refresh()
         spec = {
             "target": target_dir,
             "prompts": prompts,
+            "warmup_prompt": warmup,
             "max_new_tokens": args.max_new_tokens,
             "batch": args.batch,
             "runs": runs,
         }
         vllm = run_vllm(args.vllm_python, spec, out, logs, bar)
-        by_family = {}
-        for fam in families:
-            bar.set_description(f"infer.py {fam}")
-            by_family[fam] = infer_chain(heads[fam], args.questions, args, out / "infer" / f"{fam}.jsonl", logs)
+        by_chain = {}
+        for fam, k in chains:
+            bar.set_description(f"infer.py {fam} K={k}")
+            path = out / "infer" / f"{run_name(fam, k, ks)}.jsonl"
+            by_chain[run_name(fam, k, ks)] = infer_chain(heads[fam], args.questions, args, k, path, logs)
             bar.update(1)
-    infer = {fmt: by_family[FORMATS[fmt][0]] for fmt in args.formats}
-    rows = table_rows(vllm, infer)
-    table = format_table(rows, args.k, args.batch)
+    infer = {
+        run_name(fmt, k, ks): by_chain[run_name(FORMATS[fmt][0], k, ks)]
+        for fmt in args.formats
+        for k in chain_lengths(fmt, ks)
+    }
+    tables, rows = [], []
+    for k in ks:
+        names = ["plain"] + [
+            r["name"]
+            for r in runs
+            if r["speculative_config"] and r["speculative_config"]["num_speculative_tokens"] == k
+        ]
+        k_rows = table_rows(vllm, infer, names)
+        rows += [{**r, "k": None if r["run"] == "plain" else k} for r in k_rows]
+        title = "" if len(ks) == 1 else f"### K={k}\n\n"
+        tables.append(title + format_table(k_rows, k, args.batch))
     report = {
         "target": target_dir,
         "questions": str(args.questions),
         "question_ids": [q["question_id"] for q in questions],
         "max_new_tokens": args.max_new_tokens,
-        "k": args.k,
+        "k": ks[0] if len(ks) == 1 else ks,
         "batch": args.batch,
+        "peers": list(args.peers),
         "heads": {fam: str(p) for fam, p in heads.items()},
         "exports": {fmt: str(p) for fmt, p in exports.items()},
-        "rows": rows,
+        "rows": [r for i, r in enumerate(rows) if r["run"] != "plain" or i == 0],
         "vllm": vllm,
-        "infer": by_family,
+        "infer": by_chain,
     }
     write_json(out / "engines.json", report)
     header = (
         f"vLLM (CPU build) vs infer.py: {len(questions)} questions of {args.questions.name}, "
-        f"{args.max_new_tokens} new tokens, greedy, chains of K={args.k}\n\n"
+        f"{args.max_new_tokens} new tokens, greedy, chains of K={', '.join(map(str, ks))}\n\n"
     )
+    table = "\n".join(tables)
     write_text(out / "engines.md", header + table)
     print(header + table + f"\nresults: {out / 'engines.json'}, {out / 'engines.md'}", flush=True)
     return report

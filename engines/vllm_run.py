@@ -12,6 +12,11 @@ torch and transformers pins differ from the project's. SPEC.json:
 OUT.json maps each run name to {loaded, error, output_ids, batch_output_ids, tokens_per_s_batch1,
 tokens_per_s_batch, spec}; spec holds vLLM's spec-decode counters over the batch-1 pass. OUT.json
 is rewritten (atomically) after every run, so a crash keeps the runs before it.
+
+Optional: "warmup_prompt" (token ids; default the first prompt) is the request that warms the
+engine before timing, and a run with "fresh_engine_per_pass": true gets a new engine for the
+batched pass: a drafter that remembers earlier answers (Suffix Decoding's global tree) would
+otherwise be timed on answers it has already seen.
 """
 
 import gc
@@ -75,15 +80,21 @@ def run_one(spec, run):
 
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"], ignore_eos=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    warmup = TokensPrompt(prompt_token_ids=spec.get("warmup_prompt") or spec["prompts"][0])
     kwargs = dict(ENGINE, model=spec["target"], disable_log_stats=False)
     if run.get("speculative_config"):
         kwargs["speculative_config"] = run["speculative_config"]
+
+    def start():
+        engine = LLM(**kwargs)
+        engine.generate([warmup], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        return engine
+
     try:
-        llm = LLM(**kwargs)
+        llm = start()
     except Exception as err:  # an engine that cannot load the head: report it, go on with the others
         return {"loaded": False, "error": first_line(err)}
     try:
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
         before = spec_counters(llm)
         outputs, tokens, wall = [], 0, 0.0
         for p in prompts:  # batch 1: one request at a time
@@ -94,6 +105,10 @@ def run_one(spec, run):
             outputs.append(ids)
             tokens += len(ids)
         counters = delta(spec_counters(llm), before)
+        if run.get("fresh_engine_per_pass"):
+            llm = None
+            gc.collect()
+            llm = start()
         batch = [prompts[i % len(prompts)] for i in range(spec["batch"])]
         t0 = time.perf_counter()
         res = llm.generate(batch, params, use_tqdm=False)
@@ -112,7 +127,7 @@ def run_one(spec, run):
     except Exception as err:
         return {"loaded": True, "error": first_line(err)}
     finally:
-        del llm
+        llm = None  # the engine (and its worker process) goes before the next run starts one
         gc.collect()
 
 

@@ -162,3 +162,44 @@ def test_vllm_serves_every_export(tmp_path):
         assert r["identical"][0] == r["identical"][1], f"{name}: outputs differ from vLLM plain"
         if name not in ("plain", "ngram"):
             assert r["agree"], f"{name}: vLLM {r['vllm_acceptance']} vs infer.py {r['infer_acceptance']}"
+
+
+def test_runs_per_chain_length_name_each_k_and_keep_medusa_at_its_head_count(tmp_path):
+    exports = {"eagle3": tmp_path / "e3", "vllm-medusa": tmp_path / "m"}
+    runs = {r["name"]: r for r in compare.vllm_runs(exports, ["ngram", "suffix"], [2, 3])}
+    assert list(runs) == [
+        "plain",
+        "eagle3-k2",
+        "ngram-k2",
+        "suffix-k2",
+        "eagle3-k3",
+        "vllm-medusa-k3",
+        "ngram-k3",
+        "suffix-k3",
+    ]
+    assert runs["plain"]["speculative_config"] is None
+    assert runs["eagle3-k2"]["speculative_config"] == {
+        "method": "eagle3",
+        "model": str(tmp_path / "e3"),
+        "num_speculative_tokens": 2,
+    }
+    assert runs["suffix-k3"]["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 3}
+    # Suffix Decoding remembers earlier answers: its batched pass must not reuse the batch-1 pass's engine
+    assert runs["suffix-k2"].get("fresh_engine_per_pass") and not runs["ngram-k2"].get("fresh_engine_per_pass")
+    # one K keeps the plain names the single-K table and engines.json have always used
+    assert [r["name"] for r in compare.vllm_runs(exports, ["ngram"], [3])] == [
+        "plain",
+        "eagle3",
+        "vllm-medusa",
+        "ngram",
+    ]
+
+
+def test_chain_lengths_are_sorted_unique_and_positive(tmp_path):
+    python = tmp_path / "python"
+    python.touch()
+    assert parse_args(["--vllm-python", str(python), "--k", "5", "2", "3", "2"]).k == [2, 3, 5]
+    with pytest.raises(SpecHeadsError, match="--k"):
+        parse_args(["--vllm-python", str(python), "--k", "3", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--vllm-python", str(python), "--peers", "medusa"])
