@@ -10,7 +10,7 @@ torch and transformers pins differ from the project's. SPEC.json:
               {"name": "eagle3", "speculative_config": {"method": "eagle3", "model": DIR, ...}}]}
 
 OUT.json maps each run name to {loaded, error, output_ids, batch_output_ids, tokens_per_s_batch1,
-tokens_per_s_batch, spec}; spec holds vLLM's spec-decode counters over the batch-1 pass. OUT.json
+request_s, tokens_per_s_batch, spec}; spec holds vLLM's spec-decode counters over the batch-1 pass. OUT.json
 is rewritten (atomically) after every run, so a crash keeps the runs before it.
 
 Optional: "warmup_prompt" (token ids; default the first prompt) is the request that warms the
@@ -96,11 +96,11 @@ def run_one(spec, run):
         return {"loaded": False, "error": first_line(err)}
     try:
         before = spec_counters(llm)
-        outputs, tokens, wall = [], 0, 0.0
+        outputs, tokens, request_s = [], 0, []
         for p in prompts:  # batch 1: one request at a time
             t0 = time.perf_counter()
             res = llm.generate([p], params, use_tqdm=False)
-            wall += time.perf_counter() - t0
+            request_s.append(time.perf_counter() - t0)
             ids = list(res[0].outputs[0].token_ids)
             outputs.append(ids)
             tokens += len(ids)
@@ -119,7 +119,8 @@ def run_one(spec, run):
             "error": None,
             "output_ids": outputs,
             "batch_output_ids": batch_ids,
-            "tokens_per_s_batch1": tokens / wall if wall else 0.0,
+            "tokens_per_s_batch1": tokens / sum(request_s) if sum(request_s) else 0.0,
+            "request_s": request_s,  # each batch-1 request's wall time, in order
             "tokens_per_s_batch": sum(map(len, batch_ids)) / batch_wall if batch_wall else 0.0,
             "batch": spec["batch"],
             "spec": counters if run.get("speculative_config") else None,
