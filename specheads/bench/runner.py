@@ -3,7 +3,9 @@ one process, one JSON row per (question, method), a summary per method and categ
 
 Methods: baseline = the target's own decoding with transformers `generate`; plain = plain decoding
 through this package's own loop and forward path (no drafts); prompt_lookup = transformers' prompt
-lookup decoding; spec = this package's tree speculative decoding; hybrid = the head's tree and the
+lookup decoding; lookup = prompt lookup through this package's own loop (the text's repeats alone,
+bench.prompt_lookup_num_tokens nodes, n-grams up to tree.ngram_max, as hybrid drafts them without a
+head); spec = this package's tree speculative decoding; hybrid = the head's tree and the
 continuations of the text's own repeats merged into one tree (decode.drafters.HybridDrafter; prompt
 lookup through this package's loop when there is no head), with the share of accepted tokens that
 came from each source.
@@ -30,7 +32,7 @@ from ..config.infer import InferJobConfig
 from ..decode.baselines import PlainDrafter, hf_generate
 from ..decode.drafters import make_drafter, make_hybrid_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
-from ..decode.policy import describe_policy, hybrid_policy_for, tree_policy_for
+from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, tree_policy_for
 from .compared import open_compared_heads
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
@@ -253,6 +255,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         hybrid = hybrid_policy_for(session.head, settings.tree)
         path = str(session.head_dir) if session.head is not None else None
         spec_heads["hybrid"] = (make_hybrid_drafter(session.head, hybrid), hybrid, path)
+    if "lookup" in b.methods:
+        text_only = HybridPolicy(None, b.prompt_lookup_num_tokens, settings.tree.ngram_max)
+        spec_heads["lookup"] = (make_hybrid_drafter(None, text_only), text_only, None)
     spec_heads.update(open_compared_heads(b.heads, session))
     for method, (drafter, _, _) in spec_heads.items():
         # a tree chosen on the questions it is measured on flatters its head
@@ -343,6 +348,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     if "hybrid" in heads:
         report["hybrid"] = heads.pop("hybrid")
         report["hybrid"]["accepted_sources"] = source_shares([r for r in rows if r["method"] == "hybrid"])
+    if "lookup" in heads:
+        report["lookup"] = heads.pop("lookup")
     if heads:
         report["compared_heads"] = heads
     if "baseline" in methods:
@@ -380,6 +387,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             out.write(f"hybrid: {format_costs(info['costs'])}\n")
         if info["accepted_sources"]:
             out.write(f"hybrid: {format_shares(info['accepted_sources'])}\n")
+    if report.get("lookup", {}).get("costs"):
+        out.write(f"lookup ({report['lookup']['tree']}): {format_costs(report['lookup']['costs'])}\n")
     for m, info in report.get("compared_heads", {}).items():
         if info["costs"]:
             out.write(f"{m}: {format_costs(info['costs'])}\n")

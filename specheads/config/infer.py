@@ -14,7 +14,7 @@ from ..errors import SpecHeadsError
 from .model import ModelConfig
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
-METHODS = ("baseline", "plain", "prompt_lookup", "spec", "hybrid")
+METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
 TREE_SAVES = ("cache", "head", "none")
 DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is not given
 
@@ -41,6 +41,11 @@ class TreeConfig:
     ngram_max: int = 3
     ngram_nodes: int | None = None
     hybrid_paths: list[Any] | None = None
+    # > 0: when the text's last ngram_max tokens occurred before, the step drafts the (up to)
+    # text_alone tokens that followed them, without the head (a long repeat is then verified as
+    # cheaply as prompt lookup's chain); 0: every step drafts the merged tree. 8 measured best of
+    # hybrid's settings on the dev MT-bench (BENCHMARKS.md)
+    text_alone: int = 8
     # where tree=auto keeps the tree: cache = this machine's cache (tree=default uses it for this
     # head here; the head directory keeps the tree it came with); head = the head directory's own
     # default tree (config.json rewritten: for a head you just trained); none = this run only
@@ -112,6 +117,8 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
             raise SpecHeadsError(f"tree.{name} must be >= 1, got {getattr(t, name)}")
     if t.ngram_max < 1 or (t.ngram_nodes is not None and t.ngram_nodes < 0):
         raise SpecHeadsError(f"need tree.ngram_max >= 1 and tree.ngram_nodes >= 0, got {t.ngram_max}, {t.ngram_nodes}")
+    if t.text_alone < 0:
+        raise SpecHeadsError(f"need tree.text_alone >= 0 (0: off), got {t.text_alone}")
     # true / false: the values of the boolean this key was before
     t.save = {"true": "cache", "false": "none"}.get(str(t.save).lower(), str(t.save))
     if t.save not in TREE_SAVES:

@@ -169,7 +169,10 @@ class EagleDrafter:
     def advance(self, states: dict, tokens: Sequence[int], bonus: int) -> None:
         device = self.cache_device
         ids = torch.tensor([list(tokens[1:]) + [bonus]], dtype=torch.long, device=device)
-        self.pending = (ids, self._features(states))
+        feats = self._features(states)
+        if self.pending is not None:  # a step drafted without this head (HybridDrafter): feed both
+            ids, feats = torch.cat([self.pending[0], ids], dim=1), torch.cat([self.pending[1], feats], dim=1)
+        self.pending = (ids, feats)
 
     @property
     def cache_device(self) -> torch.device:
@@ -266,7 +269,9 @@ class SequentialDrafter:
         self.pending = states["final"]
 
     def advance(self, states: dict, tokens: Sequence[int], bonus: int) -> None:
-        self.pending = states["final"]
+        final = states["final"]
+        # a step drafted without this head (HybridDrafter) left its positions unfed: feed both
+        self.pending = final if self.pending is None else torch.cat([self.pending, final], dim=1)
 
     def rewind(self, n: int) -> None:
         """Queue the last n fed positions again (the prefix layer's cache forgets them)."""
@@ -350,6 +355,20 @@ def text_continuations(seq: Sequence[int], max_ngram: int, budget: int, max_len:
     return chains
 
 
+def repeat_continuation(seq: Sequence[int], n: int, max_len: int) -> list[int]:
+    """The tokens (at most max_len) that followed the most recent earlier occurrence of the text's
+    last n tokens; [] when they did not occur before (or nothing followed them)."""
+    seq = list(seq)
+    total = len(seq)
+    if max_len < 1 or total <= n:
+        return []
+    tail = seq[-n:]
+    for start in range(total - n - 1, -1, -1):  # most recent first, one token at least after it
+        if seq[start : start + n] == tail:
+            return seq[start + n : start + n + max_len]
+    return []
+
+
 class HybridDrafter:
     """One tree from two drafters: a head's tree (any family, or none) and the continuations of
     the text's own repeats (prompt and answer so far), merged by tree.merge_chains and verified in
@@ -385,11 +404,16 @@ class HybridDrafter:
             self.inner.rewind(n)
 
     def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        p = self.policy
+        if p.text_alone and self.inner is not None:
+            alone = repeat_continuation(self.text, p.ngram_max, min(p.text_alone, max_depth))
+            if alone:  # a long repeat: its chain alone, verified as cheaply as prompt lookup's
+                tokens, layout, self.sources = merge_chains([root], TreeLayout((-1,)), [alone])
+                return tokens, layout
         if self.inner is not None:
             tokens, layout = self.inner.draft(root, prefix_len, max_depth)
         else:
             tokens, layout = [root], TreeLayout((-1,))
-        p = self.policy
         chains = text_continuations(self.text, p.ngram_max, p.ngram_nodes, max_depth)
         tokens, layout, self.sources = merge_chains(tokens, layout, chains)
         return tokens, layout

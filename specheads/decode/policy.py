@@ -87,6 +87,9 @@ class HybridPolicy:
     head: TreePolicy | None
     ngram_nodes: int = DEFAULT_NGRAM_NODES
     ngram_max: int = 3
+    # > 0: a step whose last ngram_max tokens occurred earlier in the text drafts the (up to)
+    # text_alone tokens that followed them there, alone: no head drafting, a chain to verify
+    text_alone: int = 0
 
 
 def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
@@ -110,13 +113,21 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
             check_depth(head, policy)
     else:
         policy = tree_policy_for(head, tree)
-    return HybridPolicy(policy, DEFAULT_NGRAM_NODES if nodes is None else int(nodes), tree.ngram_max)
+    nodes = DEFAULT_NGRAM_NODES if nodes is None else int(nodes)
+    return HybridPolicy(policy, nodes, tree.ngram_max, tree.text_alone)
 
 
 def describe_policy(policy: TreePolicy | HybridPolicy) -> str:
     if isinstance(policy, HybridPolicy):
         head = describe_policy(policy.head) if policy.head is not None else "no head"
-        return f"hybrid: {head} + up to {policy.ngram_nodes} text-continuation nodes (n-gram <= {policy.ngram_max})"
+        alone = (
+            f"; {policy.text_alone} text tokens alone after a repeated {policy.ngram_max}-gram"
+            if policy.text_alone
+            else ""
+        )
+        return (
+            f"hybrid: {head} + up to {policy.ngram_nodes} text-continuation nodes (n-gram <= {policy.ngram_max}){alone}"
+        )
     if isinstance(policy, StaticTree):
         return f"static tree ({policy.size - 1} nodes, depth {policy.layout.max_depth})"
     return f"dynamic tree (depth {policy.depth}, top_k {policy.top_k}, {policy.total_tokens} nodes)"

@@ -138,8 +138,8 @@ def test_run_benchmark_in_process(tmp_path, tiny_target, family):
 
     report = run_benchmark(settings, Session(tiny_target, head, tmp_path / "head", {}), out=Out())
     rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 * 5
-    assert {r["method"] for r in rows} == {"baseline", "plain", "prompt_lookup", "spec", "hybrid"}
+    assert len(rows) == 3 * 6
+    assert {r["method"] for r in rows} == {"baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid"}
     for r in rows:
         assert ROW_FIELDS <= set(r)
         assert r["new_tokens"] == len(r["output_ids"]) <= 12
@@ -149,12 +149,13 @@ def test_run_benchmark_in_process(tmp_path, tiny_target, family):
     assert report["identical_to_baseline"]["spec"] == {"equal": 3, "total": 3, "divergences": []}
     assert report["identical_to_baseline"]["plain"]["equal"] == 3  # our own loop, no drafts
     assert report["identical_to_baseline"]["hybrid"] == {"equal": 3, "total": 3, "divergences": []}
+    assert report["identical_to_baseline"]["lookup"] == {"equal": 3, "total": 3, "divergences": []}
     hybrid_rows = [r for r in rows if r["method"] == "hybrid"]
     assert all("accepted_sources" in r and "accepted_sources" not in s for r, s in zip(hybrid_rows, spec_rows))
     plain_rows = [r for r in rows if r["method"] == "plain"]
     assert all(r["target_forwards"] == r["new_tokens"] - 1 and set(r["tree_sizes"]) == {1} for r in plain_rows)
     summary = json.loads((tmp_path / "out" / "res.summary.json").read_text())
-    assert set(summary["methods"]) == {"baseline", "plain", "prompt_lookup", "spec", "hybrid"}
+    assert set(summary["methods"]) == {"baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid"}
     assert summary["methods"]["plain"]["all"]["tau"] == 1.0
     assert set(summary["methods"]["spec"]) == {"all", "writing", "math"}
     for key in (
@@ -177,6 +178,10 @@ def test_run_benchmark_in_process(tmp_path, tiny_target, family):
     assert hybrid["tree"].startswith("hybrid: dynamic tree") and hybrid["costs"]["verify_ms"] > 0
     assert set(hybrid["accepted_sources"]) == {"head", "text", "both", "accepted"}
     assert "hybrid: spec step: draft" in text and "hybrid: accepted drafts" in text
+    # prompt lookup through our own loop: the text's repeats alone, no head
+    lookup = summary["lookup"]
+    assert lookup["head"] is None and lookup["tree"].startswith("hybrid: no head + up to 10 text")
+    assert "lookup (hybrid: no head" in text and "compared_heads" not in summary
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
 
 

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from specheads.bench.inputs import eos_token_ids
 from specheads.decode.baselines import PlainDrafter
-from specheads.decode.drafters import HybridDrafter, grow_tree, make_drafter
+from specheads.decode.drafters import EagleDrafter, HybridDrafter, grow_tree, make_drafter, repeat_continuation
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
 from specheads.decode.policy import HybridPolicy
 from specheads.decode.tree import TreeLayout, static_tree
@@ -439,6 +439,107 @@ def test_hybrid_trees_give_exact_greedy_output(drafts, target, heads, sequences)
         accepted.update(res.accepted_sources)
     # both drafters' nodes were accepted
     assert accepted["text"] + accepted["both"] > 0 and accepted["head"] + accepted["both"] > 0, accepted
+
+
+class RecordingText(PlantedText):
+    """PlantedText that records every step's tree (tokens and parents) and its text-alone steps."""
+
+    def __init__(self, inner, policy, planted):
+        super().__init__(inner, policy, planted)
+        self.trees, self.alone = [], 0
+
+    def draft(self, root, prefix_len, max_depth):
+        p = self.policy
+        alone = bool(p.text_alone and repeat_continuation(self.text, p.ngram_max, min(p.text_alone, max_depth)))
+        self.alone += alone
+        tokens, layout = self.draft_tree(root, prefix_len, max_depth, alone)
+        self.trees.append((tuple(tokens), layout.parents))
+        return tokens, layout
+
+    def draft_tree(self, root, prefix_len, max_depth, alone):
+        return HybridDrafter.draft(self, root, prefix_len, max_depth)
+
+
+class FedEveryStep(RecordingText):
+    """The plain way: on a text-alone step the head still drafts (and so is fed); its tree is dropped."""
+
+    def draft_tree(self, root, prefix_len, max_depth, alone):
+        if alone:
+            self.inner.draft(root, prefix_len, max_depth)
+        return HybridDrafter.draft(self, root, prefix_len, max_depth)
+
+
+def text_alone_runs(target, head, prompt, planted, policy, n=30):
+    runs = []
+    for kind in (RecordingText, FedEveryStep):
+        drafter = kind(make_drafter(head, POLICIES["wide"]), policy, planted)
+        res = speculative_generate(target, drafter, prompt, SamplingConfig(max_new_tokens=n))
+        runs.append((drafter, res))
+    return runs
+
+
+def hydra_prefix_head(target):
+    from specheads.config.train import HeadConfig
+    from specheads.heads import build_head
+
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(family="hydra", num_heads=4, hydra_prefix_layer=True), target)
+    with torch.no_grad():
+        for q in head.parameters():
+            q.add_(0.05 * torch.randn_like(q))
+    return head.eval()
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "hydra-prefix"])
+def test_text_alone_steps_skip_the_head_and_keep_its_state(family, target, heads, sequences):
+    """A step that drafts the text's repeat alone skips the head; the positions it accepts reach
+    the head at its next draft, so every later tree equals the one of a head fed at every step
+    (the plain way), and the output is the target's own greedy output, fp32."""
+    head = hydra_prefix_head(target) if family == "hydra-prefix" else heads[family, "trained"]
+    alone_steps = head_accepted = 0
+    for seed in range(3):
+        rng = random.Random(seed)
+        prompt = sequences[1 + seed : 2 + seed, :8]
+        ref = hf_greedy(target, prompt, 30)
+        answer = [t if rng.random() < 0.8 else rng.randrange(320) for t in ref]
+        policy = HybridPolicy(None, ngram_nodes=2, ngram_max=rng.randint(2, 3), text_alone=rng.randint(2, 8))
+        (skipping, res), (fed, res_fed) = text_alone_runs(target, head, prompt, prompt[0].tolist() + answer, policy)
+        assert res.output_ids == ref and res_fed.output_ids == ref, seed
+        assert skipping.trees == fed.trees, seed
+        alone_steps += skipping.alone
+        head_accepted += res.accepted_sources.get("head", 0) + res.accepted_sources.get("both", 0)
+    assert alone_steps > 0  # steps were drafted from the text alone
+    if family != "hydra-prefix":  # (an untrained head: its trees are compared, not accepted)
+        assert head_accepted > 0  # and the head drafted, and was accepted, around them
+
+
+def test_the_text_alone_check_fails_when_skipped_positions_are_dropped(target, heads, sequences, monkeypatch):
+    """The same comparison with an EAGLE drafter that forgets the positions of a skipped step."""
+
+    def forgetful(self, states, tokens, bonus):
+        ids = torch.tensor([list(tokens[1:]) + [bonus]], dtype=torch.long, device=self.cache_device)
+        self.pending = (ids, self._features(states))  # overwrites what the skipped step left
+
+    monkeypatch.setattr(EagleDrafter, "advance", forgetful)
+    differ = 0
+    for seed in range(3):
+        rng = random.Random(seed)
+        prompt = sequences[1 + seed : 2 + seed, :8]
+        ref = hf_greedy(target, prompt, 30)
+        answer = [t if rng.random() < 0.8 else rng.randrange(320) for t in ref]
+        policy = HybridPolicy(None, ngram_nodes=2, ngram_max=2, text_alone=6)
+        planted = prompt[0].tolist() + answer
+        (skipping, _), (fed, _) = text_alone_runs(target, heads["eagle", "trained"], prompt, planted, policy)
+        differ += skipping.trees != fed.trees
+    assert differ > 0
+
+
+def test_repeat_continuation_is_the_most_recent_longest_match():
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert repeat_continuation(seq, 3, 2) == [7, 8]  # the most recent earlier "1 2 3"
+    assert repeat_continuation(seq, 3, 10) == [7, 8, 5, 1, 2, 3]
+    assert repeat_continuation(seq[:-1] + [4], 3, 5) == []  # "1 2 4" never occurred
+    assert repeat_continuation([1, 2], 2, 5) == [] and repeat_continuation(seq, 3, 0) == []
 
 
 @pytest.mark.slow

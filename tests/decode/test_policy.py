@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from specheads.config.infer import TreeConfig
+from specheads.config.infer import InferJobConfig, TreeConfig, validate
 from specheads.config.train import HeadConfig
 from specheads.decode.drafters import EagleDrafter, MedusaDrafter, make_drafter
 from specheads.decode.policy import (
@@ -72,15 +72,20 @@ def test_hybrid_policies(tiny_target):
     """The hybrid split: tree=auto's, else the one stored with the head's calibration under
     tree=default, else the head's own tree and tree.ngram_nodes; text only without a head."""
     eagle = build_head(HeadConfig(family="eagle"), tiny_target)
-    assert hybrid_policy_for(None, TreeConfig()) == HybridPolicy(None, DEFAULT_NGRAM_NODES, 3)
-    plain = hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=2, ngram_nodes=5, ngram_max=2))
-    assert plain == HybridPolicy(static_tree(chain_paths(2)), 5, 2)
+    assert hybrid_policy_for(None, TreeConfig()) == HybridPolicy(None, DEFAULT_NGRAM_NODES, 3, 8)
+    plain = hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=2, ngram_nodes=5, ngram_max=2, text_alone=0))
+    assert plain == HybridPolicy(static_tree(chain_paths(2)), 5, 2, 0)
     eagle.calibration = {"hybrid": {"paths": [[0], [1]], "ngram_nodes": 6}}
     stored = hybrid_policy_for(eagle, TreeConfig(kind="default"))
     assert stored.head.paths == ((0,), (1,)) and stored.ngram_nodes == 6
     assert hybrid_policy_for(eagle, TreeConfig(kind="default", ngram_nodes=2)).ngram_nodes == 2
     assert hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=3)).head.size == 4  # asked for: not the stored one
     auto = hybrid_policy_for(eagle, TreeConfig(kind="static", paths=[[0]], hybrid_paths=[], ngram_nodes=4))
-    assert auto == HybridPolicy(None, 4, 3)  # calibration gave the head no node
+    assert auto == HybridPolicy(None, 4, 3, 8)  # calibration gave the head no node
     assert "hybrid: no head + up to 4 text" in describe_policy(auto)
+    assert describe_policy(hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=2))).endswith(
+        "; 8 text tokens alone after a repeated 3-gram"
+    )
+    with pytest.raises(SpecHeadsError, match="text_alone"):
+        validate(InferJobConfig(tree=TreeConfig(text_alone=-1)))
     assert "static tree (2 nodes" in describe_policy(stored)
