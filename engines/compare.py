@@ -403,9 +403,10 @@ def run_name(name: str, k: int, ks: Sequence[int]) -> str:
     return name if len(ks) == 1 else f"{name}-k{k}"
 
 
-def chain_lengths(fmt: str, ks: Sequence[int]) -> list[int]:
-    """The K a format runs at: every K, but a Medusa export only at the largest (one head a token)."""
-    return [max(ks)] if FORMATS[fmt][0] == "medusa" else list(ks)
+def chain_lengths(family: str, ks: Sequence[int]) -> list[int]:
+    """The K a head family runs at: every K, but Medusa only at the largest (vLLM drafts one token
+    per Medusa head)."""
+    return [max(ks)] if family == "medusa" else list(ks)
 
 
 def vllm_runs(exports: dict, peers: Sequence[str], ks: Sequence[int]) -> list[dict]:
@@ -413,7 +414,7 @@ def vllm_runs(exports: dict, peers: Sequence[str], ks: Sequence[int]) -> list[di
     runs = [{"name": "plain", "speculative_config": None}]
     for k in ks:
         for fmt, path in exports.items():
-            if k in chain_lengths(fmt, ks):
+            if k in chain_lengths(FORMATS[fmt][0], ks):
                 config = {"method": FORMATS[fmt][1], "model": str(path), "num_speculative_tokens": k}
                 runs.append({"name": run_name(fmt, k, ks), "speculative_config": config})
         for peer in peers:
@@ -432,7 +433,7 @@ def run(args: argparse.Namespace) -> dict:
     families = sorted({FORMATS[f][0] for f in args.formats})
     given = {"eagle3": args.eagle3_head, "eagle": args.eagle_head, "medusa": args.medusa_head}
     to_train = [f for f in families if given[f] is None]
-    chains = [(fam, k) for fam in families for k in ([max(ks)] if fam == "medusa" else ks)]
+    chains = [(fam, k) for fam in families for k in chain_lengths(fam, ks)]
     with tqdm(
         total=len(to_train) + len(args.formats) + len(chains), desc="engines", unit="step", file=sys.stderr
     ) as bar:
@@ -471,7 +472,7 @@ def run(args: argparse.Namespace) -> dict:
     infer = {
         run_name(fmt, k, ks): by_chain[run_name(FORMATS[fmt][0], k, ks)]
         for fmt in args.formats
-        for k in chain_lengths(fmt, ks)
+        for k in chain_lengths(FORMATS[fmt][0], ks)
     }
     tables, rows = [], []
     for k in ks:
