@@ -7,6 +7,7 @@ one, so the trainer never branches on the number of processes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -83,9 +84,12 @@ def end_distributed(finished: bool = True) -> None:
     """Leave the process group. A finished rank first waits at a barrier for its peers: a gloo rank
     that exits while a peer still holds its connection can abort in its C++ teardown
     ("terminate called without an active exception"). A failing rank leaves at once, since its peers
-    may never reach the barrier."""
+    may never reach the barrier. What still holds the group (ZeRO-3 parameters of a model the job
+    let go of, in reference cycles) is collected first, not at interpreter exit, where the same
+    teardown abort was seen."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    gc.collect()
     if finished and dist.get_world_size() > 1:
         dist.barrier()
     dist.destroy_process_group()

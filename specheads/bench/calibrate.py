@@ -13,9 +13,11 @@
 4. The hybrid tree (the head's tree + continuations of the text's repeats, decode.drafters.
    HybridDrafter): at the same positions the text drafter's nodes are listed in the order it
    adds them, so for g text nodes its accepted length A_t(g) is known; a merged tree accepts the
-   longer of the two paths, max(A_h(n), A_t(g)). The pair (n, g), n = 0 meaning no head nodes,
-   with the most expected tokens per second (its verify cost at the mean merged size, the head's
-   drafting, the lookup) is stored in the calibration record as "hybrid".
+   longer of the two paths, max(A_h(n), A_t(g)). A text-alone rule (m, L) makes the steps whose
+   last m tokens recurred verify L text nodes alone, without the head's drafting. The setting
+   (n, g, rule), n = 0 meaning no head nodes, with the most expected tokens per second (its
+   verify cost at each step's merged size, the head's drafting, the lookup) is stored in the
+   calibration record as "hybrid".
 
 The tree goes to this machine's cache (bench/trees.py), not into the head directory, unless
 tree.save=head asks for that; its record names the prompts it was measured on.
@@ -170,16 +172,19 @@ def time_draft(
     return min(times)
 
 
-def text_acceptance(ids: Sequence[int], answer_start: int, ngram_max: int, max_nodes: int) -> list[tuple[int, ...]]:
+def text_acceptance(
+    ids: Sequence[int], answer_start: int, ngram_max: int, max_nodes: int, min_ngram: int = 1
+) -> list[tuple[int, ...]]:
     """For each answer position (those of rank_vectors), the accepted length of the text drafter
-    with g = 0..max_nodes nodes (entry g), cut where it runs out of nodes."""
+    (n-grams min_ngram..ngram_max) with g = 0..max_nodes nodes (entry g), cut where it runs out of
+    nodes: an entry of length 1 means the text drafted nothing there."""
     full = list(ids)
     out = []
     for t in range(answer_start - 1, len(full) - 2):  # tree rooted at token t+1
         truth = full[t + 2 :]
         order: list[tuple[int, ...]] = []  # the nodes as the drafter adds them (a prefix-closed order)
         seen: set[tuple[int, ...]] = set()
-        for chain in text_continuations(full[: t + 2], ngram_max, max_nodes, max_nodes):
+        for chain in text_continuations(full[: t + 2], ngram_max, max_nodes, max_nodes, min_ngram):
             for m in range(1, len(chain) + 1):
                 if tuple(chain[:m]) not in seen:
                     seen.add(tuple(chain[:m]))
@@ -211,10 +216,39 @@ def hybrid_choice(
     head_rows: Sequence[dict],
     target_s: dict[int, float],
     lookup_s: float,
+    alone: dict[int, Sequence[tuple[int, ...]]] | None = None,
+    alone_sizes: Sequence[int] = TEXT_NODES[1:],
 ) -> list[dict]:
-    """Every (head nodes, text nodes) pair scored: expected tau of the merged tree, its mean size,
-    tokens per second. head_rows: the head-only rows (nodes, paths, draft_ms); vectors and text
-    hold the same positions."""
+    """Every hybrid setting scored: expected tau, tokens per second. head_rows: the head-only rows
+    (nodes, paths, draft_ms); vectors, text and each alone[m] hold the same positions.
+
+    A setting is (head nodes n, text nodes g) and a text-alone rule: none, or (m, L): where the
+    text's last m tokens (or more) occurred before (alone[m] = text_acceptance with min_ngram=m
+    drafted something), the step verifies the text's L nodes alone, with no head drafting; every
+    other step verifies the merged tree, which accepts max(A_head(n), A_text(g)). Steps are
+    counted as positions, as for the head's tree; the head's catch-up after a skipped step (one
+    forward over a few more positions) is not priced.
+    """
+    alone = alone or {}
+    verify = {}
+
+    def cost(nodes: int) -> float:
+        if nodes not in verify:
+            verify[nodes] = interpolate(target_s, nodes)
+        return verify[nodes]
+
+    # the text-alone steps of each rule (m, L): where they fire, and their summed tokens and cost
+    fires = {m: [len(a) > 1 for a in rows] for m, rows in alone.items()}
+    alone_sums = {}
+    for m, rows in alone.items():
+        for size in alone_sizes:
+            acc = cost_s = 0.0
+            for a in rows:
+                if len(a) > 1:
+                    used = min(size, len(a) - 1)
+                    acc += 1 + a[used]
+                    cost_s += cost(1 + used) + lookup_s
+            alone_sums[m, size] = (acc, cost_s)
     out = []
     heads = [{"nodes": 0, "paths": [], "draft_ms": 0.0}, *head_rows]
     for h in heads:
@@ -223,33 +257,46 @@ def hybrid_choice(
         for g in TEXT_NODES:
             if h["nodes"] == 0 and g == 0:
                 continue
-            accepted, cost = 0.0, 0.0
+            step_tokens, step_cost = [], []
             for a_h, a_t in zip(head_acc, text):
                 used = min(g, len(a_t) - 1)
-                accepted += max(a_h, a_t[used])
-                cost += interpolate(target_s, 1 + h["nodes"] + used)
-            n = len(text)
-            step = cost / n + h["draft_ms"] / 1e3 + (lookup_s if g else 0.0)
-            tau = 1 + accepted / n
-            out.append(
-                {
-                    "head_nodes": h["nodes"],
-                    "ngram_nodes": g,
-                    "paths": h["paths"],
-                    "tau": tau,
-                    "tokens_per_s": tau / step,
-                }
-            )
+                step_tokens.append(1 + max(a_h, a_t[used]))
+                step_cost.append(cost(1 + h["nodes"] + used) + h["draft_ms"] / 1e3 + (lookup_s if g else 0.0))
+            rules = [(0, 0, sum(step_tokens), sum(step_cost))]
+            if h["nodes"]:  # without a head there is nothing to skip
+                for m, fired in fires.items():
+                    rest_tokens = sum(x for x, f in zip(step_tokens, fired) if not f)
+                    rest_cost = sum(c + (0.0 if g else lookup_s) for c, f in zip(step_cost, fired) if not f)
+                    for size in alone_sizes:
+                        acc, cost_s = alone_sums[m, size]
+                        rules.append((size, m, rest_tokens + acc, rest_cost + cost_s))
+            for size, m, tokens, seconds in rules:
+                out.append(
+                    {
+                        "head_nodes": h["nodes"],
+                        "ngram_nodes": g,
+                        "paths": h["paths"],
+                        "text_alone": size,
+                        "text_alone_ngram": m,
+                        "tau": tokens / len(text),
+                        "tokens_per_s": tokens / seconds,
+                    }
+                )
     return out
 
 
 def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vectors, rows, target_s, out) -> dict:
-    """Step 4 of the module's recipe: the best split of a hybrid tree between head and text."""
+    """Step 4 of the module's recipe: the best split of a hybrid tree between head and text, and
+    the text-alone rule (tree.text_alone and tree.text_alone_ngram when given, else every rule)."""
     t = settings.tree
     top = max(TEXT_NODES)
-    text = []
+    triggers = [t.text_alone_ngram] if t.text_alone_ngram is not None else range(1, t.ngram_max + 1)
+    sizes = list(TEXT_NODES[1:]) if t.text_alone is None else [t.text_alone] if t.text_alone else []
+    text, alone = [], {m: [] for m in triggers if sizes}
     for ids, full in zip(prompts, contexts):
         text += text_acceptance(full, len(ids), t.ngram_max, top)
+        for m in alone:
+            alone[m] += text_acceptance(full, len(ids), t.ngram_max, max(sizes), min_ngram=m)
     longest = max(r["nodes"] for r in rows) + top + 1
     missing = sorted(({n for n in SIZES if n <= longest} | {longest}) - set(target_s))
     context = max(contexts, key=len)
@@ -263,19 +310,26 @@ def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vector
         t0 = time.perf_counter()
         text_continuations(context, t.ngram_max, top, top)
         times.append(time.perf_counter() - t0)
-    scored = hybrid_choice(vectors, text, rows, target_s, min(times))
+    scored = hybrid_choice(vectors, text, rows, target_s, min(times), alone, sizes)
     best = max(scored, key=lambda r: r["tokens_per_s"])
     plain = 1 / target_s[1]
     head_best = max(r["tokens_per_s"] for r in rows)
+    rule = (
+        f"; up to {best['text_alone']} text nodes alone after a repeated {best['text_alone_ngram']}+-gram"
+        if best["text_alone"]
+        else "; no text-alone steps"
+    )
     out.write(
-        f"hybrid: {best['head_nodes']} head nodes + up to {best['ngram_nodes']} text nodes (n-gram <= {t.ngram_max}): "
-        f"tau {best['tau']:.2f}, expected speedup {best['tokens_per_s'] / plain:.2f}x "
+        f"hybrid: {best['head_nodes']} head nodes + up to {best['ngram_nodes']} text nodes (n-gram <= {t.ngram_max})"
+        f"{rule}: tau {best['tau']:.2f}, expected speedup {best['tokens_per_s'] / plain:.2f}x "
         f"(the head's tree alone {head_best / plain:.2f}x)\n"
     )
     return {
         "paths": best["paths"],
         "ngram_nodes": best["ngram_nodes"],
         "ngram_max": t.ngram_max,
+        "text_alone": best["text_alone"],
+        "text_alone_ngram": best["text_alone_ngram"] or t.ngram_max,
         "tau": round(best["tau"], 4),
         "expected_speedup": round(best["tokens_per_s"] / plain, 4),
     }
@@ -405,5 +459,11 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         out.write(f"stored for this machine in {path}: tree=default uses it for this head here\n")
     out.flush()
     return dataclasses.replace(
-        t, kind="static", paths=best["paths"], hybrid_paths=hybrid["paths"], ngram_nodes=hybrid["ngram_nodes"]
+        t,
+        kind="static",
+        paths=best["paths"],
+        hybrid_paths=hybrid["paths"],
+        ngram_nodes=hybrid["ngram_nodes"],
+        text_alone=hybrid["text_alone"],
+        text_alone_ngram=hybrid["text_alone_ngram"],
     )

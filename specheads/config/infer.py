@@ -41,11 +41,13 @@ class TreeConfig:
     ngram_max: int = 3
     ngram_nodes: int | None = None
     hybrid_paths: list[Any] | None = None
-    # > 0: when the text's last ngram_max tokens occurred before, the step drafts the (up to)
-    # text_alone tokens that followed them, without the head (a long repeat is then verified as
-    # cheaply as prompt lookup's chain); 0: every step drafts the merged tree. 8 measured best of
-    # hybrid's settings on the dev MT-bench (BENCHMARKS.md)
-    text_alone: int = 8
+    # > 0: when the text's last text_alone_ngram tokens (or more, up to ngram_max) occurred before,
+    # the step drafts what followed them, text_alone nodes at most, without the head (a long repeat
+    # is then verified as cheaply as prompt lookup's chain); 0: every step drafts the merged tree.
+    # None: the calibrated rule (tree=auto, or stored with the head), else 8 nodes after a repeated
+    # ngram_max-gram
+    text_alone: int | None = None
+    text_alone_ngram: int | None = None
     # where tree=auto keeps the tree: cache = this machine's cache (tree=default uses it for this
     # head here; the head directory keeps the tree it came with); head = the head directory's own
     # default tree (config.json rewritten: for a head you just trained); none = this run only
@@ -117,8 +119,12 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
             raise SpecHeadsError(f"tree.{name} must be >= 1, got {getattr(t, name)}")
     if t.ngram_max < 1 or (t.ngram_nodes is not None and t.ngram_nodes < 0):
         raise SpecHeadsError(f"need tree.ngram_max >= 1 and tree.ngram_nodes >= 0, got {t.ngram_max}, {t.ngram_nodes}")
-    if t.text_alone < 0:
+    if t.text_alone is not None and t.text_alone < 0:
         raise SpecHeadsError(f"need tree.text_alone >= 0 (0: off), got {t.text_alone}")
+    if t.text_alone_ngram is not None and not 1 <= t.text_alone_ngram <= t.ngram_max:
+        raise SpecHeadsError(
+            f"need 1 <= tree.text_alone_ngram <= tree.ngram_max ({t.ngram_max}), got {t.text_alone_ngram}"
+        )
     # true / false: the values of the boolean this key was before
     t.save = {"true": "cache", "false": "none"}.get(str(t.save).lower(), str(t.save))
     if t.save not in TREE_SAVES:

@@ -318,10 +318,12 @@ def make_drafter(head, policy: TreePolicy):
     return DRAFTERS[head.draft_kind](head, policy)
 
 
-def text_continuations(seq: Sequence[int], max_ngram: int, budget: int, max_len: int) -> list[list[int]]:
+def text_continuations(
+    seq: Sequence[int], max_ngram: int, budget: int, max_len: int, min_ngram: int = 1
+) -> list[list[int]]:
     """What followed the text's last n-gram where it occurred before (prompt lookup, as a trie).
 
-    n runs from max_ngram down to 1 (longer matches first); for each n the most recent earlier
+    n runs from max_ngram down to min_ngram (longer matches first); for each n the most recent earlier
     occurrence comes first. Each continuation is cut at max_len tokens, and continuations are
     taken while their trie (shared prefixes counted once) has at most `budget` nodes, so the
     first one can take the whole budget, as a single prompt-lookup chain would.
@@ -332,7 +334,7 @@ def text_continuations(seq: Sequence[int], max_ngram: int, budget: int, max_len:
     if budget < 1 or max_len < 1:
         return chains
     trie: set[tuple[int, ...]] = set()
-    for n in range(min(max_ngram, total - 1), 0, -1):
+    for n in range(min(max_ngram, total - 1), max(min_ngram, 1) - 1, -1):
         tail = seq[-n:]
         last = tail[-1]
         for start in range(total - n - 1, -1, -1):  # an occurrence with at least one token after it
@@ -353,20 +355,6 @@ def text_continuations(seq: Sequence[int], max_ngram: int, budget: int, max_len:
             if len(trie) == budget:
                 return chains
     return chains
-
-
-def repeat_continuation(seq: Sequence[int], n: int, max_len: int) -> list[int]:
-    """The tokens (at most max_len) that followed the most recent earlier occurrence of the text's
-    last n tokens; [] when they did not occur before (or nothing followed them)."""
-    seq = list(seq)
-    total = len(seq)
-    if max_len < 1 or total <= n:
-        return []
-    tail = seq[-n:]
-    for start in range(total - n - 1, -1, -1):  # most recent first, one token at least after it
-        if seq[start : start + n] == tail:
-            return seq[start + n : start + n + max_len]
-    return []
 
 
 class HybridDrafter:
@@ -406,9 +394,9 @@ class HybridDrafter:
     def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
         p = self.policy
         if p.text_alone and self.inner is not None:
-            alone = repeat_continuation(self.text, p.ngram_max, min(p.text_alone, max_depth))
-            if alone:  # a long repeat: its chain alone, verified as cheaply as prompt lookup's
-                tokens, layout, self.sources = merge_chains([root], TreeLayout((-1,)), [alone])
+            alone = text_continuations(self.text, p.ngram_max, p.text_alone, max_depth, min_ngram=p.alone_ngram)
+            if alone:  # a long repeat: its continuations alone, verified as cheaply as prompt lookup's
+                tokens, layout, self.sources = merge_chains([root], TreeLayout((-1,)), alone)
                 return tokens, layout
         if self.inner is not None:
             tokens, layout = self.inner.draft(root, prefix_len, max_depth)

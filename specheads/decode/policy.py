@@ -77,6 +77,9 @@ def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
 
 
 DEFAULT_NGRAM_NODES = 8  # text-continuation nodes of a hybrid tree that no calibration chose
+# text-alone nodes after a repeated ngram_max-gram that no calibration chose: 8 measured best of
+# hybrid's uncalibrated settings on the dev MT-bench (BENCHMARKS.md)
+DEFAULT_TEXT_ALONE = 8
 
 
 @dataclass(frozen=True)
@@ -87,22 +90,32 @@ class HybridPolicy:
     head: TreePolicy | None
     ngram_nodes: int = DEFAULT_NGRAM_NODES
     ngram_max: int = 3
-    # > 0: a step whose last ngram_max tokens occurred earlier in the text drafts the (up to)
-    # text_alone tokens that followed them there, alone: no head drafting, a chain to verify
+    # > 0: a step whose last alone_ngram (or more, up to ngram_max) tokens occurred earlier in the
+    # text drafts the text's continuations alone, text_alone nodes at most: no head drafting
     text_alone: int = 0
+    alone_ngram: int = 0  # 0: ngram_max
+
+    def __post_init__(self):
+        if self.alone_ngram == 0:
+            object.__setattr__(self, "alone_ngram", self.ngram_max)
+        if not 1 <= self.alone_ngram <= self.ngram_max:
+            raise SpecHeadsError(f"the text-alone trigger must be 1..{self.ngram_max} tokens, got {self.alone_ngram}")
 
 
 def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
-    """The hybrid tree to draft. tree=auto's split (tree.hybrid_paths and tree.ngram_nodes, set by
-    calibration) first; with tree=default, the split stored with the head's calibration; else the
-    head's own tree (tree_policy_for) and tree.ngram_nodes text nodes. Without a head: text only."""
+    """The hybrid tree to draft. tree=auto's split (tree.hybrid_paths, tree.ngram_nodes and the
+    text-alone rule, set by calibration) first; with tree=default, the split stored with the head's
+    calibration; else the head's own tree (tree_policy_for) and tree.ngram_nodes text nodes. A
+    setting given explicitly wins over a stored one. Without a head: text only."""
     stored = ((getattr(head, "calibration", None) or {}).get("hybrid") or {}) if head is not None else {}
-    nodes = tree.ngram_nodes
+    nodes, alone, alone_ngram = tree.ngram_nodes, tree.text_alone, tree.text_alone_ngram
     if tree.hybrid_paths is not None:
         paths = tree.hybrid_paths
     elif tree.kind == "default" and stored.get("paths") is not None:
         paths = stored["paths"]
         nodes = stored.get("ngram_nodes") if nodes is None else nodes
+        alone = stored.get("text_alone") if alone is None else alone
+        alone_ngram = stored.get("text_alone_ngram") if alone_ngram is None else alone_ngram
     else:
         paths = None
     if head is None:
@@ -114,14 +127,17 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
     else:
         policy = tree_policy_for(head, tree)
     nodes = DEFAULT_NGRAM_NODES if nodes is None else int(nodes)
-    return HybridPolicy(policy, nodes, tree.ngram_max, tree.text_alone)
+    alone = DEFAULT_TEXT_ALONE if alone is None else int(alone)
+    alone_ngram = tree.ngram_max if alone_ngram is None else min(int(alone_ngram), tree.ngram_max)
+    return HybridPolicy(policy, nodes, tree.ngram_max, alone, alone_ngram)
 
 
 def describe_policy(policy: TreePolicy | HybridPolicy) -> str:
     if isinstance(policy, HybridPolicy):
         head = describe_policy(policy.head) if policy.head is not None else "no head"
         alone = (
-            f"; {policy.text_alone} text tokens alone after a repeated {policy.ngram_max}-gram"
+            f"; up to {policy.text_alone} text nodes alone after a repeated "
+            f"{policy.alone_ngram}{'+' if policy.alone_ngram < policy.ngram_max else ''}-gram"
             if policy.text_alone
             else ""
         )

@@ -2,6 +2,7 @@
 
 import io
 import json
+import random
 import types
 
 import pytest
@@ -12,6 +13,8 @@ from specheads.bench.calibrate import (
     TEXT_NODES,
     best_paths,
     calibrate_tree,
+    hybrid_choice,
+    interpolate,
     path_frequencies,
     rank_vectors,
     text_acceptance,
@@ -106,6 +109,112 @@ def test_the_hybrid_model_predicts_what_the_hybrid_loop_accepts(family, tiny_tar
     assert checked >= 3 and from_text >= 1
 
 
+@pytest.mark.parametrize("trigger", [1, 2])
+def test_the_text_alone_model_predicts_what_the_loop_accepts(trigger, tiny_target, sequences):
+    """With a text-alone rule (trigger m, L nodes), a step whose last m tokens recurred accepts
+    what the text's L nodes alone accept (text_acceptance with min_ngram=m), any other step
+    max(head's path, text's path): the calibration's model, checked against the real loop."""
+    head = quick_head(tiny_target, "eagle3", sequences, steps=60)
+    paths = [[0], [1]]
+    tree = {tuple(p) for p in paths}
+    prompt = sequences[2:3, :8]
+    ref = tiny_target.model.generate(prompt, max_new_tokens=32, do_sample=False)[0, 8:].tolist()
+    planted = prompt[0].tolist() + [t if i % 5 != 2 else (t + 1) % 320 for i, t in enumerate(ref)]
+    g, size = 3, 6
+    policy = HybridPolicy(None, g, 2, text_alone=size, alone_ngram=trigger)
+    res = speculative_generate(
+        tiny_target, PlantedText(make_drafter(head, static_tree(paths)), policy, planted), prompt, SamplingConfig(32)
+    )
+    assert res.output_ids == ref
+    full = prompt[0].tolist() + res.output_ids
+    vectors = rank_vectors(tiny_target, head, full, 8, depth=1)
+    text = text_acceptance(planted + full, len(planted) + 8, 2, max(TEXT_NODES))
+    alone = text_acceptance(planted + full, len(planted) + 8, 2, size, min_ngram=trigger)
+    offset, checked = 0, {True: 0, False: 0}
+    for accepted, emitted in zip(res.accepted_drafts, res.accept_lengths):
+        if offset + 1 + 2 + 12 < len(res.output_ids):
+            fired = len(alone[offset]) > 1
+            if fired:
+                predicted = alone[offset][-1]
+            else:
+                v = vectors[offset]
+                head_part = max([m for m in range(1, len(v) + 1) if v[:m] in tree], default=0)
+                predicted = max(head_part, text[offset][min(g, len(text[offset]) - 1)])
+            assert accepted == predicted, offset
+            checked[fired] += 1
+        offset += emitted
+    assert checked[True] >= 2 and checked[False] >= 1, checked
+
+
+def plain_hybrid_score(vectors, text, alone, head, g, rule, target_s, lookup_s):
+    """One hybrid setting scored step by step: (tau, tokens per second)."""
+    size, m = rule
+    tree = {tuple(p) for p in head["paths"]}
+    tokens = seconds = 0.0
+    for i, v in enumerate(vectors):
+        if size and len(alone[m][i]) > 1:  # a text-alone step
+            used = min(size, len(alone[m][i]) - 1)
+            tokens += 1 + alone[m][i][used]
+            seconds += interpolate(target_s, 1 + used) + lookup_s
+            continue
+        a_h = max([k for k in range(1, len(v) + 1) if v[:k] in tree], default=0)
+        used = min(g, len(text[i]) - 1)
+        tokens += 1 + max(a_h, text[i][used])
+        looked_up = g > 0 or size > 0
+        seconds += interpolate(target_s, 1 + head["nodes"] + used) + head["draft_ms"] / 1e3 + lookup_s * looked_up
+    return tokens / len(vectors), tokens / seconds
+
+
+def random_acceptance(rng, n, nodes):
+    """n positions of text acceptance (entry g = accepted with g nodes, non-decreasing, <= g)."""
+    rows = []
+    for _ in range(n):
+        entry, best = [0], 0
+        for k in range(1, rng.choice([0, 0, nodes, rng.randint(1, nodes)]) + 1):
+            best = max(best, min(k, rng.choice([best, best, k])))
+            entry.append(best)
+        rows.append(tuple(entry))
+    return rows
+
+
+def check_hybrid_choice(score, seed):
+    rng = random.Random(seed)
+    n = 40
+    vectors = [tuple(rng.choice([0, 0, 1, 2]) for _ in range(rng.randint(1, 3))) for _ in range(n)]
+    text = random_acceptance(rng, n, max(TEXT_NODES))
+    alone = {1: random_acceptance(rng, n, 16)}
+    alone[2] = [a if rng.random() < 0.6 else (0,) for a in alone[1]]  # a longer trigger fires less often
+    target_s = {k: 0.02 + 0.0004 * k * k for k in range(1, 40)}
+    rows = [
+        {"nodes": 2, "paths": [[0], [1]], "draft_ms": 1.5},
+        {"nodes": 3, "paths": [[0], [0, 0], [1]], "draft_ms": 3.0},
+    ]
+    scored = hybrid_choice(vectors, text, rows, target_s, 1e-4, alone, [4, 8, 16])
+    by_head = {r["nodes"]: r for r in [{"nodes": 0, "paths": [], "draft_ms": 0.0}, *rows]}
+    rules = {(r["head_nodes"], r["ngram_nodes"], r["text_alone"], r["text_alone_ngram"]) for r in scored}
+    assert (0, 4, 4, 1) not in rules and (2, 4, 4, 1) in rules and (2, 0, 0, 0) in rules  # no head: nothing to skip
+    for r in scored:
+        rule = (r["text_alone"], r["text_alone_ngram"])
+        tau, speed = score(vectors, text, alone, by_head[r["head_nodes"]], r["ngram_nodes"], rule, target_s, 1e-4)
+        assert r["tau"] == pytest.approx(tau) and r["tokens_per_s"] == pytest.approx(speed), r
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_hybrid_choice_scores_every_setting_as_a_plain_step_by_step_count(seed):
+    check_hybrid_choice(plain_hybrid_score, seed)
+
+
+def test_the_hybrid_choice_check_fails_when_alone_steps_still_pay_the_head():
+    def head_always(vectors, text, alone, head, g, rule, target_s, lookup_s):
+        tau, speed = plain_hybrid_score(vectors, text, alone, head, g, rule, target_s, lookup_s)
+        fired = sum(len(a) > 1 for a in alone[rule[1]]) if rule[0] else 0
+        seconds = tau * len(vectors) / speed + fired * head["draft_ms"] / 1e3
+        return tau, tau * len(vectors) / seconds
+
+    with pytest.raises(AssertionError):
+        check_hybrid_choice(head_always, 0)
+
+
 def calibrate(head, head_dir, target, **tree):
     settings = InferJobConfig(
         head_path=str(head_dir),
@@ -140,7 +249,10 @@ def test_calibrate_tree_stores_a_tree_in_the_head_when_asked(family, tmp_path, t
     hybrid = config["calibration"]["hybrid"]
     assert "hybrid:" in out and hybrid["ngram_nodes"] == chosen.ngram_nodes in TEXT_NODES
     assert hybrid["paths"] == chosen.hybrid_paths and hybrid["tau"] >= 1
+    assert hybrid["text_alone"] == chosen.text_alone in (0, *TEXT_NODES)  # the text-alone rule too
+    assert hybrid["text_alone_ngram"] == chosen.text_alone_ngram in (1, 2, 3)
     policy = hybrid_policy_for(reloaded, TreeConfig(kind="default"))
+    assert (policy.text_alone, policy.alone_ngram) == (hybrid["text_alone"], hybrid["text_alone_ngram"])
     assert policy.ngram_nodes == chosen.ngram_nodes
     assert (policy.head.paths if policy.head else ()) == tuple(tuple(p) for p in sorted(chosen.hybrid_paths, key=len))
 

@@ -142,12 +142,12 @@ def test_prefix_drafter_base_state_follows_the_committed_text(tiny_target, seque
         assert drafter.cache.length == 16
 
 
-def plain_continuations(seq, max_ngram, budget, max_len):
+def plain_continuations(seq, max_ngram, budget, max_len, min_ngram=1):
     """text_continuations written plainly: every earlier occurrence of the last n-gram (longest n
-    first, then the most recent), its continuation cut at max_len, and the first `budget` distinct
-    prefixes in that order: the nodes the text drafter adds, as a set of token paths."""
+    first, down to min_ngram, then the most recent), its continuation cut at max_len, and the first
+    `budget` distinct prefixes in that order: the nodes the text drafter adds, as a set of token paths."""
     order = []
-    for n in range(max_ngram, 0, -1):
+    for n in range(max_ngram, min_ngram - 1, -1):
         if n >= len(seq):
             continue
         for start in reversed(range(len(seq) - n)):
@@ -165,8 +165,9 @@ def check_continuations(find, seed):
     rng = random.Random(seed)
     seq = [rng.randrange(4) for _ in range(rng.randint(1, 40))]
     max_ngram, budget, max_len = rng.randint(1, 4), rng.randint(0, 12), rng.randint(1, 6)
-    chains = find(seq, max_ngram, budget, max_len)
-    assert chain_prefixes(chains) == plain_continuations(seq, max_ngram, budget, max_len)
+    min_ngram = rng.randint(1, max_ngram)  # > 1: the trigger of a text-alone step
+    chains = find(seq, max_ngram, budget, max_len, min_ngram)
+    assert chain_prefixes(chains) == plain_continuations(seq, max_ngram, budget, max_len, min_ngram)
     assert all(1 <= len(c) <= max_len for c in chains)
 
 
@@ -176,7 +177,7 @@ def test_text_continuations_agree_with_a_plain_search(seed):
 
 
 def test_the_continuation_check_fails_on_shortest_ngram_first():
-    def shortest_first(seq, max_ngram, budget, max_len):
+    def shortest_first(seq, max_ngram, budget, max_len, min_ngram):
         chains = []
         for n in range(1, max_ngram + 1):  # wrong order: the weakest matches take the budget
             chains += text_continuations(seq, n, budget, max_len) if n == 1 else []
@@ -186,6 +187,19 @@ def test_the_continuation_check_fails_on_shortest_ngram_first():
     for seed in range(30):
         try:
             check_continuations(shortest_first, seed)
+        except AssertionError:
+            failures += 1
+    assert failures > 0
+
+
+def test_the_continuation_check_fails_when_min_ngram_is_ignored():
+    def all_lengths(seq, max_ngram, budget, max_len, min_ngram):
+        return text_continuations(seq, max_ngram, budget, max_len)  # a 1-gram match still drafts
+
+    failures = 0
+    for seed in range(30):
+        try:
+            check_continuations(all_lengths, seed)
         except AssertionError:
             failures += 1
     assert failures > 0

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from specheads.bench.inputs import eos_token_ids
 from specheads.decode.baselines import PlainDrafter
-from specheads.decode.drafters import EagleDrafter, HybridDrafter, grow_tree, make_drafter, repeat_continuation
+from specheads.decode.drafters import EagleDrafter, HybridDrafter, grow_tree, make_drafter, text_continuations
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
 from specheads.decode.policy import HybridPolicy
 from specheads.decode.tree import TreeLayout, static_tree
@@ -450,7 +450,8 @@ class RecordingText(PlantedText):
 
     def draft(self, root, prefix_len, max_depth):
         p = self.policy
-        alone = bool(p.text_alone and repeat_continuation(self.text, p.ngram_max, min(p.text_alone, max_depth)))
+        found = text_continuations(self.text, p.ngram_max, p.text_alone, max_depth, p.alone_ngram)
+        alone = bool(p.text_alone and found)
         self.alone += alone
         tokens, layout = self.draft_tree(root, prefix_len, max_depth, alone)
         self.trees.append((tuple(tokens), layout.parents))
@@ -502,7 +503,8 @@ def test_text_alone_steps_skip_the_head_and_keep_its_state(family, target, heads
         prompt = sequences[1 + seed : 2 + seed, :8]
         ref = hf_greedy(target, prompt, 30)
         answer = [t if rng.random() < 0.8 else rng.randrange(320) for t in ref]
-        policy = HybridPolicy(None, ngram_nodes=2, ngram_max=rng.randint(2, 3), text_alone=rng.randint(2, 8))
+        ngram_max = rng.randint(2, 3)
+        policy = HybridPolicy(None, 2, ngram_max, text_alone=rng.randint(2, 8), alone_ngram=rng.randint(1, ngram_max))
         (skipping, res), (fed, res_fed) = text_alone_runs(target, head, prompt, prompt[0].tolist() + answer, policy)
         assert res.output_ids == ref and res_fed.output_ids == ref, seed
         assert skipping.trees == fed.trees, seed
@@ -532,14 +534,6 @@ def test_the_text_alone_check_fails_when_skipped_positions_are_dropped(target, h
         (skipping, _), (fed, _) = text_alone_runs(target, heads["eagle", "trained"], prompt, planted, policy)
         differ += skipping.trees != fed.trees
     assert differ > 0
-
-
-def test_repeat_continuation_is_the_most_recent_longest_match():
-    seq = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert repeat_continuation(seq, 3, 2) == [7, 8]  # the most recent earlier "1 2 3"
-    assert repeat_continuation(seq, 3, 10) == [7, 8, 5, 1, 2, 3]
-    assert repeat_continuation(seq[:-1] + [4], 3, 5) == []  # "1 2 4" never occurred
-    assert repeat_continuation([1, 2], 2, 5) == [] and repeat_continuation(seq, 3, 0) == []
 
 
 @pytest.mark.slow

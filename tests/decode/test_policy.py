@@ -78,14 +78,26 @@ def test_hybrid_policies(tiny_target):
     eagle.calibration = {"hybrid": {"paths": [[0], [1]], "ngram_nodes": 6}}
     stored = hybrid_policy_for(eagle, TreeConfig(kind="default"))
     assert stored.head.paths == ((0,), (1,)) and stored.ngram_nodes == 6
+    assert (stored.text_alone, stored.alone_ngram) == (8, 3)  # a record from before the text-alone rule
+    eagle.calibration["hybrid"].update(text_alone=12, text_alone_ngram=2)
+    stored = hybrid_policy_for(eagle, TreeConfig(kind="default"))
+    assert (stored.text_alone, stored.alone_ngram) == (12, 2)
+    given = hybrid_policy_for(eagle, TreeConfig(kind="default", text_alone=0, text_alone_ngram=1))
+    assert (given.text_alone, given.alone_ngram) == (0, 1)  # what is asked for wins over the record
     assert hybrid_policy_for(eagle, TreeConfig(kind="default", ngram_nodes=2)).ngram_nodes == 2
     assert hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=3)).head.size == 4  # asked for: not the stored one
     auto = hybrid_policy_for(eagle, TreeConfig(kind="static", paths=[[0]], hybrid_paths=[], ngram_nodes=4))
     assert auto == HybridPolicy(None, 4, 3, 8)  # calibration gave the head no node
     assert "hybrid: no head + up to 4 text" in describe_policy(auto)
     assert describe_policy(hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=2))).endswith(
-        "; 8 text tokens alone after a repeated 3-gram"
+        "; up to 8 text nodes alone after a repeated 3-gram"
     )
+    assert describe_policy(given).endswith("text-continuation nodes (n-gram <= 3)")
+    assert describe_policy(HybridPolicy(None, 4, 3, 6, 2)).endswith("up to 6 text nodes alone after a repeated 2+-gram")
     with pytest.raises(SpecHeadsError, match="text_alone"):
         validate(InferJobConfig(tree=TreeConfig(text_alone=-1)))
+    with pytest.raises(SpecHeadsError, match="text_alone_ngram"):
+        validate(InferJobConfig(tree=TreeConfig(text_alone_ngram=4)))
+    with pytest.raises(SpecHeadsError, match="trigger"):
+        HybridPolicy(None, 4, 2, 6, 3)
     assert "static tree (2 nodes" in describe_policy(stored)
