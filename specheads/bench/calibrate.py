@@ -26,6 +26,7 @@ tree.save=head asks for that; its record names the prompts it was measured on.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -337,10 +338,15 @@ def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vector
 
 def calibration_texts(settings: InferJobConfig) -> tuple[str, list[str]]:
     """(where they come from, the prompt texts) of the calibration: tree.calibration_questions'
-    first turns, else the built-in prompts."""
+    first turns, taken from each category in turn (a few prompts still cover every category),
+    else the built-in prompts."""
     t = settings.tree
     if t.calibration_questions:
-        texts = [q["prompt"] for q in read_questions(t.calibration_questions)]
+        by_category: dict[str, list[str]] = {}
+        for q in read_questions(t.calibration_questions):
+            by_category.setdefault(q["category"], []).append(q["prompt"])
+        rounds = itertools.zip_longest(*by_category.values())
+        texts = [x for one_each in rounds for x in one_each if x is not None]
         return portable_path(t.calibration_questions), texts[: t.calibration_prompts]
     return "builtin", BUILTIN_PROMPTS[: t.calibration_prompts]
 

@@ -13,6 +13,7 @@ from specheads.bench.calibrate import (
     TEXT_NODES,
     best_paths,
     calibrate_tree,
+    calibration_texts,
     hybrid_choice,
     interpolate,
     path_frequencies,
@@ -226,6 +227,20 @@ def calibrate(head, head_dir, target, **tree):
     chosen = calibrate_tree(settings, Session(target, head, head_dir, {}), out=out)
     assert chosen.kind == "static" and 1 <= len(chosen.paths) <= 8 and "<- chosen" in out.getvalue()
     return chosen, out.getvalue()
+
+
+def test_calibration_prompts_come_from_every_category_in_turn(tmp_path):
+    rows = [("writing", "w1"), ("writing", "w2"), ("writing", "w3"), ("math", "m1"), ("code", "c1"), ("math", "m2")]
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        "".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n" for i, (c, t) in enumerate(rows))
+    )
+
+    def texts(n):
+        tree = TreeConfig(calibration_questions=str(questions), calibration_prompts=n)
+        return calibration_texts(InferJobConfig(tree=tree))[1]
+
+    assert texts(3) == ["w1", "m1", "c1"] and texts(9) == ["w1", "m1", "c1", "w2", "m2", "w3"]
 
 
 def files(directory):
