@@ -55,16 +55,32 @@ from .questions import read_questions
 from .trees import cache_path, machine_description, prompts_record, store_in_cache
 
 BUILTIN_PROMPTS = [
+    # every third one works on text the prompt gives (extraction, editing, code changes): answers
+    # that reuse their prompt, where the text's own repeats are worth drafting (the hybrid tree)
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash table works and when it is a poor choice.",
+    "From the text below, list each person and the city they live in.\nText: Priya lives in Toronto and works "
+    "as a nurse. Her brother Ravi moved to Chicago in 2019. Their friend Elena still lives in Madrid, close to "
+    "her parents.",
     "What is 17 times 23? Show your steps.",
     "Give me three tips for a job interview.",
+    'Fix the grammar in this paragraph and return the corrected paragraph: "Yesterday me and my friend goes to '
+    'the market. We buyed apples, bread and some cheeses, then we walks home because the bus were late."',
     "Write a Python function that checks whether a string is a palindrome.",
     "Why is the sky blue? Answer for a ten-year-old.",
+    "Here is a Python function:\n\ndef total(items):\n    result = 0\n    for item in items:\n"
+    "        result = result + item.price\n    return result\n\nAdd a parameter `tax` (default 0) that is "
+    "applied to the total, and return the whole updated function.",
     "Summarise the causes of the French Revolution in a paragraph.",
     "Plan a three-day trip to Kyoto.",
+    'Summarise this email in two sentences: "Hi team, the quarterly review moves from Thursday to Friday at '
+    "10am because the finance report is not ready. Please send your slides to Maria by Wednesday evening. "
+    'Lunch will be provided after the meeting."',
     "What are the pros and cons of remote work?",
     "Translate 'Where is the train station?' into French and Spanish.",
+    "Turn this list into a Markdown table with the columns Name and Age: Tom 34, Lisa 29, Ahmed 41, Mei 25.",
+    "Rewrite the following sentence three times, each time in a more formal tone: \"We can't make it to the "
+    'meeting, sorry, something came up."',
 ]
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64, 80, 96, 128)
 TEXT_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)  # text-continuation budgets a hybrid tree may take
