@@ -138,7 +138,8 @@ def cost_breakdown(rows: Sequence[dict], method: str = "spec") -> dict | None:
     """
     spec = [r for r in rows if r["method"] == method and r["target_forwards"]]
     base = [r for r in rows if r["method"] == "baseline" and r["target_forwards"]]
-    if not spec or not base:
+    own = [r for r in rows if r["method"] == "plain" and r["target_forwards"]]
+    if not spec or not (base or own):
         return None
     stats = _stats(spec)
     steps = stats["target_forwards"]
@@ -147,31 +148,40 @@ def cost_breakdown(rows: Sequence[dict], method: str = "spec") -> dict | None:
     # a plain step: everything after the prefill, per decode forward (the prefill is timed apart
     # for spec; for the baseline its share is removed using spec's prefill of the same prompts)
     prefill = {(r["question_id"], r.get("turn", 1)): r["prefill_s"] for r in spec}
-    base_step = sum(r["wall_s"] - prefill.get((r["question_id"], r.get("turn", 1)), 0.0) for r in base) / sum(
-        r["target_forwards"] for r in base
+    base_step = (
+        sum(r["wall_s"] - prefill.get((r["question_id"], r.get("turn", 1)), 0.0) for r in base)
+        / sum(r["target_forwards"] for r in base)
+        if base
+        else None
     )
     sizes = [n for r in spec for n in r.get("tree_sizes", [])]
-    own = [r for r in rows if r["method"] == "plain" and r["target_forwards"]]
     own_step = sum(r["wall_s"] - r["prefill_s"] for r in own) / sum(r["target_forwards"] for r in own) if own else None
+    step = base_step or own_step  # a run without the HF baseline prices the step against our own loop's
     return {
-        "plain_step_ms": 1e3 * base_step,
+        "plain_step_ms": 1e3 * base_step if base_step else None,
         "own_plain_step_ms": 1e3 * own_step if own_step else None,
         "draft_ms": 1e3 * draft,
         "verify_ms": 1e3 * verify,
         "mean_tree_nodes": sum(sizes) / len(sizes) if sizes else None,
-        "verify_over_plain": verify / base_step,
-        "draft_over_plain": draft / base_step,
+        "verify_over_plain": verify / step,
+        "draft_over_plain": draft / step,
         "tau": stats["tau"],
-        "break_even_tau": (draft + verify) / base_step,
+        "break_even_tau": (draft + verify) / step,
         # against this package's own plain step: what speculation must earn once the kernels are shared
         "break_even_tau_vs_own_plain": (draft + verify) / own_step if own_step else None,
     }
 
 
 def format_costs(c: dict) -> str:
+    step = f"({c['mean_tree_nodes']:.1f} tree nodes)" if c.get("mean_tree_nodes") is not None else "(no tree)"
+    head = f"spec step: draft {c['draft_ms']:.1f} ms + verify {c['verify_ms']:.1f} ms {step}"
+    if c.get("plain_step_ms") is None:  # no HF baseline in the run: our own loop's step is the plain one
+        return (
+            f"{head} vs own loop's plain step {c['own_plain_step_ms']:.1f} ms; "
+            f"tau {c['tau']:.2f}, break-even tau {c['break_even_tau']:.2f} (vs own loop)"
+        )
     return (
-        f"spec step: draft {c['draft_ms']:.1f} ms + verify {c['verify_ms']:.1f} ms "
-        f"({c['mean_tree_nodes']:.1f} tree nodes) vs plain step {c['plain_step_ms']:.1f} ms"
+        f"{head} vs plain step {c['plain_step_ms']:.1f} ms"
         + (f" (own loop {c['own_plain_step_ms']:.1f} ms)" if c.get("own_plain_step_ms") else "")
         + "; "
         f"tau {c['tau']:.2f}, break-even tau {c['break_even_tau']:.2f}"

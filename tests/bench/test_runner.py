@@ -97,6 +97,15 @@ def test_cost_breakdown_splits_a_step_into_its_terms():
     assert c["own_plain_step_ms"] == pytest.approx(80.0) and c["break_even_tau_vs_own_plain"] == pytest.approx(1.875)
     assert "(1.88 vs own loop)" in format_costs(c)
     assert cost_breakdown([r for r in rows if r["method"] == "spec"]) is None
+    # a run without the HF baseline: the step is priced against our own loop's plain step
+    c = cost_breakdown([rows[1], own])
+    assert (
+        c["plain_step_ms"] is None and c["break_even_tau"] == pytest.approx(1.875) == c["break_even_tau_vs_own_plain"]
+    )
+    assert c["verify_over_plain"] == pytest.approx(1.25)
+    assert "vs own loop's plain step 80.0 ms" in format_costs(
+        c
+    ) and "break-even tau 1.88 (vs own loop)" in format_costs(c)
 
 
 def test_output_paths():

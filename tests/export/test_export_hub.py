@@ -112,6 +112,8 @@ def test_bench_table_reads_a_real_benchmark_summary(bench_summary):
     assert "| baseline | math | 1 | 1.00 |" in table
     context = " ".join(bench_context(summary))
     assert "spec: 2/2 outputs identical to HF greedy" in context and "break-even tau" in context
+    costs = {**summary["costs"], "plain_step_ms": None, "own_plain_step_ms": 12.5}  # a run without HF greedy
+    assert "against our own loop's plain step of 12.5 ms" in " ".join(bench_context({**summary, "costs": costs}))
     with pytest.raises(SpecHeadsError, match="not a benchmark summary"):
         check_bench_summary({"spec": {"overall": {"tau": 2.0, "speedup": 1.4}}})
 
