@@ -183,3 +183,14 @@ def write_questions(path, prompts, categories=("writing",), first_id=0, later_tu
         for i, p in enumerate(prompts)
     ]
     return write_jsonl(path, rows)
+
+
+def fails_for_some_seed(check, variant, seeds) -> bool:
+    """Whether check(variant, seed) raises AssertionError for at least one seed: a property check
+    shown able to fail on a deliberately wrong variant."""
+    for seed in seeds:
+        try:
+            check(variant, seed)
+        except AssertionError:
+            return True
+    return False

@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from conftest import POLICIES, hf_greedy, overfit
+from conftest import POLICIES, fails_for_some_seed, hf_greedy, overfit
 
 from specheads.config.infer import TreeConfig
 from specheads.config.train import HeadConfig
@@ -183,26 +183,14 @@ def test_the_continuation_check_fails_on_shortest_ngram_first():
             chains += text_continuations(seq, n, budget, max_len) if n == 1 else []
         return chains
 
-    failures = 0
-    for seed in range(30):
-        try:
-            check_continuations(shortest_first, seed)
-        except AssertionError:
-            failures += 1
-    assert failures > 0
+    assert fails_for_some_seed(check_continuations, shortest_first, range(30))
 
 
 def test_the_continuation_check_fails_when_min_ngram_is_ignored():
     def all_lengths(seq, max_ngram, budget, max_len, min_ngram):
         return text_continuations(seq, max_ngram, budget, max_len)  # a 1-gram match still drafts
 
-    failures = 0
-    for seed in range(30):
-        try:
-            check_continuations(all_lengths, seed)
-        except AssertionError:
-            failures += 1
-    assert failures > 0
+    assert fails_for_some_seed(check_continuations, all_lengths, range(30))
 
 
 def test_without_a_head_the_hybrid_drafter_is_prompt_lookup(tiny_target):
