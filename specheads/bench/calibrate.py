@@ -332,7 +332,8 @@ def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vector
     plain = 1 / target_s[1]
     head_best = max(r["tokens_per_s"] for r in rows)
     rule = (
-        f"; up to {best['text_alone']} text nodes alone after a repeated {best['text_alone_ngram']}+-gram"
+        f"; up to {best['text_alone']} text nodes alone after a repeated {best['text_alone_ngram']}"
+        f"{'+' if best['text_alone_ngram'] < t.ngram_max else ''}-gram"
         if best["text_alone"]
         else "; no text-alone steps"
     )
