@@ -44,6 +44,7 @@ from ..config.infer import InferJobConfig, TreeConfig
 from ..decode.baselines import hf_generate
 from ..decode.drafters import make_drafter, text_continuations
 from ..decode.kv import new_cache, verify_tree
+from ..decode.policy import describe_text_alone
 from ..decode.tree import TreeLayout, static_tree
 from ..errors import SpecHeadsError
 from ..heads import read_head_config
@@ -309,11 +310,15 @@ def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vector
     top = max(TEXT_NODES)
     triggers = [t.text_alone_ngram] if t.text_alone_ngram is not None else range(1, t.ngram_max + 1)
     sizes = list(TEXT_NODES[1:]) if t.text_alone is None else [t.text_alone] if t.text_alone else []
-    text, alone = [], {m: [] for m in triggers if sizes}
+    # the merged tree's text part is the trigger-1 rule's text too: listed once, long enough for both
+    nodes = max(top, *sizes)
+    text, alone = [], {m: [] for m in triggers if sizes and m > 1}
     for ids, full in zip(prompts, contexts):
-        text += text_acceptance(full, len(ids), t.ngram_max, top)
+        text += text_acceptance(full, len(ids), t.ngram_max, nodes)
         for m in alone:
-            alone[m] += text_acceptance(full, len(ids), t.ngram_max, max(sizes), min_ngram=m)
+            alone[m] += text_acceptance(full, len(ids), t.ngram_max, nodes, min_ngram=m)
+    if sizes and 1 in triggers:
+        alone[1] = text
     longest = max(r["nodes"] for r in rows) + top + 1
     missing = sorted(({n for n in SIZES if n <= longest} | {longest}) - set(target_s))
     context = max(contexts, key=len)
@@ -331,12 +336,7 @@ def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vector
     best = max(scored, key=lambda r: r["tokens_per_s"])
     plain = 1 / target_s[1]
     head_best = max(r["tokens_per_s"] for r in rows)
-    rule = (
-        f"; up to {best['text_alone']} text nodes alone after a repeated {best['text_alone_ngram']}"
-        f"{'+' if best['text_alone_ngram'] < t.ngram_max else ''}-gram"
-        if best["text_alone"]
-        else "; no text-alone steps"
-    )
+    rule = describe_text_alone(best["text_alone"], best["text_alone_ngram"], t.ngram_max) or "; no text-alone steps"
     out.write(
         f"hybrid: {best['head_nodes']} head nodes + up to {best['ngram_nodes']} text nodes (n-gram <= {t.ngram_max})"
         f"{rule}: tau {best['tau']:.2f}, expected speedup {best['tokens_per_s'] / plain:.2f}x "

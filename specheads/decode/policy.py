@@ -132,15 +132,17 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
     return HybridPolicy(policy, nodes, tree.ngram_max, alone, alone_ngram)
 
 
+def describe_text_alone(nodes: int, trigger: int, ngram_max: int) -> str:
+    """The text-alone rule in words ("" when off): also how tree=auto reports the rule it chose."""
+    if not nodes:
+        return ""
+    return f"; up to {nodes} text nodes alone after a repeated {trigger}{'+' if trigger < ngram_max else ''}-gram"
+
+
 def describe_policy(policy: TreePolicy | HybridPolicy) -> str:
     if isinstance(policy, HybridPolicy):
         head = describe_policy(policy.head) if policy.head is not None else "no head"
-        alone = (
-            f"; up to {policy.text_alone} text nodes alone after a repeated "
-            f"{policy.alone_ngram}{'+' if policy.alone_ngram < policy.ngram_max else ''}-gram"
-            if policy.text_alone
-            else ""
-        )
+        alone = describe_text_alone(policy.text_alone, policy.alone_ngram, policy.ngram_max)
         return (
             f"hybrid: {head} + up to {policy.ngram_nodes} text-continuation nodes (n-gram <= {policy.ngram_max}){alone}"
         )
