@@ -104,7 +104,11 @@ def run_infer(cfg: DictConfig, conf_dir: Path) -> None:
         from .bench.calibrate import calibrate_tree
 
         settings.tree = calibrate_tree(settings, session)
-    if settings.bench.questions:
+    if settings.bench.questions and settings.bench.mode == "replay":
+        from .bench.replay import run_replay
+
+        run_replay(settings, session)
+    elif settings.bench.questions:
         from .bench.runner import run_benchmark
 
         run_benchmark(settings, session)

@@ -31,7 +31,6 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
@@ -53,6 +52,7 @@ from ..provenance import portable_path
 from ..target import synchronize
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
+from .replay import best_paths, path_frequencies, rank_vectors
 from .trees import cache_path, machine_description, prompts_record, store_in_cache
 
 BUILTIN_PROMPTS = [
@@ -85,53 +85,6 @@ BUILTIN_PROMPTS = [
 ]
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64, 80, 96, 128)
 TEXT_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)  # text-continuation budgets a hybrid tree may take
-MISS = 1 << 30
-
-
-@torch.no_grad()
-def rank_vectors(target, head, ids: Sequence[int], answer_start: int, depth: int) -> list[tuple[int, ...]]:
-    """For each answer position, the rank (0 = top-1) of each true next token at depths 1..depth."""
-    seq = torch.tensor([list(ids)], device=target.device)
-    with target.capture(head.target_layer_ids(), final=head.reads_final) as store:
-        target.model(seq)
-    full = list(ids)
-    # per depth d: [T, Vd], position t drafting token t+1+d along the true sequence
-    per_depth = [x[0] for x in head.teacher_forced_logits(seq, dict(store), depth)]
-    # target ids -> draft ids (-1: outside a reduced draft vocabulary)
-    to_draft = torch.full((target.info.vocab_size,), -1, dtype=torch.long, device=seq.device)
-    draft_ids = torch.arange(per_depth[0].shape[-1], device=seq.device)
-    to_draft[head.draft_to_target(draft_ids)] = draft_ids
-    vectors = []
-    for t in range(answer_start - 1, len(full) - 2):  # tree rooted at token t+1
-        ranks = []
-        for d, logits in enumerate(per_depth, start=1):
-            if t + 1 + d >= len(full):
-                break
-            true = int(to_draft[full[t + 1 + d]])
-            if true < 0:
-                ranks.append(MISS)
-                break
-            rank = int((logits[t] > logits[t, true]).sum())
-            ranks.append(rank)
-        vectors.append(tuple(ranks))
-    return vectors
-
-
-def path_frequencies(vectors: Sequence[tuple[int, ...]], top_k: int) -> Counter:
-    freq: Counter = Counter()
-    for v in vectors:
-        for m in range(1, len(v) + 1):
-            if v[m - 1] >= top_k:
-                break
-            freq[v[:m]] += 1
-    return freq
-
-
-def best_paths(freq: Counter, n: int) -> list[list[int]]:
-    """The n most frequent paths; ties favour shallow, then low ranks (keeps every prefix).
-    A head whose drafts were never right still gets the smallest tree, [[0]]."""
-    ordered = sorted(freq, key=lambda p: (-freq[p], len(p), p))
-    return [list(p) for p in ordered[:n]] or [[0]]
 
 
 @torch.no_grad()

@@ -48,3 +48,23 @@ def plot_acceptance_per_depth(rates: Sequence[float], path: Path) -> None:
     ax.set_ylabel("P(accepted | reached)")
     ax.set_title("Acceptance per depth")
     _save(fig, path)
+
+
+def plot_replay(heads: dict, path: Path) -> None:
+    """bench.mode=replay: tau of each head as a chain of K drafts, and with its best tree of n nodes
+    (its own stored tree marked)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for label, r in heads.items():
+        ks = [int(k) for k in r["chain_tau"]]
+        line = left.plot(ks, list(r["chain_tau"].values()), marker="o", label=label)[0]
+        ns = [int(n) for n in r["best_tree_tau"]]
+        right.plot(ns, list(r["best_tree_tau"].values()), marker="o", color=line.get_color(), label=label)
+        if r.get("tree"):
+            right.plot([r["tree"]["nodes"]], [r["tree"]["tau"]], marker="*", markersize=14, color=line.get_color())
+    left.set_xlabel("chain length K (drafts per step)")
+    left.set_ylabel("tau (tokens per target forward)")
+    left.set_title("Chain of K")
+    right.set_xlabel("tree nodes (star: the head's own tree)")
+    right.set_title("Most frequent paths on these answers")
+    right.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    _save(fig, path)

@@ -16,6 +16,7 @@ from .model import ModelConfig
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
 METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
 TREE_SAVES = ("cache", "head", "none")
+BENCH_MODES = ("timed", "replay")
 DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is not given
 
 
@@ -56,6 +57,11 @@ class TreeConfig:
 
 @dataclass
 class BenchConfig:
+    # timed: every method decodes every question, timed (OUT.jsonl, OUT.summary.json); replay:
+    # the target's greedy answers are written once (OUT.greedy.jsonl) and the head and bench.heads
+    # replayed on them: the exact tau of every chain length and static tree, nothing timed
+    # (OUT.replay.json, specheads.bench.replay)
+    mode: str = "timed"
     questions: str | None = None
     output: str | None = None  # None = runs/bench/<questions file stem>.jsonl
     max_new_tokens: int = 256
@@ -129,6 +135,12 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     t.save = {"true": "cache", "false": "none"}.get(str(t.save).lower(), str(t.save))
     if t.save not in TREE_SAVES:
         raise SpecHeadsError(f"tree.save must be one of {', '.join(TREE_SAVES)}, got {t.save!r}")
+    if b.mode not in BENCH_MODES:
+        raise SpecHeadsError(f"bench.mode must be one of {', '.join(BENCH_MODES)}, got {b.mode!r}")
+    if b.mode == "replay" and not b.questions:
+        raise SpecHeadsError("bench.mode=replay replays heads on the answers to bench.questions=FILE.jsonl: give it")
+    if b.mode == "replay" and settings.temperature > 0:
+        raise SpecHeadsError("bench.mode=replay counts greedy decoding (temperature=0); the timed benchmark samples")
     if b.turns not in ("first", "all"):
         raise SpecHeadsError(f"bench.turns must be first or all, got {b.turns!r}")
     bad = [m for m in b.methods if m not in METHODS]

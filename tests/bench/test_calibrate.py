@@ -11,17 +11,15 @@ from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
 
 from specheads.bench.calibrate import (
     TEXT_NODES,
-    best_paths,
     calibrate_tree,
     calibration_texts,
     hybrid_choice,
     interpolate,
-    path_frequencies,
-    rank_vectors,
     text_acceptance,
     time_target,
 )
 from specheads.bench.questions import read_questions
+from specheads.bench.replay import best_paths, path_frequencies, rank_vectors
 from specheads.bench.session import Session
 from specheads.bench.trees import overlap, prompt_digest, use_cached_tree
 from specheads.config.infer import InferJobConfig, TreeConfig

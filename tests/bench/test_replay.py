@@ -1,0 +1,168 @@
+"""bench.mode=replay: the replayed count of target forwards must be the real loop's, for chains and
+trees, and the command must write its report and reuse the target's answers."""
+
+import io
+import json
+import random
+
+import pytest
+import torch
+from conftest import fails_for_some_seed, quick_head, write_questions
+from test_infer import CONF, head_dir, run_infer  # noqa: F401  (head_dir: train.py's tiny head fixture)
+
+from specheads.bench.replay import (
+    MISS,
+    Replay,
+    acceptance_per_depth,
+    accepted_length,
+    answers_path,
+    rank_vectors,
+    replay,
+    tau,
+)
+from specheads.decode.drafters import make_drafter
+from specheads.decode.generate import SamplingConfig, speculative_generate
+from specheads.decode.tree import chain_paths, static_tree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TREES = {
+    "chain-1": chain_paths(1),
+    "chain-3": chain_paths(3),
+    "wide": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]],
+}
+
+
+def test_accepted_length_is_the_longest_prefix_in_the_tree():
+    tree = frozenset(tuple(p) for p in TREES["wide"])
+    assert accepted_length((0, 0, 0, 0, 0), tree, cap=9) == 4
+    assert accepted_length((0, 0, 0, 0, 0), tree, cap=2) == 2  # the loop's depth limit near max_new_tokens
+    assert accepted_length((0, 1, 0), tree, cap=9) == 2
+    assert accepted_length((1, 1), tree, cap=9) == 1
+    assert accepted_length((3, 0), tree, cap=9) == 0
+    assert accepted_length((0, MISS), tree, cap=9) == 1
+    assert accepted_length((), tree, cap=9) == 0
+
+
+def test_replay_walks_from_each_bonus_token():
+    # roots 0..5 of a 7-token answer; from root 0 two drafts are right, then the bonus token 3 roots
+    vectors = [(0, 0, 1), (5,), (5,), (0, 0, 0), (9,), (9,), ()]
+    r = replay(vectors[:6], chain_paths(3), answer_len=7, max_new_tokens=100)
+    assert r == Replay(forwards=2, tokens=6, accepted=(2, 3))  # root 0 -> 3, whose 3 drafts end the answer
+    assert tau([r]) == 3.0
+    assert acceptance_per_depth([r], 3) == [1.0, 1.0, 0.5]
+    with pytest.raises(ValueError):
+        replay(vectors[:2], chain_paths(3), answer_len=7, max_new_tokens=100)
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_target, sequences):
+    return {family: quick_head(tiny_target, family, sequences, steps=60) for family in ("eagle3", "medusa", "hydra")}
+
+
+def loop_and_replay(target, head, prompt, paths, max_new_tokens, replay_fn):
+    res = speculative_generate(
+        target, make_drafter(head, static_tree(paths)), prompt, SamplingConfig(max_new_tokens=max_new_tokens)
+    )
+    depth = max(len(p) for p in paths)
+    vectors = rank_vectors(target, head, prompt[0].tolist() + res.output_ids, prompt.shape[1], depth)
+    return res, replay_fn(vectors, paths, len(res.output_ids), max_new_tokens)
+
+
+def check_against_the_loop(target, heads, sequences, replay_fn, seed):
+    """One random (head, prompt, tree, token limit): the replay counts the loop's forwards and steps."""
+    rng = random.Random(seed)
+    family = rng.choice(sorted(heads))
+    prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(seed))
+    if seed % 2:  # half the prompts start on the text the heads were fitted on: long accepted runs
+        prompt = sequences[seed % 8 : seed % 8 + 1, :8]
+    name = rng.choice(sorted(TREES))
+    n = rng.choice([9, 16, 31])
+    res, r = loop_and_replay(target, heads[family], prompt, TREES[name], n, replay_fn)
+    where = f"{family} {name} max_new_tokens={n} seed={seed}"
+    assert r.forwards == res.target_forwards, where
+    assert list(r.accepted) == res.accepted_drafts, where
+    assert r.tokens == len(res.output_ids) - 1, where
+    return sum(res.accepted_drafts)
+
+
+def test_replay_counts_what_the_loop_does(tiny_target, heads, sequences):
+    """Two implementations agree on 24 random cases, and the check can fail (a walk that restarts
+    at the last accepted draft instead of the bonus token; one that ignores the depth limit)."""
+    accepted = [check_against_the_loop(tiny_target, heads, sequences, replay, seed) for seed in range(24)]
+    assert sum(a > 0 for a in accepted) >= 8  # most cases accepted drafts: the walk was exercised
+
+    def no_bonus(vectors, paths, answer_len, max_new_tokens):
+        tree, i, acc = frozenset(tuple(p) for p in paths), 0, []
+        while i < answer_len - 1:
+            k = accepted_length(vectors[i], tree, max_new_tokens)
+            acc.append(k)
+            i += max(k, 1)
+        return Replay(len(acc), answer_len - 1, tuple(acc))
+
+    def no_cap(vectors, paths, answer_len, max_new_tokens):
+        return replay(vectors, paths, answer_len, max_new_tokens=10**6)
+
+    check = lambda variant, seed: check_against_the_loop(tiny_target, heads, sequences, variant, seed)  # noqa: E731
+    assert fails_for_some_seed(check, no_bonus, range(24))
+    assert fails_for_some_seed(check, no_cap, range(24))
+
+
+def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path):  # noqa: F811
+    questions = tmp_path / "question.jsonl"
+    write_questions(questions, ["Tell me about cats.", "Count to five."], ("writing", "math"), later_turns=("More.",))
+    out = tmp_path / "bench" / "out.jsonl"
+    args = [
+        f"head={head_dir}",
+        f"bench.questions={questions}",
+        f"bench.output={out}",
+        "bench.mode=replay",
+        "bench.turns=all",
+        "bench.max_new_tokens=12",
+        "tree=static",
+        "tree.paths=[[0],[1],[0,0]]",
+    ]
+    proc = run_infer(*args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.with_name("out.replay.json").read_text())
+    assert report["answers"] == 4 and report["turns"] == "all"
+    (label,) = report["heads"]
+    r = report["heads"][label]
+    assert set(r["chain_tau"]) == {"1", "2", "3", "4", "5"} and r["tree"]["nodes"] == 3
+    assert set(r["per_category"]) == {"writing", "math"}
+    assert all(1.0 <= t <= 12 for t in r["chain_tau"].values())
+    assert out.with_name("out.replay.png").is_file() and not out.exists()  # no timed rows were written
+    answers = [json.loads(line) for line in answers_path(out).read_text().splitlines()]
+    assert [a["turn"] for a in answers] == [1, 2, 1, 2]
+    # the second run reads the answers back: nothing is generated, the same report comes out
+    from specheads.bench import replay as replay_module
+    from specheads.bench.session import load_session
+    from specheads.config.infer import BenchConfig, InferJobConfig, TreeConfig
+
+    settings = InferJobConfig(
+        head_path=str(head_dir),
+        tree=TreeConfig(kind="static", paths=[[0], [1], [0, 0]]),
+        bench=BenchConfig(mode="replay", questions=str(questions), output=str(out), turns="all", max_new_tokens=12),
+    )
+    session = load_session(settings, CONF)
+    calls = []
+    original = replay_module.speculative_generate
+    replay_module.speculative_generate = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        again = replay_module.run_replay(settings, session, out=io.StringIO())
+    finally:
+        replay_module.speculative_generate = original
+    assert calls == [] and again["heads"][label]["chain_tau"] == r["chain_tau"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["bench.mode=fast"], "bench.mode must be one of"),
+        (["bench.mode=replay", "temperature=0.7"], "greedy"),
+    ],
+)
+def test_replay_settings_are_checked(tmp_path, overrides, message):
+    questions = write_questions(tmp_path / "q.jsonl", ["hi"])
+    proc = run_infer("head=/tmp", f"bench.questions={questions}", *overrides)
+    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1]
