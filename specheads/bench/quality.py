@@ -12,20 +12,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..data.repeats import REPEAT_N, repeated_ngrams
 from ..errors import SpecHeadsError
-
-REPEAT_N = 4
-
-
-def repeated_ngrams(ids: Sequence[int], n: int = REPEAT_N) -> tuple[int, int]:
-    """(n-grams that occurred earlier in the same answer, n-grams) of one answer."""
-    seen: set[tuple[int, ...]] = set()
-    repeated = 0
-    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
-    for g in grams:
-        repeated += g in seen
-        seen.add(g)
-    return repeated, len(grams)
 
 
 def repeat_rate(answers: Sequence[Sequence[int]], n: int = REPEAT_N) -> float | None:

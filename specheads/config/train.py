@@ -119,6 +119,10 @@ class DataConfig:
     eval_fraction: float = 0.05
     max_examples: int | None = None
     shuffle_seed: int = 0
+    # drop a conversation whose answers repeat more than this share of their 4-grams (a greedy
+    # answer looping on itself, specheads.data.repeats); null = keep every row. With max_examples
+    # the rows kept count, so a filtered run reads as many conversations as an unfiltered one.
+    max_repeat_rate: float | None = None
     # Evaluation prompt files/globs (FastChat question.jsonl, ...) whose overlapping examples are
     # dropped, besides the shipped dev prompts (always kept out).
     decontaminate: list[str] = field(default_factory=list)

@@ -13,6 +13,7 @@ from ..errors import SpecHeadsError
 from .chat import tokenize_conversation
 from .decontaminate import decontaminate, resolve_eval_files
 from .formats import load_conversations
+from .repeats import answer_repeat_rate
 
 
 def build_datasets(data_cfg: DataConfig, tokenizer):
@@ -41,15 +42,29 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
             f"decontamination: dropped {dropped} of {len(conversations) + dropped} conversations "
             f"overlapping {len(eval_files)} evaluation file(s)"
         )
+    limit = data_cfg.max_repeat_rate
+    if limit is not None and not 0 <= limit <= 1:
+        raise SpecHeadsError(f"data.max_repeat_rate must be a share between 0 and 1, got {limit}")
     order = list(range(len(conversations)))
     random.Random(data_cfg.shuffle_seed).shuffle(order)
-    if data_cfg.max_examples is not None:
+    if data_cfg.max_examples is not None and limit is None:
         order = order[: data_cfg.max_examples]
-    rows = []
+    rows, looping = [], 0
     for i in tqdm(order, desc="tokenizing", unit="conv", leave=False, disable=len(order) < 2000):
+        if data_cfg.max_examples is not None and len(rows) >= data_cfg.max_examples:
+            break
         row = tokenize_conversation(tokenizer, conversations[i], data_cfg.max_length)
-        if any(row["loss_mask"]):
-            rows.append(row)
+        if not any(row["loss_mask"]):
+            continue
+        if limit is not None and answer_repeat_rate(row) > limit:
+            looping += 1
+            continue
+        rows.append(row)
+    if limit is not None:
+        print(
+            f"data: dropped {looping} of {looping + len(rows)} conversations read whose answers repeat more than "
+            f"{limit:.0%} of their 4-grams (data.max_repeat_rate)"
+        )
     if not rows:
         raise SpecHeadsError(f"no usable conversation with an assistant turn in {', '.join(sources)}")
     n_eval = eval_count(len(rows), data_cfg.eval_fraction)

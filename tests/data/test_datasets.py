@@ -48,6 +48,25 @@ def test_build_datasets_decontaminates_and_reports(tok, tmp_path, capsys):
     assert "dropped 1 of 7" in capsys.readouterr().out
 
 
+def test_build_datasets_drops_looping_answers(tok, tmp_path, capsys):
+    loops = [
+        {"messages": [{"role": "user", "content": f"loop {i}"}, {"role": "assistant", "content": "la la la " * 20}]}
+        for i in range(5)
+    ]
+    file = write_jsonl(tmp_path / "d.jsonl", conversations(12) + loops)
+    train, evaluation = build_datasets(data_cfg(file, max_repeat_rate=0.5), tok)
+    kept = list(train["input_ids"]) + list(evaluation["input_ids"])
+    assert len(kept) == 12 and "dropped 5 of 17" in capsys.readouterr().out
+    assert not any(tok.decode([t for t in ids]).count("la la la") for ids in kept)
+    # max_examples counts the rows kept: a filtered run reads as many conversations as another
+    small, small_eval = build_datasets(data_cfg(file, max_repeat_rate=0.5, max_examples=10, eval_fraction=0.0), tok)
+    assert len(small) == 10
+    everything, _ = build_datasets(data_cfg(file, eval_fraction=0.0), tok)
+    assert len(everything) == 17  # the filter is off by default
+    with pytest.raises(SpecHeadsError, match="max_repeat_rate"):
+        build_datasets(data_cfg(file, max_repeat_rate=1.5), tok)
+
+
 def test_build_datasets_errors(tok, tmp_path):
     with pytest.raises(SpecHeadsError, match="needs the target"):
         build_datasets(DataConfig(path="builtin"), tok)
