@@ -54,7 +54,11 @@ def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
     out = tmp_path / "run"
     proc = run(
         [sys.executable, "train.py", f"head={family}", "train.max_steps=3", *tiny_args(data, out)[:-1]]
-        + (["wandb.mode=offline"] if family == "eagle3" else ["wandb.mode=disabled"])
+        + (
+            ["wandb.mode=offline", "train.save_every=2", "train.save_heads=true"]
+            if family == "eagle3"
+            else ["wandb.mode=disabled"]
+        )
     )
     assert_head_written(proc, out)
     assert json.loads((out / "head" / "config.json").read_text())["family"] == family
@@ -65,6 +69,15 @@ def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
     assert (out / ".hydra" / "config.yaml").is_file()  # Hydra's own files stay inside output_dir
     if family == "eagle3":
         assert any((out / "wandb").glob("offline-run-*"))
+        # train.save_heads: every checkpoint's head beside its checkpoint, the last one the final head's
+        heads = sorted(p.name for p in (out / "heads").iterdir())
+        assert heads == ["step-2", "step-3"]
+        steps = [json.loads((out / "heads" / h / "config.json").read_text())["training"]["steps"] for h in heads]
+        assert steps == [2, 3]
+        final = load_file(out / "head" / "model.safetensors")
+        at_3, at_2 = (load_file(out / "heads" / h / "model.safetensors") for h in ("step-3", "step-2"))
+        assert all(torch.equal(at_3[k], final[k]) for k in final)
+        assert not all(torch.equal(at_2[k], final[k]) for k in final)
     if family == "medusa":  # the same command again: nothing left to train, the head is written again
         logged = (out / "metrics.jsonl").read_text()
         fp32 = load_file(out / "head" / "model.safetensors")

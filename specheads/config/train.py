@@ -171,6 +171,9 @@ class TrainConfig:
     save_every: int = 50  # 0 = only at the end (there is always a final checkpoint)
     log_every: int = 5
     keep_checkpoints: int = 2  # 0 = keep all
+    # also write the head of every checkpoint as OUTPUT_DIR/heads/step-N (config.json + safetensors,
+    # kept whatever keep_checkpoints prunes): what `infer.py bench.mode=replay` compares checkpoints on
+    save_heads: bool = False
 
 
 @dataclass

@@ -87,6 +87,24 @@ def ensure_auto_features(
     return directory
 
 
+def training_record(cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, data_sha256: dict) -> dict:
+    """What a head directory records of the run that wrote it (at its end, or at a checkpoint)."""
+    return {
+        "steps": step,
+        "seed": cfg.seed,
+        "world_size": d.world_size,
+        "batch_size": cfg.train.batch_size,
+        "grad_accum": cfg.train.grad_accum,
+        "lr": cfg.train.lr,
+        # the data as a path inside its repository or a name, with the digests of local sources
+        "data": portable_path(cfg.data.path),
+        "data_mix": [portable_path(m) for m in cfg.data.mix],
+        "data_sha256": data_sha256,
+        **provenance(),
+        "eval": last_eval,
+    }
+
+
 def train(cfg: TrainJobConfig) -> Path | None:
     """Run (or resume) the training job described by cfg. Returns output_dir/head on rank 0;
     with dry_run, prints the memory plan instead and returns None, having loaded nothing."""
@@ -127,25 +145,13 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
     elif d.is_main:
         print(f"resuming from step {resumed} ({trainer.checkpoints.latest()})", file=sys.stderr)
     log = MetricsLog(output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed)
+    data_sha256 = data_record([cfg.data.path, *cfg.data.mix])  # read once: the files do not change in a run
+    trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, data_sha256)
     try:
         last_eval = trainer.fit(log)
     finally:
         log.close()
-    training = {
-        "steps": trainer.step,
-        "seed": cfg.seed,
-        "world_size": d.world_size,
-        "batch_size": cfg.train.batch_size,
-        "grad_accum": cfg.train.grad_accum,
-        "lr": cfg.train.lr,
-        # the data as a path inside its repository or a name, with the digests of local sources
-        "data": portable_path(cfg.data.path),
-        "data_mix": [portable_path(m) for m in cfg.data.mix],
-        "data_sha256": data_record([cfg.data.path, *cfg.data.mix]),
-        **provenance(),
-        "eval": last_eval,
-    }
-    path = trainer.write_head(output_dir / "head", training)
+    path = trainer.write_head(output_dir / "head", training_record(cfg, d, trainer.step, last_eval, data_sha256))
     if d.is_main:
         plot_metrics(output_dir / "metrics.jsonl", output_dir / "curves.png")
         if last_eval:

@@ -12,6 +12,7 @@ import hashlib
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,9 @@ class Trainer:
         self.checkpoints = Checkpoints(output_dir, t.keep_checkpoints, d.rank, d.world_size)
         self.step = 0
         self.last_eval: dict[str, float] = {}
+        # the training record a head directory written at a checkpoint carries (train.save_heads);
+        # set by train(cfg), which owns the run's provenance
+        self.head_record: Callable[[Trainer], dict[str, Any]] | None = None
 
     def total_steps(self) -> int:
         t = self.cfg.train
@@ -318,6 +322,8 @@ class Trainer:
                     bar.set_postfix(postfix)
             if (t.save_every > 0 and self.step % t.save_every == 0) or last:
                 self.save()
+                if t.save_heads and self.head_record is not None:
+                    self.write_head(self.output_dir / "heads" / f"step-{self.step}", self.head_record(self))
         bar.close()
         return self.last_eval
 
