@@ -202,11 +202,17 @@ def greedy_answers(target, questions: list[dict], settings: InferJobConfig, path
                     "answer_ids": answer,
                 }
             )
-        if fresh:  # kept as it grows (earlier rows included): an interrupted run resumes from it
-            asked = {r["key"] for r in rows}
-            write_jsonl(path, rows + [r for r in earlier if r["key"] not in asked])
-    write_jsonl(path, rows)
+        if fresh:  # kept as it grows: an interrupted run resumes from it
+            keep(path, rows, earlier)
+    keep(path, rows, earlier)
     return rows
+
+
+def keep(path: Path, rows: list[dict], earlier: list[dict]) -> None:
+    """This run's answers, then the file's earlier ones this run did not ask (another subset of the
+    questions, another turn setting): one file serves every run of the same output."""
+    asked = {r["key"] for r in rows}
+    write_jsonl(path, rows + [r for r in earlier if r["key"] not in asked])
 
 
 # -- the report ------------------------------------------------------------------------------------

@@ -153,6 +153,10 @@ def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path): 
     finally:
         replay_module.speculative_generate = original
     assert calls == [] and again["heads"][label]["chain_tau"] == r["chain_tau"]
+    # a run on fewer questions keeps the answers it did not ask in the file
+    settings.bench.limit = 1
+    assert replay_module.run_replay(settings, session, out=io.StringIO())["answers"] == 2
+    assert len(answers_path(out).read_text().splitlines()) == 4
 
 
 @pytest.mark.parametrize(
