@@ -155,8 +155,11 @@ def answers_path(output: str | Path) -> Path:
     return Path(f"{stem}.greedy.jsonl")
 
 
-def answer_key(identity: dict, prompt_ids: Sequence[int], max_new_tokens: int) -> str:
-    blob = json.dumps([identity.get("weights_sha256"), identity.get("loaded_as"), list(prompt_ids), max_new_tokens])
+def answer_key(identity: dict, kernels: str, prompt_ids: Sequence[int], max_new_tokens: int) -> str:
+    """What an answer depends on: the target's weights and how they run, the prompt, the limit."""
+    blob = json.dumps(
+        [identity.get("weights_sha256"), identity.get("loaded_as"), kernels, list(prompt_ids), max_new_tokens]
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -185,7 +188,7 @@ def greedy_answers(target, questions: list[dict], settings: InferJobConfig, path
         texts: list[str] = []
         for turn in range(1, len(turns) + 1):
             ids = encode_turns(tok, turns[:turn], texts, settings.system, settings.chat)
-            key = answer_key(identity, ids, b.max_new_tokens)
+            key = answer_key(identity, settings.linear_layout, ids, b.max_new_tokens)
             if key not in known:
                 prompt = torch.tensor([ids], device=target.device)
                 known[key] = speculative_generate(target, PlainDrafter(), prompt, cfg).output_ids
