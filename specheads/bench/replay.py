@@ -40,6 +40,7 @@ from ..target import target_identity
 from .compared import head_label
 from .inputs import encode_turns, eos_token_ids, sampling_config
 from .questions import read_questions
+from .runner import output_paths
 
 MISS = 1 << 30  # the rank of a true token outside a reduced draft vocabulary
 CHAINS = (1, 2, 3, 4, 5)
@@ -149,12 +150,6 @@ def best_paths(freq: Counter, n: int) -> list[list[int]]:
 # -- the target's greedy answers ---------------------------------------------------------------------
 
 
-def answers_path(output: str | Path) -> Path:
-    out = Path(output)
-    stem = out.with_suffix("") if out.suffix == ".jsonl" else out
-    return Path(f"{stem}.greedy.jsonl")
-
-
 def answer_key(identity: dict, kernels: str, prompt_ids: Sequence[int], max_new_tokens: int) -> str:
     """What an answer depends on: the target's weights and how they run, the prompt, the limit."""
     blob = json.dumps(
@@ -182,17 +177,17 @@ def greedy_answers(target, questions: list[dict], settings: InferJobConfig, path
     cfg.temperature = 0.0
     tok = target.tokenizer
     rows: list[dict] = []
-    fresh = 0
     for q in tqdm(questions, desc="replay: greedy answers", unit="question", file=sys.stderr, dynamic_ncols=True):
         turns = q["turns"] if b.turns == "all" else q["turns"][:1]
         texts: list[str] = []
+        generated = False
         for turn in range(1, len(turns) + 1):
             ids = encode_turns(tok, turns[:turn], texts, settings.system, settings.chat)
             key = answer_key(identity, settings.linear_layout, ids, b.max_new_tokens)
             if key not in known:
                 prompt = torch.tensor([ids], device=target.device)
                 known[key] = speculative_generate(target, PlainDrafter(), prompt, cfg).output_ids
-                fresh += 1
+                generated = True
             answer = known[key]
             texts.append(tok.decode(answer, skip_special_tokens=True))
             rows.append(
@@ -205,7 +200,7 @@ def greedy_answers(target, questions: list[dict], settings: InferJobConfig, path
                     "answer_ids": answer,
                 }
             )
-        if fresh:  # kept as it grows: an interrupted run resumes from it
+        if generated:  # kept as it grows: an interrupted run resumes from it
             keep(path, rows, earlier)
     keep(path, rows, earlier)
     return rows
@@ -236,9 +231,8 @@ def replay_head(head, target, answers: list[dict], tree: list[list[int]] | None,
     for row in tqdm(answers, desc=f"replay: {head.family} ranks", unit="answer", file=sys.stderr, leave=False):
         vectors.append(rank_vectors(target, head, row["prompt_ids"] + row["answer_ids"], len(row["prompt_ids"]), depth))
 
-    def run(paths, rows=None):
-        idx = range(len(answers)) if rows is None else rows
-        return [replay(vectors[i], paths, len(answers[i]["answer_ids"]), max_new_tokens) for i in idx]
+    def run(paths):  # one Replay per answer, in the answers' order
+        return [replay(v, paths, len(a["answer_ids"]), max_new_tokens) for v, a in zip(vectors, answers)]
 
     freq = path_frequencies([v for vs in vectors for v in vs], top_k=8)
     chains = {k: run(chain_paths(k)) for k in CHAINS}
@@ -251,15 +245,16 @@ def replay_head(head, target, answers: list[dict], tree: list[list[int]] | None,
         "best_tree_tau": {str(n): round(tau(run(best_paths(freq, n))), 4) for n in TREE_NODES},
         "tree": None,
     }
-    if tree:
-        report["tree"] = {"paths": tree, "nodes": len(tree), "tau": round(tau(run(tree)), 4)}
+    own = run(tree) if tree else None
+    if own is not None:
+        report["tree"] = {"paths": tree, "nodes": len(tree), "tau": round(tau(own), 4)}
     categories: dict[str, list[int]] = {}
     for i, row in enumerate(answers):
         categories.setdefault(row["category"], []).append(i)
     report["per_category"] = {
         c: {
-            "chain_3_tau": round(tau(run(chain_paths(3), rows)), 4),
-            **({"tree_tau": round(tau(run(tree, rows)), 4)} if tree else {}),
+            "chain_3_tau": round(tau([chains[3][i] for i in rows]), 4),
+            **({"tree_tau": round(tau([own[i] for i in rows]), 4)} if own is not None else {}),
         }
         for c, rows in categories.items()
     }
@@ -286,9 +281,8 @@ def run_replay(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> d
     b = settings.bench
     target = session.target
     questions = read_questions(b.questions, b.limit, b.per_category)
-    output = Path(b.output)
-    stem = output.with_suffix("") if output.suffix == ".jsonl" else output
-    output.parent.mkdir(parents=True, exist_ok=True)
+    paths = output_paths(b.output)
+    paths["replay"].parent.mkdir(parents=True, exist_ok=True)
     heads: dict[str, tuple[Any, list[list[int]] | None, str]] = {}
     if session.head is not None:
         label = head_label(session.head_dir) if session.head_dir else "head"
@@ -299,7 +293,7 @@ def run_replay(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> d
             raise SpecHeadsError(f"bench.heads: two heads are named {label!r}; give them distinct directory names")
         head = open_head(resolve_head_path(path), target, session.allow_target_mismatch)
         heads[label] = (head, tree_of(head, settings, main=False), path)
-    answers = greedy_answers(target, questions, settings, answers_path(output))
+    answers = greedy_answers(target, questions, settings, paths["answers"])
     results = {}
     for label, (head, tree, path) in heads.items():
         results[label] = {"head": path, **replay_head(head, target, answers, tree, b.max_new_tokens)}
@@ -315,16 +309,16 @@ def run_replay(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> d
         "max_new_tokens": b.max_new_tokens,
         "heads": results,
     }
-    write_json(Path(f"{stem}.replay.json"), report)
+    write_json(paths["replay"], report)
     if b.plots:
         from .plots import plot_replay
 
-        plot_replay(results, Path(f"{stem}.replay.png"))
+        plot_replay(results, paths["replay_png"])
     out.write(
         f"replay of greedy speculative decoding: {len(answers)} answers, {report['answer_tokens']} tokens "
         f"(tau = tokens per target forward, as the timed benchmark counts it)\n"
     )
     out.write(format_replay(results) + "\n")
-    out.write(f"answers: {answers_path(output)}\nreport: {stem}.replay.json\n")
+    out.write(f"answers: {paths['answers']}\nreport: {paths['replay']}\n")
     out.flush()
     return report

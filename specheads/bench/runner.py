@@ -241,6 +241,10 @@ def output_paths(output: str | os.PathLike) -> dict[str, Path]:
         "summary": Path(f"{stem}.summary.json"),
         "tau_png": Path(f"{stem}.tau.png"),
         "acceptance_png": Path(f"{stem}.acceptance.png"),
+        # bench.mode=replay (specheads.bench.replay)
+        "answers": Path(f"{stem}.greedy.jsonl"),
+        "replay": Path(f"{stem}.replay.json"),
+        "replay_png": Path(f"{stem}.replay.png"),
     }
 
 

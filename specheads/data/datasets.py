@@ -48,6 +48,8 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
     order = list(range(len(conversations)))
     random.Random(data_cfg.shuffle_seed).shuffle(order)
     if data_cfg.max_examples is not None and limit is None:
+        # unfiltered: the first max_examples conversations, as ever (the rows and feature caches of
+        # earlier runs stay the same); filtered: read on until max_examples rows are kept
         order = order[: data_cfg.max_examples]
     rows, looping = [], 0
     for i in tqdm(order, desc="tokenizing", unit="conv", leave=False, disable=len(order) < 2000):

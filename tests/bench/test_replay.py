@@ -15,11 +15,11 @@ from specheads.bench.replay import (
     Replay,
     acceptance_per_depth,
     accepted_length,
-    answers_path,
     rank_vectors,
     replay,
     tau,
 )
+from specheads.bench.runner import output_paths
 from specheads.decode.drafters import make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.tree import chain_paths, static_tree
@@ -132,7 +132,7 @@ def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path): 
     assert set(r["per_category"]) == {"writing", "math"}
     assert all(1.0 <= t <= 12 for t in r["chain_tau"].values())
     assert out.with_name("out.replay.png").is_file() and not out.exists()  # no timed rows were written
-    answers = [json.loads(line) for line in answers_path(out).read_text().splitlines()]
+    answers = [json.loads(line) for line in output_paths(out)["answers"].read_text().splitlines()]
     assert [a["turn"] for a in answers] == [1, 2, 1, 2]
     # the second run reads the answers back: nothing is generated, the same report comes out
     from specheads.bench import replay as replay_module
@@ -156,7 +156,7 @@ def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path): 
     # a run on fewer questions keeps the answers it did not ask in the file
     settings.bench.limit = 1
     assert replay_module.run_replay(settings, session, out=io.StringIO())["answers"] == 2
-    assert len(answers_path(out).read_text().splitlines()) == 4
+    assert len(output_paths(out)["answers"].read_text().splitlines()) == 4
 
 
 @pytest.mark.parametrize(
