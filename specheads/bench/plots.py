@@ -68,3 +68,20 @@ def plot_replay(heads: dict, path: Path) -> None:
     right.set_title("Most frequent paths on these answers")
     right.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     _save(fig, path)
+
+
+def plot_replay_training(curves: dict[str, list[tuple[int, float, float]]], path: Path) -> None:
+    """bench.mode=replay over the checkpoints of training runs: the benchmark's tau against the rows
+    each head had read (one line per run), as a chain of 3 and with the best 5-node tree."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for label, points in curves.items():
+        rows = [p[0] for p in points]
+        line = left.plot(rows, [p[1] for p in points], marker="o", label=label)[0]
+        right.plot(rows, [p[2] for p in points], marker="o", color=line.get_color(), label=label)
+    for ax in (left, right):
+        ax.set_xlabel("training rows read (steps x batch)")
+    left.set_ylabel("tau (tokens per target forward)")
+    left.set_title("Chain of 3")
+    right.set_title("Best 5-node tree")
+    right.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    _save(fig, path)

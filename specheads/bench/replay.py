@@ -248,6 +248,8 @@ def replay_head(head, target, answers: list[dict], tree: list[list[int]] | None,
     own = run(tree) if tree else None
     if own is not None:
         report["tree"] = {"paths": tree, "nodes": len(tree), "tau": round(tau(own), 4)}
+    if head.training_record:
+        report["trained"] = trained(head.training_record)
     categories: dict[str, list[int]] = {}
     for i, row in enumerate(answers):
         categories.setdefault(row["category"], []).append(i)
@@ -259,6 +261,33 @@ def replay_head(head, target, answers: list[dict], tree: list[list[int]] | None,
         for c, rows in categories.items()
     }
     return report
+
+
+def trained(record: dict) -> dict:
+    """How much a head had read when it was written: steps and rows (steps x batch x accumulation x
+    ranks), with the run's command, which every checkpoint of one run shares."""
+    steps = int(record.get("steps") or 0)
+    per_step = (
+        int(record.get("batch_size") or 0) * int(record.get("grad_accum") or 1) * int(record.get("world_size") or 1)
+    )
+    return {"steps": steps, "rows_read": steps * per_step, "command": record.get("command")}
+
+
+def training_curves(heads: dict[str, dict]) -> dict[str, list[tuple[int, float, float]]]:
+    """The benchmark's acceptance against training: the heads that record their run, grouped by
+    its command (the checkpoints of one run), each group as (rows read, chain of 3 tau, best 5-node
+    tree tau) by rows read and named after its last head. Groups of one head are kept: a point."""
+    runs: dict[str, list[tuple[str, dict]]] = {}
+    for label, r in heads.items():
+        if r.get("trained") and r["trained"]["rows_read"] > 0:
+            runs.setdefault(str(r["trained"]["command"]), []).append((label, r))
+    curves = {}
+    for members in runs.values():
+        members.sort(key=lambda m: m[1]["trained"]["rows_read"])
+        curves[members[-1][0]] = [
+            (r["trained"]["rows_read"], r["chain_tau"]["3"], r["best_tree_tau"]["5"]) for _, r in members
+        ]
+    return curves
 
 
 def format_replay(heads: dict[str, dict]) -> str:
@@ -311,9 +340,12 @@ def run_replay(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> d
     }
     write_json(paths["replay"], report)
     if b.plots:
-        from .plots import plot_replay
+        from .plots import plot_replay, plot_replay_training
 
         plot_replay(results, paths["replay_png"])
+        curves = training_curves(results)
+        if sum(len(c) for c in curves.values()) > 1:  # something to compare along training
+            plot_replay_training(curves, paths["replay_training_png"])
     out.write(
         f"replay of greedy speculative decoding: {len(answers)} answers, {report['answer_tokens']} tokens "
         f"(tau = tokens per target forward, as the timed benchmark counts it)\n"

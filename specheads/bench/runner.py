@@ -245,6 +245,7 @@ def output_paths(output: str | os.PathLike) -> dict[str, Path]:
         "answers": Path(f"{stem}.greedy.jsonl"),
         "replay": Path(f"{stem}.replay.json"),
         "replay_png": Path(f"{stem}.replay.png"),
+        "replay_training_png": Path(f"{stem}.replay_training.png"),
     }
 
 

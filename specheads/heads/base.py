@@ -51,6 +51,8 @@ class DraftHead(nn.Module):
         # the identity of the target it was trained on (specheads.target.target_identity): a digest
         # of the weights it reads and how they were loaded; None for a head that never recorded one
         self.target_identity: dict | None = None
+        # the record of the run that wrote it (config.json "training": steps, batch, command, data)
+        self.training_record: dict | None = None
         self.steps_done = 0  # optimizer steps trained so far, set by the Trainer (Medusa-2's stages)
 
     # -- target wiring -------------------------------------------------------------------

@@ -131,6 +131,7 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget, allow_target_m
         )
     head.default_tree = config.get("default_tree")
     head.calibration = config.get("calibration")
+    head.training_record = config.get("training") or None
     head.load_files(Path(directory))
     return head.to(device=target.device, dtype=head_dtype(target)).eval()
 

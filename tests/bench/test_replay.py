@@ -4,6 +4,7 @@ trees, and the command must write its report and reuse the target's answers."""
 import io
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from specheads.bench.replay import (
     rank_vectors,
     replay,
     tau,
+    trained,
+    training_curves,
 )
 from specheads.bench.runner import output_paths
 from specheads.decode.drafters import make_drafter
@@ -112,8 +115,11 @@ def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path): 
     questions = tmp_path / "question.jsonl"
     write_questions(questions, ["Tell me about cats.", "Count to five."], ("writing", "math"), later_turns=("More.",))
     out = tmp_path / "bench" / "out.jsonl"
+    checkpoint = tmp_path / "checkpoint"  # the same run's head again: two points along its training
+    shutil.copytree(head_dir, checkpoint)
     args = [
         f"head={head_dir}",
+        f"bench.heads=[{checkpoint}]",
         f"bench.questions={questions}",
         f"bench.output={out}",
         "bench.mode=replay",
@@ -126,8 +132,10 @@ def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path): 
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.with_name("out.replay.json").read_text())
     assert report["answers"] == 4 and report["turns"] == "all"
-    (label,) = report["heads"]
+    label, _ = report["heads"]
     r = report["heads"][label]
+    assert r["trained"]["steps"] > 0 and r["trained"] == report["heads"]["checkpoint"]["trained"]
+    assert out.with_name("out.replay_training.png").is_file()
     assert set(r["chain_tau"]) == {"1", "2", "3", "4", "5"} and r["tree"]["nodes"] == 3
     assert set(r["per_category"]) == {"writing", "math"}
     assert all(1.0 <= t <= 12 for t in r["chain_tau"].values())
@@ -157,6 +165,24 @@ def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path): 
     settings.bench.limit = 1
     assert replay_module.run_replay(settings, session, out=io.StringIO())["answers"] == 2
     assert len(output_paths(out)["answers"].read_text().splitlines()) == 4
+
+
+def test_training_curves_group_checkpoints_by_their_run():
+    def head(steps, chain, tree, command="train.py a", batch=4):
+        record = {"steps": steps, "batch_size": batch, "grad_accum": 2, "world_size": 1, "command": command}
+        return {"chain_tau": {"3": chain}, "best_tree_tau": {"5": tree}, "trained": trained(record)}
+
+    heads = {
+        "step-800": head(800, 1.4, 1.6),
+        "run-a": head(1200, 1.5, 1.7),
+        "step-400": head(400, 1.3, 1.5),
+        "other": head(100, 1.2, 1.3, command="train.py b", batch=8),
+        "exported": {"chain_tau": {"3": 1.1}, "best_tree_tau": {"5": 1.2}},  # no training record
+    }
+    assert training_curves(heads) == {
+        "run-a": [(3200, 1.3, 1.5), (6400, 1.4, 1.6), (9600, 1.5, 1.7)],
+        "other": [(1600, 1.2, 1.3)],
+    }
 
 
 @pytest.mark.parametrize(
