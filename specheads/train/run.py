@@ -87,8 +87,10 @@ def ensure_auto_features(
     return directory
 
 
-def training_record(cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, data_sha256: dict) -> dict:
-    """What a head directory records of the run that wrote it (at its end, or at a checkpoint)."""
+def training_record(cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, origin: dict) -> dict:
+    """What a head directory records of the run that wrote it (at its end, or at a checkpoint).
+    origin: what the run read at its start (data digests, code version, commit, command), not at the
+    write: a commit made while a run trains is not the code that trained it."""
     return {
         "steps": step,
         "seed": cfg.seed,
@@ -99,8 +101,7 @@ def training_record(cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, da
         # the data as a path inside its repository or a name, with the digests of local sources
         "data": portable_path(cfg.data.path),
         "data_mix": [portable_path(m) for m in cfg.data.mix],
-        "data_sha256": data_sha256,
-        **provenance(),
+        **origin,
         "eval": last_eval,
     }
 
@@ -112,15 +113,17 @@ def train(cfg: TrainJobConfig) -> Path | None:
         print(dry_run(cfg), flush=True)
         return None
     check_state_source(cfg)
+    code = provenance()  # the code this process runs, whatever the work tree holds when heads are written
     if cfg.save_dtype != "auto" and cfg.save_dtype not in FLOAT_DTYPES:
         raise SpecHeadsError(f"save_dtype must be auto or one of {', '.join(FLOAT_DTYPES)}, got {cfg.save_dtype!r}")
     with process_group(cfg.device) as d:
-        path = train_in_group(cfg, d)
+        path = train_in_group(cfg, d, code)
     return path if d.is_main else None
 
 
-def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
-    """The job on this rank of the process group `d`; the head directory it wrote."""
+def train_in_group(cfg: TrainJobConfig, d: Dist, code: dict) -> Path:
+    """The job on this rank of the process group `d`; the head directory it wrote. code: the
+    provenance read when the job started."""
     quiet_deepspeed(cfg.debug)
     # before the target is loaded: a run whose target (whole, or its shard) cannot fit a rank is refused here
     on_gpu = d.device.type == "cuda"
@@ -145,13 +148,13 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
     elif d.is_main:
         print(f"resuming from step {resumed} ({trainer.checkpoints.latest()})", file=sys.stderr)
     log = MetricsLog(output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed)
-    data_sha256 = data_record([cfg.data.path, *cfg.data.mix])  # read once: the files do not change in a run
-    trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, data_sha256)
+    origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code}
+    trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, origin)
     try:
         last_eval = trainer.fit(log)
     finally:
         log.close()
-    path = trainer.write_head(output_dir / "head", training_record(cfg, d, trainer.step, last_eval, data_sha256))
+    path = trainer.write_head(output_dir / "head", training_record(cfg, d, trainer.step, last_eval, origin))
     if d.is_main:
         plot_metrics(output_dir / "metrics.jsonl", output_dir / "curves.png")
         if last_eval:
