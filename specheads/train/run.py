@@ -113,17 +113,16 @@ def train(cfg: TrainJobConfig) -> Path | None:
         print(dry_run(cfg), flush=True)
         return None
     check_state_source(cfg)
-    code = provenance()  # the code this process runs, whatever the work tree holds when heads are written
     if cfg.save_dtype != "auto" and cfg.save_dtype not in FLOAT_DTYPES:
         raise SpecHeadsError(f"save_dtype must be auto or one of {', '.join(FLOAT_DTYPES)}, got {cfg.save_dtype!r}")
     with process_group(cfg.device) as d:
-        path = train_in_group(cfg, d, code)
+        path = train_in_group(cfg, d)
     return path if d.is_main else None
 
 
-def train_in_group(cfg: TrainJobConfig, d: Dist, code: dict) -> Path:
-    """The job on this rank of the process group `d`; the head directory it wrote. code: the
-    provenance read when the job started."""
+def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
+    """The job on this rank of the process group `d`; the head directory it wrote."""
+    code = provenance()  # the code this process runs, whatever the work tree holds when heads are written
     quiet_deepspeed(cfg.debug)
     # before the target is loaded: a run whose target (whole, or its shard) cannot fit a rank is refused here
     on_gpu = d.device.type == "cuda"
