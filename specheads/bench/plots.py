@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import EngFormatter  # noqa: E402
 
 from ..atomic import save_figure  # noqa: E402
 
@@ -80,6 +81,7 @@ def plot_replay_training(curves: dict[str, list[tuple[int, float, float]]], path
         right.plot(rows, [p[2] for p in points], marker="o", color=line.get_color(), label=label)
     for ax in (left, right):
         ax.set_xlabel("training rows read (steps x batch)")
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 16k, not 16000 run into its neighbour
     left.set_ylabel("tau (tokens per target forward)")
     left.set_title("Chain of 3")
     right.set_title("Best 5-node tree")
