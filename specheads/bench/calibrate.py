@@ -92,26 +92,28 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
     """Seconds per verification forward of n query tokens after `context`.
 
     The minimum over repeats (least disturbed by other work on the machine), made non-decreasing
-    in n: more query tokens never cost less.
+    in n: more query tokens never cost less. Each repeat times every size in turn, so that a slow
+    spell of the machine falls on all sizes alike; timed one size after another, it would inflate
+    the few sizes timed during it, and the forcing would carry that up to the larger ones, making
+    large trees look cheap beside small ones.
     """
     model, device = target.model, target.device
     cache = new_cache(model)
     model(torch.tensor([list(context)], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     prefix = len(context)
-    out = {}
-    for n in sizes:
-        chain = TreeLayout(tuple(range(-1, n - 1)))  # n query tokens, each attending to the ones before
-        tokens = [context[i % len(context)] for i in range(n)]
-        times = []
-        for r in range(repeats + 1):
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(repeats + 1):
+        for n in sizes:
+            chain = TreeLayout(tuple(range(-1, n - 1)))  # n query tokens, each attending to the ones before
+            tokens = [context[i % len(context)] for i in range(n)]
             synchronize(device)
             t0 = time.perf_counter()
             verify_tree(target, tokens, chain, prefix, cache)
             synchronize(device)
-            if r:  # the first call warms up
-                times.append(time.perf_counter() - t0)
+            if r:  # the first round warms up
+                times[n].append(time.perf_counter() - t0)
             cache.crop(-n)
-        out[n] = min(times)
+    out = {n: min(t) for n, t in times.items()}
     running = 0.0
     for n in sorted(out):
         running = out[n] = max(out[n], running)

@@ -346,6 +346,22 @@ def test_time_target_keeps_the_minimum_repeat_and_never_lets_more_tokens_cost_le
     assert scripted_time_target(monkeypatch, tiny_target) == pytest.approx(expected)
 
 
+def test_time_target_times_every_size_in_each_round(monkeypatch, tiny_target):
+    """A slow spell of the machine falls on all sizes alike: every round (the warm-up, then each
+    repeat) times each size once, instead of one size's repeats after another's."""
+    import specheads.bench.calibrate as calibrate
+
+    order, real_verify = [], calibrate.verify_tree
+
+    def verify(target, tokens, layout, prefix, cache):
+        order.append(len(tokens))
+        return real_verify(target, tokens, layout, prefix, cache)
+
+    monkeypatch.setattr(calibrate, "verify_tree", verify)
+    time_target(tiny_target, list(range(1, 30)), [1, 2, 4], repeats=2)
+    assert order == [1, 2, 4] * 3
+
+
 @pytest.mark.parametrize(
     "name, broken",
     [
