@@ -101,11 +101,11 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
     cache = new_cache(model)
     model(torch.tensor([list(context)], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     prefix = len(context)
+    # n query tokens, each attending to the ones before: built once, timed every round
+    queries = {n: ([context[i % len(context)] for i in range(n)], TreeLayout(tuple(range(-1, n - 1)))) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):
-        for n in sizes:
-            chain = TreeLayout(tuple(range(-1, n - 1)))  # n query tokens, each attending to the ones before
-            tokens = [context[i % len(context)] for i in range(n)]
+        for n, (tokens, chain) in queries.items():
             synchronize(device)
             t0 = time.perf_counter()
             verify_tree(target, tokens, chain, prefix, cache)
