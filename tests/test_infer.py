@@ -136,6 +136,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
         (["head_path=/tmp"], "prompt"),
         (["head_path=/tmp", "bench.output=o.jsonl"], "bench.questions"),
         (["head_path=/tmp", "prompt=hi", "tree.kind=weird"], "tree.kind"),
+        (["head_path=/tmp", "prompt=hi", "head_dtype=int8"], "head_dtype must be one of"),
         (["head_path=/tmp", "prompt=hi", "bench.methods=[spec,eagle]"], "bench.methods"),
         (["head_path=/tmp", "prompt=hi", "acceptance=typical"], "temperature > 0"),
         (["head_path=/tmp", "prompt=hi", "bench.heads=[/tmp]"], "bench.heads compares heads in the benchmark"),

@@ -14,6 +14,7 @@ from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import read_head_config
+from ..heads.io import draft_dtype
 from ..kernels import gqa_attention
 from ..kernels.linear_layout import describe, install, measure_layouts
 from ..target import FrozenTarget, load_target, resolve_device
@@ -64,6 +65,8 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
         model_cfg = model_config_for_head(head_config, conf_dir)
     target = load_target(model_cfg, resolve_device(settings.device))
     head = open_head(head_dir, target, settings.allow_target_mismatch) if head_dir else None
+    if head is not None:
+        head.to(dtype=draft_dtype(settings.head_dtype, target, head))
     if head is not None and not exported and settings.tree.kind == "default":
         # a tree calibrated for this head on this machine (tree=auto) beats the one it shipped with
         kernels = settings.linear_layout == "auto" and target.device.type == "cpu"

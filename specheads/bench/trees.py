@@ -60,14 +60,16 @@ def machine_description(device: torch.device, kernels: bool) -> dict[str, Any]:
     }
 
 
-def cache_path(head_dir: str | Path, target, kernels: bool) -> Path:
-    """The cache file of this head's tree on this machine (and target: its weights and dtype)."""
+def cache_path(head_dir: str | Path, target, kernels: bool, head_dtype: torch.dtype) -> Path:
+    """The cache file of this head's tree on this machine (and target: its weights and dtype; and
+    the dtype the head drafts in, which sets what a draft step costs)."""
     parts = {
         "version": CACHE_VERSION,
         "host": platform.node(),
         "machine": machine_description(target.device, kernels),
         "target": target_identity(target)["weights_sha256"],
         "dtype": str(target.dtype),
+        "head_dtype": str(head_dtype),
     }
     machine = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "trees" / f"{head_digest(head_dir)[:16]}-{machine}.json"
@@ -91,7 +93,7 @@ def read_cache(path: Path) -> dict | None:
 def use_cached_tree(head, head_dir: str | Path, target, kernels: bool, out: TextIO = sys.stderr) -> bool:
     """tree=default: a tree calibrated for this head on this machine replaces the stored one (one
     line says so). False when there is none (the head's own tree stays)."""
-    path = cache_path(head_dir, target, kernels)
+    path = cache_path(head_dir, target, kernels, head.dtype)
     stored = read_cache(path)
     if stored is None:
         return False

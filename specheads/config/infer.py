@@ -13,6 +13,9 @@ from typing import Any
 from ..errors import SpecHeadsError
 from .model import ModelConfig
 
+# infer.py's head_dtype (specheads.heads.io.draft_dtype says what each means)
+DRAFT_DTYPES = ("auto", "target", "float32", "bfloat16", "float16")
+
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
 METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
 TREE_SAVES = ("cache", "head", "none")
@@ -107,6 +110,10 @@ class InferJobConfig:
     # this machine for the row count at hand (specheads.kernels.linear_layout), and masked attention keeps
     # grouped KV heads unrepeated (specheads.kernels.gqa_attention); stock: transformers as shipped
     linear_layout: str = "auto"
+    # the dtype the head drafts in: auto = bf16 on a CPU with native bf16 when the target runs fp32
+    # (a draft step reads the head's weights from memory: half the bytes), else the target's;
+    # target | float32 | bfloat16 | float16. Outputs are the target's either way.
+    head_dtype: str = "auto"
     # load a head onto a target of its shape whose weights differ from those it was trained on
     # (another quantization or fine-tune; its acceptance will be lower); refused by default
     allow_target_mismatch: bool = False
@@ -118,6 +125,8 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     t, b = settings.tree, settings.bench
     if settings.linear_layout not in ("auto", "stock"):
         raise SpecHeadsError(f"linear_layout must be auto or stock, got {settings.linear_layout!r}")
+    if settings.head_dtype not in DRAFT_DTYPES:
+        raise SpecHeadsError(f"head_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {settings.head_dtype!r}")
     if t.kind not in TREE_KINDS:
         raise SpecHeadsError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {t.kind!r}")
     for name in ("depth", "top_k", "total_tokens", "max_nodes", "calibration_prompts", "calibration_tokens"):

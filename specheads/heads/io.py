@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..atomic import write_directory
+from ..config.infer import DRAFT_DTYPES
 from ..errors import SpecHeadsError
 from ..target import LAYER_CONVENTION, FrozenTarget, TargetInfo
 from .base import DraftHead, check_same_target
@@ -138,3 +139,29 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget, allow_target_m
 
 def head_dtype(target: FrozenTarget) -> torch.dtype:
     return target.dtype
+
+
+def native_bf16_cpu() -> bool:
+    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where oneDNN's bf16 linear streams
+    half the bytes of fp32 at fp32's speed; elsewhere bf16 is emulated and can be slower."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def draft_dtype(name: str, target: FrozenTarget, head: DraftHead) -> torch.dtype:
+    """The dtype a loaded head drafts in (infer.py's head_dtype).
+
+    Drafting decodes one to a few rows at a time, so on CPU its cost is the head's weights read
+    from memory at every step: "auto" halves them (bf16) on an fp32 target where the CPU has native
+    bf16, and otherwise keeps the target's dtype. The draft's precision only changes which tokens
+    it proposes; the target verifies them, so outputs are the target's in any dtype. A head that
+    adapts the target (Medusa-2's LoRA) keeps the target's dtype under "auto".
+    """
+    if name not in DRAFT_DTYPES:
+        raise SpecHeadsError(f"head_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {name!r}")
+    if name == "auto":
+        cpu_fp32 = target.device.type == "cpu" and target.dtype == torch.float32
+        halve = cpu_fp32 and not head.adapts_target and native_bf16_cpu()
+        return torch.bfloat16 if halve else target.dtype
+    if name == "target":
+        return target.dtype
+    return getattr(torch, name)

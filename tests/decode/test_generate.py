@@ -168,6 +168,20 @@ def test_heads_give_exact_greedy_output(family, trained, target, heads, sequence
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_head_on_an_fp32_target_gives_exact_greedy_output(family, target, sequences):
+    """infer.py's head_dtype=auto drafts in bf16 under an fp32 target on CPUs with native bf16:
+    the drafts may change, the output must not, and the head's drafts must still be accepted."""
+    head = quick_head(target, family, sequences, steps=60).to(torch.bfloat16)
+    assert head.dtype == torch.bfloat16 and target.dtype == torch.float32
+    prompt = sequences[1:2, :8]
+    ref = hf_greedy(target, prompt, 32)
+    for name, policy in POLICIES.items():
+        res = speculative_generate(target, make_drafter(head, policy), prompt, SamplingConfig(max_new_tokens=32))
+        assert res.output_ids == ref, (family, name)
+        assert sum(res.accepted_drafts) > 0, (family, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_eos_and_max_new_tokens_inside_accepted_paths(family, target, heads, sequences):
     head = heads[family, "trained"]
     prompt = sequences[2:3, :8]

@@ -77,3 +77,19 @@ def test_the_embedded_target_is_named_as_a_dequantized_q4_1_gguf():
     assert how["loaded_as"] == "GGUF Q4_1 dequantized to float32"
     assert how["original"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert not any(str(v).startswith("/") for v in how.values())
+
+
+def test_draft_dtype_halves_the_head_only_on_an_fp32_cpu_target_with_native_bf16(tiny_target, monkeypatch):
+    from specheads.heads import io
+
+    eagle3, medusa2 = quick_head(tiny_target, "eagle3"), quick_head(tiny_target, "medusa2")
+    monkeypatch.setattr(io, "native_bf16_cpu", lambda: True)
+    assert io.draft_dtype("auto", tiny_target, eagle3) == torch.bfloat16
+    assert io.draft_dtype("auto", tiny_target, medusa2) == torch.float32  # its LoRA adapts the target
+    assert io.draft_dtype("target", tiny_target, eagle3) == torch.float32
+    assert io.draft_dtype("float16", tiny_target, eagle3) == torch.float16
+    monkeypatch.setattr(io, "native_bf16_cpu", lambda: False)  # emulated bf16 can be slower than fp32
+    assert io.draft_dtype("auto", tiny_target, eagle3) == torch.float32
+    assert io.draft_dtype("bfloat16", tiny_target, eagle3) == torch.bfloat16
+    with pytest.raises(SpecHeadsError, match="head_dtype"):
+        io.draft_dtype("int8", tiny_target, eagle3)
