@@ -18,6 +18,8 @@ POLICIES = {
     "wide": static_tree(full_paths(2, 3)),
     "medusa-like": static_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
     "dynamic": DynamicTreeSpec(depth=4, top_k=3, total_tokens=12),
+    # a level drafted only while a path into it is likely enough: steps of every depth
+    "gated": static_tree([[0], [1], [2], [0, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]], min_path_prob=0.3),
 }
 
 

@@ -8,8 +8,13 @@
    the share of positions whose rank vector starts with it. For n nodes the best tree is
    therefore the n most frequent paths (a child is never more frequent than its parent).
 2. Cost. Target forwards of 1..max_nodes+1 query tokens are timed against a realistic context,
-   and the head's drafting of each candidate tree is timed with the real drafter.
-3. Pick n maximising (1 + E[accepted]) / (target time + draft time).
+   and the head's drafting of each candidate tree (and of its cuts at each depth) is timed with
+   the real drafter.
+3. Pick n maximising (1 + E[accepted]) / (target time + draft time), each tree under the depth
+   gate (StaticTree.min_path_prob) that serves it best: at every position the head's top-1
+   probabilities along the answer (teacher-forced, as the ranks) say how deep the gated tree
+   drafts there, and the step accepts at most that deep and costs that depth's drafting and
+   nodes, so that steps where the head is unsure stop early and cost less.
 4. The hybrid tree (the head's tree + continuations of the text's repeats, decode.drafters.
    HybridDrafter): at the same positions the text drafter's nodes are listed in the order it
    adds them, so for g text nodes its accepted length A_t(g) is known; a merged tree accepts the
@@ -44,7 +49,7 @@ from ..decode.baselines import hf_generate
 from ..decode.drafters import make_drafter, text_continuations
 from ..decode.kv import new_cache, verify_tree
 from ..decode.policy import describe_text_alone
-from ..decode.tree import TreeLayout, static_tree
+from ..decode.tree import TreeLayout, pruned_tree, static_tree
 from ..errors import SpecHeadsError
 from ..heads import read_head_config
 from ..heads.io import CONFIG_NAME
@@ -52,7 +57,7 @@ from ..provenance import portable_path
 from ..target import synchronize
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
-from .replay import best_paths, path_frequencies, rank_vectors
+from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
 from .trees import cache_path, machine_description, prompts_record, store_in_cache
 
 BUILTIN_PROMPTS = [
@@ -87,6 +92,14 @@ SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64, 80, 96, 12
 TEXT_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)  # text-continuation budgets a hybrid tree may take
 
 
+def settle_forward(target, token: int, cache) -> None:
+    """An untimed 1-token forward, dropped from the cache again. Each timed forward follows one, as
+    a decoding step follows a step of its own size: right after a large forward (the top of the
+    ladder) the next one runs slower, which made every small tree cost what a plain step did."""
+    target.model(input_ids=torch.tensor([[int(token)]], device=target.device), past_key_values=cache, use_cache=True)
+    cache.crop(-1)
+
+
 @torch.no_grad()
 def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
     """Seconds per verification forward of n query tokens after `context`.
@@ -106,6 +119,7 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):
         for n, (tokens, chain) in queries.items():
+            settle_forward(target, context[-1], cache)
             synchronize(device)
             t0 = time.perf_counter()
             verify_tree(target, tokens, chain, prefix, cache)
@@ -143,6 +157,50 @@ def time_draft(
         if r:
             times.append(time.perf_counter() - t0)
     return min(times)
+
+
+GATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # min_path_prob values tree=auto weighs
+
+
+def gated_depth(top: Sequence[float], max_depth: int, min_path_prob: float) -> int:
+    """How deep a gated tree drafts at a position whose top-1 chain has these probabilities: level
+    d + 1 is drafted while the chain's probability through depth d is at least min_path_prob."""
+    depth, p = 1, 1.0
+    while depth < max_depth:
+        p *= top[depth - 1] if depth - 1 < len(top) else 0.0
+        if p < min_path_prob:
+            break
+        depth += 1
+    return depth
+
+
+def gate_choice(
+    vectors: Sequence[Sequence[int]],
+    top_probs: Sequence[Sequence[float]],
+    paths: list[list[int]],
+    target_s: dict[int, float],
+    draft_s: dict[int, float],
+    gates: Sequence[float] = GATES,
+) -> list[dict]:
+    """Expected tokens/s of the tree `paths` under each depth gate (StaticTree.min_path_prob).
+
+    At each position the gate sets the depth drafted (gated_depth, from the head's top-1 chain);
+    the step accepts the tree's accepted length cut to that depth and costs the verification of
+    the tree's nodes down to it plus its drafting (draft_s: seconds by depth drafted)."""
+    tree = static_tree(paths)
+    full = frozenset(tuple(p) for p in paths)
+    max_depth = tree.layout.max_depth
+    size = {d: pruned_tree(tree, d).size for d in range(1, max_depth + 1)}
+    rows = []
+    for gate in gates:
+        tokens = seconds = 0.0
+        for vector, top in zip(vectors, top_probs):
+            depth = gated_depth(top, max_depth, gate)
+            tokens += 1 + min(accepted_length(vector, full, max_depth), depth)
+            seconds += interpolate(target_s, size[depth]) + draft_s[depth]
+        n = max(len(vectors), 1)
+        rows.append({"min_path_prob": gate, "tau": tokens / n, "tokens_per_s": tokens / seconds if seconds else 0.0})
+    return rows
 
 
 def text_acceptance(
@@ -358,11 +416,11 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         raise SpecHeadsError("tree=auto needs at least one calibration prompt")
     cfg = sampling_config(settings, t.calibration_tokens, eos_token_ids(target))
     cfg.temperature = 0.0
-    vectors, contexts = [], []
+    vectors, contexts, top_probs = [], [], []
     for ids in tqdm(prompts, desc="calibration: acceptance", unit="prompt", file=sys.stderr):
         answer = hf_generate(target, torch.tensor([ids], device=target.device), cfg)["output_ids"]
         contexts.append(ids + answer)
-        vectors += rank_vectors(target, head, ids + answer, len(ids), depth)
+        vectors += rank_vectors(target, head, ids + answer, len(ids), depth, top_probs)
     if not vectors:
         raise SpecHeadsError("tree=auto: the calibration answers were empty")
     freq = path_frequencies(vectors, t.top_k)
@@ -370,20 +428,32 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     candidates = [n for n in SIZES if n <= min(t.max_nodes, len(freq))] or [1]
     context = max(contexts, key=len)
     target_s = time_target(target, context, [1] + [n + 1 for n in candidates])
+    prompt = context[: max(len(context) // 2, 1)]
+    drafting: dict[tuple, float] = {}  # tree paths -> seconds of its drafting
+
+    def draft_time(paths) -> float:
+        key = tuple(tuple(p) for p in paths)
+        if key not in drafting:
+            drafting[key] = time_draft(target, head, [list(p) for p in key], prompt)
+        return drafting[key]
+
+    gates = GATES if t.min_path_prob is None else (t.min_path_prob,)
     rows = []
     for n in tqdm(candidates, desc="calibration: draft cost", unit="tree", file=sys.stderr):
         paths = best_paths(freq, n)
-        accepted = sum(freq[tuple(p)] for p in paths) / n_pos
-        draft_s = time_draft(target, head, paths, context[: max(len(context) // 2, 1)])
-        step = target_s[n + 1] + draft_s
+        tree = static_tree(paths)
+        # drafting cut at each depth: what a depth gate saves where it stops early
+        draft_s = {d: draft_time(pruned_tree(tree, d).paths) for d in range(1, tree.layout.max_depth + 1)}
+        gated = max(gate_choice(vectors, top_probs, paths, target_s, draft_s, gates), key=lambda r: r["tokens_per_s"])
         rows.append(
             {
                 "nodes": n,
-                "depth": max(len(p) for p in paths),
-                "tau": 1 + accepted,
+                "depth": tree.layout.max_depth,
+                "tau": gated["tau"],
                 "target_ms": 1e3 * target_s[n + 1],
-                "draft_ms": 1e3 * draft_s,
-                "tokens_per_s": (1 + accepted) / step,
+                "draft_ms": 1e3 * draft_s[tree.layout.max_depth],
+                "min_path_prob": gated["min_path_prob"],
+                "tokens_per_s": gated["tokens_per_s"],
                 "paths": paths,
             }
         )
@@ -393,14 +463,17 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         f"tree calibration on {target.device} ({n_pos} positions, {len(prompts)} prompts); "
         f"plain decoding ~{plain:.1f} tokens/s\n"
     )
-    out.write(f"{'nodes':>5} {'depth':>5} {'tau':>6} {'target ms':>9} {'draft ms':>8} {'tok/s':>7}\n")
+    # target/draft ms: the whole tree's; gate: the depth gate (min_path_prob) chosen with it, which
+    # tau and tok/s count in (the steps it stops early draft and verify less)
+    out.write(f"{'nodes':>5} {'depth':>5} {'gate':>5} {'tau':>6} {'target ms':>9} {'draft ms':>8} {'tok/s':>7}\n")
     for r in rows:
         mark = "  <- chosen" if r is best else ""
         out.write(
-            f"{r['nodes']:>5} {r['depth']:>5} {r['tau']:>6.2f} {r['target_ms']:>9.1f} {r['draft_ms']:>8.1f} "
-            f"{r['tokens_per_s']:>7.1f}{mark}\n"
+            f"{r['nodes']:>5} {r['depth']:>5} {r['min_path_prob']:>5g} {r['tau']:>6.2f} {r['target_ms']:>9.1f} "
+            f"{r['draft_ms']:>8.1f} {r['tokens_per_s']:>7.1f}{mark}\n"
         )
-    out.write(f"expected speedup {best['tokens_per_s'] / plain:.2f}x; tree paths: {json.dumps(best['paths'])}\n")
+    gate = f", a level drafted while a path into it has p >= {best['min_path_prob']:g}" if best["min_path_prob"] else ""
+    out.write(f"expected speedup {best['tokens_per_s'] / plain:.2f}x; tree paths: {json.dumps(best['paths'])}{gate}\n")
     if best["tokens_per_s"] < plain:
         # the smallest tree already costs more than its acceptance buys: say which term limits it
         one = rows[0]
@@ -423,6 +496,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         "nodes": best["nodes"],
         "tau": round(best["tau"], 4),
         "expected_speedup": round(best["tokens_per_s"] / plain, 4),
+        "min_path_prob": best["min_path_prob"],  # the tree's depth gate: tree=default drafts with it
         "hybrid": hybrid,
     }
     head.calibration = record
@@ -441,6 +515,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         t,
         kind="static",
         paths=best["paths"],
+        min_path_prob=best["min_path_prob"],
         hybrid_paths=hybrid["paths"],
         ngram_nodes=hybrid["ngram_nodes"],
         text_alone=hybrid["text_alone"],

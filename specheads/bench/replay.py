@@ -48,11 +48,16 @@ TREE_NODES = (1, 3, 5, 8, 12, 16)
 
 
 @torch.no_grad()
-def rank_vectors(target, head, ids: Sequence[int], answer_start: int, depth: int) -> list[tuple[int, ...]]:
+def rank_vectors(
+    target, head, ids: Sequence[int], answer_start: int, depth: int, top_probs: list | None = None
+) -> list[tuple[int, ...]]:
     """For each answer position, the rank (0 = top-1) of each true next token at depths 1..depth.
 
     vectors[i] is rooted at answer token i (ids[answer_start + i]) and ranks the tokens after it;
-    an answer of n tokens has n - 1 of them (its last token roots no draft)."""
+    an answer of n tokens has n - 1 of them (its last token roots no draft). With `top_probs` (a
+    list), the head's top-1 probability at each depth along the same true path is appended to it
+    per position, at every depth the answer reaches (a miss included): what a tree's depth gate
+    (StaticTree.min_path_prob) reads where the drafts were right."""
     seq = torch.tensor([list(ids)], device=target.device)
     with target.capture(head.target_layer_ids(), final=head.reads_final) as store:
         target.model(seq)
@@ -64,7 +69,11 @@ def rank_vectors(target, head, ids: Sequence[int], answer_start: int, depth: int
     draft_ids = torch.arange(per_depth[0].shape[-1], device=seq.device)
     to_draft[head.draft_to_target(draft_ids)] = draft_ids
     vectors = []
+    if top_probs is not None:
+        tops = [torch.softmax(x.float(), dim=-1).amax(-1).tolist() for x in per_depth]
     for t in range(answer_start - 1, len(full) - 2):  # tree rooted at token t+1
+        if top_probs is not None:
+            top_probs.append(tuple(top[t] for d, top in enumerate(tops, start=1) if t + 1 + d < len(full)))
         ranks = []
         for d, logits in enumerate(per_depth, start=1):
             if t + 1 + d >= len(full):

@@ -33,6 +33,10 @@ class TreeConfig:
     depth: int = 5
     top_k: int = 8
     total_tokens: int = 32
+    # a static tree's next level is drafted only while a path into it has at least this probability
+    # under the head (0: every level, every step); None: the value calibrated with the head's tree
+    # (tree=auto, stored with it), else 0
+    min_path_prob: float | None = None
     # auto calibration
     calibration_questions: str | None = None  # question.jsonl; None = built-in prompts
     calibration_prompts: int = 8
@@ -125,6 +129,8 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     t, b = settings.tree, settings.bench
     if settings.linear_layout not in ("auto", "stock"):
         raise SpecHeadsError(f"linear_layout must be auto or stock, got {settings.linear_layout!r}")
+    if t.min_path_prob is not None and not 0.0 <= t.min_path_prob < 1.0:
+        raise SpecHeadsError(f"tree.min_path_prob must be in [0, 1), got {t.min_path_prob}")
     if settings.head_dtype not in DRAFT_DTYPES:
         raise SpecHeadsError(f"head_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {settings.head_dtype!r}")
     if t.kind not in TREE_KINDS:

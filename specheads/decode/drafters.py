@@ -18,6 +18,7 @@ of a node's children; the policy is a static tree of rank paths or an EAGLE-2 dy
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ import torch
 
 from ..errors import SpecHeadsError
 from .policy import DynamicTreeSpec, HybridPolicy, TreePolicy, check_depth
-from .tree import StaticTree, TreeLayout, merge_chains, select_dynamic, static_tree
+from .tree import StaticTree, TreeLayout, merge_chains, pruned_tree, select_dynamic
 
 
 @dataclass
@@ -51,12 +52,6 @@ ChildLogp = Callable[[list[int], DraftTable], torch.Tensor]
 ToTarget = Callable[[torch.Tensor], torch.Tensor]
 
 
-def prune_static(tree: StaticTree, max_depth: int) -> StaticTree:
-    if tree.layout.max_depth <= max_depth:
-        return tree
-    return static_tree([p for p in tree.paths if len(p) <= max_depth] or [[0]])
-
-
 def grow_tree(
     root: int, child_logp: ChildLogp, to_target: ToTarget, policy: TreePolicy, max_depth: int
 ) -> tuple[list[int], TreeLayout]:
@@ -66,7 +61,7 @@ def grow_tree(
     if max_depth < 1:
         return [root], TreeLayout((-1,))
     if isinstance(policy, StaticTree):
-        return _grow_static(table, child_logp, to_target, prune_static(policy, max_depth))
+        return _grow_static(table, child_logp, to_target, pruned_tree(policy, max_depth))
     return _grow_dynamic(table, child_logp, to_target, policy, max_depth)
 
 
@@ -75,18 +70,24 @@ def _grow_static(
 ) -> tuple[list[int], TreeLayout]:
     layout = tree.layout
     depths = layout.depths
+    min_logp = math.log(tree.min_path_prob) if tree.min_path_prob > 0 else -math.inf
     for d in range(1, layout.max_depth + 1):
         level = [i for i in range(layout.size) if depths[i] == d]
         parents = sorted({layout.parents[i] for i in level})
+        if d > 1 and max(table.scores[p] for p in parents) < min_logp:
+            # no path into this level is likely enough to pay for drafting and verifying it
+            kept = pruned_tree(tree, d - 1)
+            return table.tokens[: kept.size], kept.layout
         k = max(tree.ranks[i] for i in level) + 1
         logp = child_logp(parents, table)
-        top = to_target(torch.topk(logp, min(k, logp.shape[-1]), dim=-1).indices).tolist()
+        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+        tokens, values = to_target(top.indices).tolist(), top.values.tolist()
         row_of = {p: r for r, p in enumerate(parents)}
         for i in level:  # level nodes are consecutive, so table ids equal node ids
-            ranks = top[row_of[layout.parents[i]]]
-            rank = tree.ranks[i]
-            token = ranks[rank] if rank < len(ranks) else ranks[-1]
-            table.add(token, layout.parents[i], 0.0)
+            parent = layout.parents[i]
+            ranks, scores = tokens[row_of[parent]], values[row_of[parent]]
+            rank = min(tree.ranks[i], len(ranks) - 1)
+            table.add(ranks[rank], parent, table.scores[parent] + scores[rank])
     return table.tokens, layout
 
 

@@ -57,19 +57,30 @@ def fallback_policy(head, tree: TreeConfig) -> TreePolicy:
     return static_tree(sorted(paths))
 
 
+def min_path_prob_for(head, tree: TreeConfig) -> float:
+    """tree.min_path_prob, else the one calibrated with the head's stored tree (tree=default only:
+    it belongs to that tree), else 0 (every level drafted)."""
+    if tree.min_path_prob is not None:
+        return tree.min_path_prob
+    if tree.kind == "default" and getattr(head, "default_tree", None):
+        return float(((getattr(head, "calibration", None) or {}).get("min_path_prob")) or 0.0)
+    return 0.0
+
+
 def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
     """The tree to draft: tree.kind, or for `default` the head's stored tree, else a family default."""
     kind = tree.kind
+    gate = min_path_prob_for(head, tree)
     if kind == "static":
         if not tree.paths:
             raise SpecHeadsError("tree=static needs tree.paths, e.g. 'tree.paths=[[0],[1],[0,0]]'")
-        policy: TreePolicy = static_tree(tree.paths)
+        policy: TreePolicy = static_tree(tree.paths, gate)
     elif kind == "chain":
-        policy = static_tree(chain_paths(tree.depth))
+        policy = static_tree(chain_paths(tree.depth), gate)
     elif kind == "dynamic":
         policy = DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens)
     elif kind == "default":
-        policy = static_tree(head.default_tree) if head.default_tree else fallback_policy(head, tree)
+        policy = static_tree(head.default_tree, gate) if head.default_tree else fallback_policy(head, tree)
     else:
         raise SpecHeadsError(f"tree.kind={kind} is resolved by calibration, not here")
     check_depth(head, policy)
@@ -121,7 +132,8 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
     if head is None:
         policy = None
     elif paths is not None:
-        policy = static_tree(paths) if paths else None  # [] : the calibration gave the head no node
+        # [] : the calibration gave the head no node
+        policy = static_tree(paths, tree.min_path_prob or 0.0) if paths else None
         if policy is not None:
             check_depth(head, policy)
     else:
@@ -147,5 +159,6 @@ def describe_policy(policy: TreePolicy | HybridPolicy) -> str:
             f"hybrid: {head} + up to {policy.ngram_nodes} text-continuation nodes (n-gram <= {policy.ngram_max}){alone}"
         )
     if isinstance(policy, StaticTree):
-        return f"static tree ({policy.size - 1} nodes, depth {policy.layout.max_depth})"
+        gate = f", a level drafted while a path into it has p >= {policy.min_path_prob:g}" if policy.min_path_prob else ""
+        return f"static tree ({policy.size - 1} nodes, depth {policy.layout.max_depth}{gate})"
     return f"dynamic tree (depth {policy.depth}, top_k {policy.top_k}, {policy.total_tokens} nodes)"

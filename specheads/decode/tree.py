@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import torch
@@ -99,13 +99,21 @@ class StaticTree:
     layout: TreeLayout
     ranks: tuple[int, ...]  # ranks[0] = -1 (root)
     paths: tuple[tuple[int, ...], ...]  # the sorted input paths; node i + 1 is paths[i]
+    # > 0: the drafter grows level d + 1 only while some node of level d has a path probability
+    # (the product of the head's probabilities along it) of at least this; the rest of the tree is
+    # left out of that step (neither drafted nor verified)
+    min_path_prob: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.min_path_prob < 1.0:
+            raise SpecHeadsError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
 
     @property
     def size(self) -> int:
         return self.layout.size
 
 
-def static_tree(paths: Sequence[Sequence[int]]) -> StaticTree:
+def static_tree(paths: Sequence[Sequence[int]], min_path_prob: float = 0.0) -> StaticTree:
     """Build a static tree from rank paths; every prefix of a path must be a path too."""
     try:
         norm = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
@@ -125,7 +133,16 @@ def static_tree(paths: Sequence[Sequence[int]]) -> StaticTree:
         index[path] = i
         parents.append(index[path[:-1]])
         ranks.append(path[-1])
-    return StaticTree(TreeLayout(tuple(parents)), tuple(ranks), tuple(norm))
+    return StaticTree(TreeLayout(tuple(parents)), tuple(ranks), tuple(norm), float(min_path_prob))
+
+
+@lru_cache(maxsize=256)
+def pruned_tree(tree: StaticTree, max_depth: int) -> StaticTree:
+    """The tree's paths of at most max_depth tokens (the tree itself when none is deeper). Its
+    nodes are the first ones of the tree's (nodes are numbered level by level)."""
+    if tree.layout.max_depth <= max_depth:
+        return tree
+    return static_tree([p for p in tree.paths if len(p) <= max_depth] or [[0]], tree.min_path_prob)
 
 
 def chain_paths(depth: int) -> list[list[int]]:

@@ -13,17 +13,20 @@ from specheads.bench.calibrate import (
     TEXT_NODES,
     calibrate_tree,
     calibration_texts,
+    gate_choice,
+    gated_depth,
     hybrid_choice,
     interpolate,
     text_acceptance,
     time_target,
 )
 from specheads.bench.questions import read_questions
-from specheads.bench.replay import best_paths, path_frequencies, rank_vectors
+from specheads.bench.replay import accepted_length, best_paths, path_frequencies, rank_vectors
 from specheads.bench.session import Session
 from specheads.bench.trees import overlap, prompt_digest, use_cached_tree
 from specheads.config.infer import InferJobConfig, TreeConfig
 from specheads.decode.drafters import HybridDrafter, make_drafter
+from specheads.decode.baselines import PlainDrafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import HybridPolicy, hybrid_policy_for, tree_policy_for
 from specheads.decode.tree import static_tree
@@ -63,6 +66,53 @@ def test_rank_vectors_predict_what_the_loop_accepts(family, tiny_target, sequenc
             checked += 1
         offset += emitted
     assert checked >= 3 and max(res.accepted_drafts) >= 2
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+def test_the_gate_model_predicts_how_deep_the_gated_loop_drafts_and_what_it_accepts(family, tiny_target, sequences):
+    """Teacher-forced top-1 probabilities (rank_vectors' top_probs) against the real gated drafter:
+    the depth each step drafts and the drafts it accepts. The gate is set at the median chain
+    probability, so that steps stop early and steps go deep."""
+    head = quick_head(tiny_target, family, sequences, steps=25)
+    paths = [[0], [1], [2], [0, 0], [0, 0, 0]]  # only the top-1 chain has children
+    prompt = sequences[3:4, :8]
+    cfg = SamplingConfig(max_new_tokens=40)
+    plain = speculative_generate(tiny_target, PlainDrafter(), prompt, cfg)
+    full = prompt[0].tolist() + plain.output_ids
+    tops = []
+    vectors = rank_vectors(tiny_target, head, full, 8, depth=3, top_probs=tops)
+    chain = sorted(t[0] * t[1] for t in tops if len(t) >= 2)
+    gate = chain[len(chain) // 2]
+    res = speculative_generate(tiny_target, make_drafter(head, static_tree(paths, min_path_prob=gate)), prompt, cfg)
+    assert res.output_ids == plain.output_ids  # the gate changes what is drafted, never the output
+    tree = frozenset(tuple(p) for p in paths)
+    offset, depths = 0, []
+    for accepted, depth, emitted in zip(res.accepted_drafts, res.tree_depths, res.accept_lengths):
+        v, top = vectors[offset], tops[offset]
+        if cfg.max_new_tokens - offset - 2 >= 3:  # steps near max_new_tokens are cut by the loop, not the gate
+            # the chain's probability past depth 1 is the drafted one where the top-1 draft was right
+            if v[0] == 0 or top[0] < gate:
+                assert depth == gated_depth(top, 3, gate)
+                depths.append(depth)
+            assert accepted == min(accepted_length(v, tree, 3), depth)
+        offset += emitted
+    assert 3 in depths and min(depths) < 3 and max(res.accepted_drafts) >= 1
+
+
+def test_gate_choice_counts_each_position_at_the_depth_its_gate_allows():
+    vectors = [(0, 0, 0), (0, 0, 1), (1,), (0, 5)]
+    tops = [(0.9, 0.9, 0.9), (0.9, 0.3, 0.5), (0.2, 0.9, 0.9), (0.6, 0.4, 0.1)]
+    paths = [[0], [1], [0, 0], [0, 0, 0]]
+    target_s = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}
+    draft_s = {1: 0.1, 2: 0.2, 3: 0.3}
+    ungated, gated = gate_choice(vectors, tops, paths, target_s, draft_s, gates=(0.0, 0.5))
+    # no gate: every step drafts 3 deep (5 tokens verified), accepting 3, 2, 1 and 1 drafts
+    assert ungated["tau"] == pytest.approx((4 + 3 + 2 + 2) / 4)
+    assert ungated["tokens_per_s"] == pytest.approx(11 / (4 * (1.4 + 0.3)))
+    # gate 0.5: depths 3 (0.9, 0.81), 2 (0.9, then 0.27 < 0.5), 1 (0.2 < 0.5), 2 (0.6, then 0.24)
+    assert [gated_depth(t, 3, 0.5) for t in tops] == [3, 2, 1, 2]
+    assert gated["tau"] == pytest.approx((4 + 3 + 2 + 2) / 4)  # nothing lost: the cut drafts were wrong
+    assert gated["tokens_per_s"] == pytest.approx(11 / ((1.4 + 0.3) + 2 * (1.3 + 0.2) + (1.2 + 0.1)))
 
 
 class PlantedText(HybridDrafter):
@@ -346,20 +396,28 @@ def test_time_target_keeps_the_minimum_repeat_and_never_lets_more_tokens_cost_le
     assert scripted_time_target(monkeypatch, tiny_target) == pytest.approx(expected)
 
 
-def test_time_target_times_every_size_in_each_round(monkeypatch, tiny_target):
+def test_time_target_times_every_size_in_each_round_after_a_small_forward(monkeypatch, tiny_target):
     """A slow spell of the machine falls on all sizes alike: every round (the warm-up, then each
     repeat) times each size once, instead of one size's repeats after another's."""
     import specheads.bench.calibrate as calibrate
 
-    order, real_verify = [], calibrate.verify_tree
+    order, real_verify, real_settle = [], calibrate.verify_tree, calibrate.settle_forward
 
     def verify(target, tokens, layout, prefix, cache):
         order.append(len(tokens))
         return real_verify(target, tokens, layout, prefix, cache)
 
+    def settle(target, token, cache):
+        order.append("settle")
+        before = cache.get_seq_length()
+        real_settle(target, token, cache)
+        assert cache.get_seq_length() == before  # the settling token leaves the cache as it was
+
     monkeypatch.setattr(calibrate, "verify_tree", verify)
+    monkeypatch.setattr(calibrate, "settle_forward", settle)
     time_target(tiny_target, list(range(1, 30)), [1, 2, 4], repeats=2)
-    assert order == [1, 2, 4] * 3
+    # each timed forward follows an untimed 1-token one, as a decoding step follows another step
+    assert order == ["settle", 1, "settle", 2, "settle", 4] * 3
 
 
 @pytest.mark.parametrize(

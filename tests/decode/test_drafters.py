@@ -1,6 +1,7 @@
 """The sequential (Hydra) drafter: a node's children come from the head of its depth given the node's
 path, one head call per level; with the Hydra++ prefix layer its KV cache follows the committed text."""
 
+import math
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from specheads.config.train import HeadConfig
 from specheads.decode.drafters import (
     DraftTable,
     MedusaDrafter,
+    grow_tree,
     SequentialDrafter,
     make_drafter,
     make_hybrid_drafter,
@@ -211,3 +213,47 @@ def test_without_a_head_the_hybrid_drafter_is_prompt_lookup(tiny_target):
     assert set(drafter.sources[1:]) == {FROM_TEXT}
     res = speculative_generate(tiny_target, drafter, prompt, SamplingConfig(max_new_tokens=12))
     assert res.output_ids == hf_greedy(tiny_target, prompt, 12)
+
+
+def fixed_children(probs_by_depth):
+    """child_logp giving every node at depth d the same distribution probs_by_depth[d] over 4
+    tokens; token t of the draft vocabulary is target token 10 * (depth + 1) + t."""
+
+    def child_logp(ids, table):
+        return torch.stack([torch.tensor(probs_by_depth[table.depths[i]]).log() for i in ids])
+
+    return child_logp
+
+
+def gated_growth_by_hand(paths, probs_by_depth, gate):
+    """A plain rendering of the depth gate: level d + 1 is drafted while the best path probability
+    among the level-d nodes that have children in the tree is at least `gate`."""
+    kept = [tuple(p) for p in sorted(paths, key=lambda p: (len(p), p))]
+    depth = 1
+    while depth < max(len(p) for p in kept):
+        parents = {p[:depth] for p in kept if len(p) == depth + 1}
+        best = max(math.prod(sorted(probs_by_depth[d], reverse=True)[r] for d, r in enumerate(p)) for p in parents)
+        if best < gate:
+            break
+        depth += 1
+    return [p for p in kept if len(p) <= depth]
+
+
+@pytest.mark.parametrize("gate", [0.0, 0.3, 0.45, 0.6, 0.99])
+def test_a_gated_static_tree_stops_where_no_path_is_likely_enough(gate):
+    paths = [[0], [1], [0, 0], [1, 0], [0, 0, 0]]
+    probs = {0: [0.6, 0.3, 0.05, 0.05], 1: [0.1, 0.8, 0.05, 0.05], 2: [0.25, 0.25, 0.25, 0.25]}
+    tokens, layout = grow_tree(
+        7, fixed_children(probs), lambda ids: ids + 100, static_tree(paths, min_path_prob=gate), max_depth=9
+    )
+    full_tokens, full_layout = grow_tree(7, fixed_children(probs), lambda ids: ids + 100, static_tree(paths), 9)
+    kept = gated_growth_by_hand(paths, probs, gate)
+    assert layout == static_tree(kept).layout and tokens == full_tokens[: layout.size]
+    assert (layout == full_layout) == (len(kept) == len(paths))
+
+
+def test_the_gate_check_fails_when_the_gate_reads_one_probability_only():
+    """The hand rendering tells a gate on the path probability from one on the last step's."""
+    paths = [[0], [0, 0], [0, 0, 0]]
+    probs = {0: [0.6, 0.4, 0, 0], 1: [0.7, 0.3, 0, 0], 2: [0.5, 0.5, 0, 0]}
+    assert gated_growth_by_hand(paths, probs, 0.5) == [(0,), (0, 0)]  # 0.6 * 0.7 = 0.42 < 0.5 <= 0.7

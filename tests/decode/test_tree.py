@@ -11,6 +11,7 @@ from specheads.decode.tree import (
     chain_paths,
     full_paths,
     merge_chains,
+    pruned_tree,
     select_dynamic,
     static_tree,
 )
@@ -175,3 +176,18 @@ def drop_a_sibling(tokens, layout, chains):
 
 def test_the_merge_check_fails_on_a_merge_that_drops_a_sibling():
     assert fails_for_some_seed(check_merge, drop_a_sibling, range(40))
+
+
+def test_pruned_trees_are_the_first_nodes_of_the_tree():
+    tree = static_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], min_path_prob=0.2)
+    assert pruned_tree(tree, 3) is tree
+    two = pruned_tree(tree, 2)
+    assert two.paths == ((0,), (1,), (0, 0), (1, 0)) and two.min_path_prob == 0.2
+    assert two.layout.parents == tree.layout.parents[: two.size]  # numbered level by level
+    assert pruned_tree(tree, 1).size == 3
+
+
+@pytest.mark.parametrize("gate", [-0.1, 1.0])
+def test_a_depth_gate_is_a_probability_below_one(gate):
+    with pytest.raises(SpecHeadsError, match="min_path_prob"):
+        static_tree([[0]], min_path_prob=gate)
