@@ -29,6 +29,7 @@ class Session:
     head_config: dict
     layouts: Any = None  # the measured linear kernels installed on the target (linear_layout=auto)
     allow_target_mismatch: bool = False  # heads trained on other weights of the target's shape load too
+    head_dtype: str = "auto"  # infer.py's head_dtype: what every head of the session drafts in
 
 
 def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:
@@ -80,4 +81,4 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
             if model is not None:
                 install(model, layouts)
         print(describe(layouts), file=sys.stderr)
-    return Session(target, head, head_dir, head_config, layouts, settings.allow_target_mismatch)
+    return Session(target, head, head_dir, head_config, layouts, settings.allow_target_mismatch, settings.head_dtype)
