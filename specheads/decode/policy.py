@@ -159,6 +159,8 @@ def describe_policy(policy: TreePolicy | HybridPolicy) -> str:
             f"hybrid: {head} + up to {policy.ngram_nodes} text-continuation nodes (n-gram <= {policy.ngram_max}){alone}"
         )
     if isinstance(policy, StaticTree):
-        gate = f", a level drafted while a path into it has p >= {policy.min_path_prob:g}" if policy.min_path_prob else ""
+        gate = (
+            f", a level drafted while a path into it has p >= {policy.min_path_prob:g}" if policy.min_path_prob else ""
+        )
         return f"static tree ({policy.size - 1} nodes, depth {policy.layout.max_depth}{gate})"
     return f"dynamic tree (depth {policy.depth}, top_k {policy.top_k}, {policy.total_tokens} nodes)"

@@ -25,8 +25,8 @@ from specheads.bench.replay import accepted_length, best_paths, path_frequencies
 from specheads.bench.session import Session
 from specheads.bench.trees import overlap, prompt_digest, use_cached_tree
 from specheads.config.infer import InferJobConfig, TreeConfig
-from specheads.decode.drafters import HybridDrafter, make_drafter
 from specheads.decode.baselines import PlainDrafter
+from specheads.decode.drafters import HybridDrafter, make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import HybridPolicy, hybrid_policy_for, tree_policy_for
 from specheads.decode.tree import static_tree

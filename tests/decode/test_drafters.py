@@ -13,8 +13,8 @@ from specheads.config.train import HeadConfig
 from specheads.decode.drafters import (
     DraftTable,
     MedusaDrafter,
-    grow_tree,
     SequentialDrafter,
+    grow_tree,
     make_drafter,
     make_hybrid_drafter,
     path_tokens,
