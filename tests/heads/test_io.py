@@ -2,6 +2,7 @@
 loading refuses another target of the same shape unless asked, and old heads still load."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -80,9 +81,11 @@ def test_the_embedded_target_is_named_as_a_dequantized_q4_1_gguf():
 
 
 def test_draft_dtype_halves_the_head_only_on_an_fp32_cpu_target_with_native_bf16(tiny_target, monkeypatch):
-    from specheads.heads import io
+    from specheads.heads import HEADS, io
 
-    eagle3, medusa2 = quick_head(tiny_target, "eagle3"), quick_head(tiny_target, "medusa2")
+    eagle3 = quick_head(tiny_target, "eagle3")
+    # Medusa-2 only by its class's flag: building one would fold its LoRA into the shared target
+    medusa2 = types.SimpleNamespace(adapts_target=HEADS["medusa2"].adapts_target)
     monkeypatch.setattr(io, "native_bf16_cpu", lambda: True)
     assert io.draft_dtype("auto", tiny_target, eagle3) == torch.bfloat16
     assert io.draft_dtype("auto", tiny_target, medusa2) == torch.float32  # its LoRA adapts the target
