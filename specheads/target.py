@@ -88,7 +88,7 @@ class TargetStates:
     hidden: dict[int, torch.Tensor]
     final: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    past_key_values: Any = None
+    cache: Any = None  # the model's KV cache after this forward, when it used one
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -212,12 +212,12 @@ class FrozenTarget:
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()), self.capture(layer_ids, final=final) as store:
             if logits:
                 out = self.model(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
-                out_logits, past = out.logits, getattr(out, "past_key_values", None)
+                out_logits, past = out.logits, getattr(out, "cache", None)
             else:
                 out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
-                out_logits, past = None, getattr(out, "past_key_values", None)
+                out_logits, past = None, getattr(out, "cache", None)
         hidden = {k: v for k, v in store.items() if k != "final"}
-        return TargetStates(hidden=hidden, final=store.get("final"), logits=out_logits, past_key_values=past)
+        return TargetStates(hidden=hidden, final=store.get("final"), logits=out_logits, cache=past)
 
 
 def embedded_gguf(key: str) -> tuple[Path, str, str]:

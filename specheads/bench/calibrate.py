@@ -96,7 +96,7 @@ def settle_forward(target, token: int, cache) -> None:
     """An untimed 1-token forward, dropped from the cache again. Each timed forward follows one, as
     a decoding step follows a step of its own size: right after a large forward (the top of the
     ladder) the next one runs slower, which made every small tree cost what a plain step did."""
-    target.model(input_ids=torch.tensor([[int(token)]], device=target.device), past_key_values=cache, use_cache=True)
+    target.model(input_ids=torch.tensor([[int(token)]], device=target.device), cache=cache, use_cache=True)
     cache.crop(-1)
 
 
@@ -112,7 +112,7 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
     """
     model, device = target.model, target.device
     cache = new_cache(model)
-    model(torch.tensor([list(context)], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(torch.tensor([list(context)], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     prefix = len(context)
     # n query tokens, each attending to the ones before: built once, timed every round
     queries = {n: ([context[i % len(context)] for i in range(n)], TreeLayout(tuple(range(-1, n - 1)))) for n in sizes}

@@ -155,7 +155,7 @@ def speculative_generate(
         return res
     cache = new_cache(model)
     with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
     root = choose_token(out.logits[0, -1], cfg, generator)
     states = dict(store)
     synchronize(device)

@@ -64,9 +64,7 @@ def verify_tree(target, tokens: Sequence[int], layout: TreeLayout, prefix_len: i
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
     bias = None if layout.size == 1 else tree_attention_bias(layout.mask, prefix_len, target.dtype, device)
     positions = (prefix_len + layout.position_offsets(device))[None]
-    return target.model(
-        input_ids=ids, attention_mask=bias, position_ids=positions, past_key_values=cache, use_cache=True
-    )
+    return target.model(input_ids=ids, attention_mask=bias, position_ids=positions, cache=cache, use_cache=True)
 
 
 def compact_cache(cache: DynamicCache, prefix_len: int, keep: Sequence[int]) -> None:

@@ -112,7 +112,7 @@ def _last_logits(model, input_ids, attention, positions, cache) -> torch.Tensor:
         input_ids=input_ids,
         attention_mask=attention,
         position_ids=positions,
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
         logits_to_keep=1,
     )

@@ -167,7 +167,7 @@ def time_forwards(
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, context + rows), generator=g).to(device)
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
     probe = RowLayouts.everywhere(PACKED) if PACKED in kernels else RowLayouts()
     install(model, probe)  # makes the packed copies once
     times: dict[str, list[float]] = {k: [] for k in kernels}
@@ -176,7 +176,7 @@ def time_forwards(
             for kernel in kernels:
                 probe.kernels = {rung: kernel for rung in ROW_LADDER}
                 t0 = time.perf_counter()
-                model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True)
+                model(input_ids=ids[:, context:], cache=cache, use_cache=True)
                 if r:  # the first round warms up
                     times[kernel].append(time.perf_counter() - t0)
                 cache.crop(-rows)

@@ -13,7 +13,7 @@ def test_each_tree_node_sees_the_prefix_and_its_ancestors(tiny_target):
     # root 10; children 11, 12 of the root; 13 below 11
     tokens, layout = [10, 11, 12, 13], TreeLayout((-1, 0, 0, 1))
     cache = new_cache(tiny_target.model)
-    tiny_target.model(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+    tiny_target.model(torch.tensor([prefix]), cache=cache, use_cache=True)
     out = verify_tree(tiny_target, tokens, layout, len(prefix), cache)
     for node in range(layout.size):
         seq = prefix + [tokens[i] for i in layout.path_to(node)]
@@ -21,6 +21,6 @@ def test_each_tree_node_sees_the_prefix_and_its_ancestors(tiny_target):
         assert torch.allclose(out.logits[0, node], ref, atol=1e-4), node
     # keep root and node 2: the cache continues like plain decoding of prefix + [10, 12]
     compact_cache(cache, len(prefix), [0, 2])
-    nxt = tiny_target.model(torch.tensor([[14]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    nxt = tiny_target.model(torch.tensor([[14]]), cache=cache, use_cache=True).logits[0, -1]
     ref = tiny_target.model(torch.tensor([prefix + [10, 12, 14]])).logits[0, -1]
     assert torch.allclose(nxt, ref, atol=1e-4)

@@ -55,9 +55,9 @@ def test_a_target_on_it_computes_the_same_logits():
 
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :8], cache=cache, use_cache=True)
             return model(
-                input_ids=ids[:, 8:], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+                input_ids=ids[:, 8:], attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
             ).logits
 
     stock = verify()
