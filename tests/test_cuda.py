@@ -1,0 +1,131 @@
+"""The paths a GPU changes, run on SPECHEADS_TEST_DEVICE (default cuda; skipped where there is none):
+greedy decoding equal to the target's own on every head family and tree, sampling that follows the
+target's distribution, and train.py through DeepSpeed. `SPECHEADS_TEST_DEVICE=cpu` rehearses them
+on a machine without one. The target is fp32: bf16 logits tie too often for token-exact checks."""
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import POLICIES, head_states, overfit
+from scipy.stats import chisquare
+
+from specheads.config.train import HeadConfig
+from specheads.decode.drafters import make_drafter
+from specheads.decode.generate import SamplingConfig, speculative_generate
+from specheads.decode.tree import static_tree
+from specheads.heads import build_head
+from specheads.sampling import sampling_probs
+from specheads.target import FrozenTarget
+from specheads.tiny import tiny_target as build_tiny
+
+DEVICE = os.environ.get("SPECHEADS_TEST_DEVICE", "cuda")
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ["medusa", "eagle", "eagle3", "hydra"]
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    model, tok = build_tiny("llama")
+    return FrozenTarget(model.to(DEVICE), tok, name="tiny-random")
+
+
+@pytest.fixture(scope="module")
+def sequences(target):
+    """The target's greedy continuations of 8 seeded prompts, made on the device: what heads overfit on."""
+    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
+
+
+def trained_head(target, family, sequences):
+    torch.manual_seed(0)
+    rows = [{"input_ids": list(range(320)), "loss_mask": [1] * 320}]
+    head = build_head(HeadConfig(family=family, draft_vocab_size=200, ttt_steps=2), target, train_rows=rows)
+    head.to(DEVICE)
+    batch = {k: torch.ones_like(sequences) for k in ("attention_mask", "loss_mask")}
+    batch["input_ids"] = sequences
+    head.train()
+    overfit(head, batch, head_states(target, head, batch), steps=60)
+    return head.eval()
+
+
+def plain_greedy(target, prompt, n):
+    out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False)
+    return out[0, prompt.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_output_is_the_targets_own_on_the_device(family, head_dtype, target, sequences):
+    head = trained_head(target, family, sequences).to(head_dtype)
+    prompts = [sequences[1:2, :8], torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=DEVICE)]
+    refs = [plain_greedy(target, p, 24) for p in prompts]
+    accepted = 0
+    for name, policy in POLICIES.items():
+        for prompt, ref in zip(prompts, refs):
+            res = speculative_generate(target, make_drafter(head, policy), prompt, SamplingConfig(max_new_tokens=24))
+            assert res.output_ids == ref, (family, name)
+            accepted += sum(res.accepted_drafts)
+    assert accepted > 20, (family, accepted)  # the check ran through accepted paths, not only rejections
+
+
+def test_sampling_follows_the_target_distribution_on_the_device(target, sequences):
+    """The first two sampled tokens, the second decided by one tree verification, against the
+    target's joint distribution; the drafts are both accepted and rejected."""
+    head = trained_head(target, "eagle", sequences)
+    prompt = sequences[1:2, :8]
+    cfg = SamplingConfig(max_new_tokens=3, temperature=0.8, top_p=0.9)
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    drafter = make_drafter(head, static_tree([[0], [1], [2], [0, 0]]))
+    n, counts, first_accepted = 600, Counter(), Counter()
+    for _ in range(n):
+        res = speculative_generate(target, drafter, prompt, cfg, generator=gen)
+        counts[tuple(res.output_ids[:2])] += 1
+        first_accepted[res.accepted_drafts[0]] += 1
+    assert first_accepted[0] > n * 0.05 and n - first_accepted[0] > n * 0.3, first_accepted
+    with torch.no_grad():
+        p1 = sampling_probs(target.model(prompt).logits[0, -1].float(), 0.8, 0.9)
+        vocab = p1.numel()
+        batch = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab, device=DEVICE)[:, None]], dim=1)
+        p2 = sampling_probs(target.model(batch).logits[:, -1].float(), 0.8, 0.9)
+    joint = (p1[:, None] * p2).flatten().cpu()
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for idx in torch.nonzero(joint).flatten().tolist():
+        e = float(joint[idx]) * n
+        key = (idx // vocab, idx % vocab)
+        if e < 5:
+            rest_o, rest_e = rest_o + counts[key], rest_e + e
+        else:
+            obs.append(counts[key])
+            exp.append(e)
+    assert sum(counts.values()) == sum(obs) + rest_o  # nothing sampled outside the target's support
+    obs.append(rest_o)
+    exp = np.array([*exp, rest_e]) * (sum(obs) / (sum(exp) + rest_e))
+    assert chisquare(obs, exp).pvalue > 0.01
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa2", "hydra"])
+def test_train_py_writes_a_head_on_the_device(family, tmp_path):
+    """train.py on the device through deepspeed.initialize (Medusa-2: a LoRA inside the target)."""
+    from conftest import write_conversations
+
+    data = write_conversations(tmp_path / "chats.jsonl")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "model=tiny-random", f"head={family}", f"device={DEVICE}"]
+    cmd += [f"data.path={data}", "data.max_length=96", "data.eval_fraction=0.25", "train.max_steps=3"]
+    cmd += [f"output_dir={out}", "wandb.mode=disabled"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(out / "head")
+    assert (out / "head" / "model.safetensors").is_file()
