@@ -33,6 +33,7 @@ from ..decode.baselines import PlainDrafter, hf_generate
 from ..decode.drafters import make_drafter, make_hybrid_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
 from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, tree_policy_for
+from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
 from .compared import open_compared_heads
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
@@ -296,6 +297,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         for m in methods:
             run(m, torch.tensor([ids], device=target.device), warm)
 
+    # on CPU a one-row step follows the memory bandwidth of the moment: sample it between questions
+    probe = BandwidthProbe(b.bandwidth_mib) if b.bandwidth_mib and target.device.type == "cpu" else None
+    bandwidth: list[float] = []
     rows: list[dict] = []
     prompts: dict[tuple, list[int]] = {}  # (question_id, turn, method) -> prompt ids
     tmp = paths["rows"].with_name(f".{paths['rows'].name}.tmp-{os.getpid()}")
@@ -307,6 +311,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
                 # rotate the order so that no method always runs first (caches, clocks)
                 order = methods[qi % len(methods) :] + methods[: qi % len(methods)]
                 turns = q["turns"] if b.turns == "all" else q["turns"][:1]
+                copy_gb_s = probe.sample() if probe is not None else None
+                if copy_gb_s is not None:
+                    bandwidth.append(copy_gb_s)
                 answers: dict[str, list[str]] = {m: [] for m in order}  # each method's own earlier answers
                 for turn in range(1, len(turns) + 1):
                     for m in order:
@@ -325,6 +332,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
                         }
                         row["tau"] = tau_of(row["new_tokens"], row["target_forwards"])
                         row["tokens_per_s"] = row["new_tokens"] / row["wall_s"] if row["wall_s"] else 0.0
+                        if copy_gb_s is not None:
+                            row["copy_gb_s"] = copy_gb_s
                         rows.append(row)
                         f.write(json.dumps(row) + "\n")
                         f.flush()
@@ -348,6 +357,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         "turns": b.turns,
         "methods": summary,
     }
+    if bandwidth:
+        report["memory_bandwidth"] = summarize_bandwidth(bandwidth, b.bandwidth_mib)
+    del probe  # its buffers go before the plots and the baseline comparison
     heads = {
         m: {
             "head": path,
@@ -395,6 +407,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         out.write("".join(line + "\n" for line in format_agreement(report["agreement_with_reference"]["methods"])))
     if report.get("costs"):
         out.write(format_costs(report["costs"]) + "\n")
+    if "memory_bandwidth" in report:
+        out.write(format_bandwidth(report["memory_bandwidth"]) + "\n")
     if report.get("hybrid"):
         info = report["hybrid"]
         out.write(f"{info['tree']}\n")  # it starts with "hybrid: "

@@ -81,6 +81,9 @@ class BenchConfig:
     # the turns before it (MT-bench turn 2 as the EAGLE and Spec-Bench harnesses run it)
     turns: str = "first"
     warmup: int = 1
+    # CPU targets: MiB copied between two buffers before each question, timed, to sample the
+    # machine's memory bandwidth (rows' copy_gb_s, the summary's memory_bandwidth); 0 = off
+    bandwidth_mib: int = 256
     plots: bool = True
     # more head directories (same target) run side by side as methods spec:<name>, each with its
     # own stored tree, against the same baselines in the same run
@@ -156,6 +159,8 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError("bench.mode=replay replays heads on the answers to bench.questions=FILE.jsonl: give it")
     if b.mode == "replay" and settings.temperature > 0:
         raise SpecHeadsError("bench.mode=replay counts greedy decoding (temperature=0); the timed benchmark samples")
+    if b.bandwidth_mib < 0:
+        raise SpecHeadsError(f"bench.bandwidth_mib must be >= 0 (0: off), got {b.bandwidth_mib}")
     if b.turns not in ("first", "all"):
         raise SpecHeadsError(f"bench.turns must be first or all, got {b.turns!r}")
     bad = [m for m in b.methods if m not in METHODS]

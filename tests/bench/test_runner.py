@@ -191,6 +191,12 @@ def test_run_benchmark_in_process(tmp_path, tiny_target, family):
     lookup = summary["lookup"]
     assert lookup["head"] is None and lookup["tree"].startswith("hybrid: no head + up to 10 text")
     assert "lookup (hybrid: no head" in text and "compared_heads" not in summary
+    # memory bandwidth sampled before each question on CPU: one reading per question, on its rows
+    assert summary["memory_bandwidth"]["samples"] == 3 and summary["memory_bandwidth"]["median_gb_s"] > 0
+    assert len({r["copy_gb_s"] for r in rows}) <= 3 and all(r["copy_gb_s"] > 0 for r in rows)
+    for qid in {r["question_id"] for r in rows}:
+        assert len({r["copy_gb_s"] for r in rows if r["question_id"] == qid}) == 1
+    assert "memory bandwidth (" in text
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temp files left
 
 
@@ -207,10 +213,12 @@ def test_all_turns_follow_each_methods_own_answers(tmp_path, tiny_target):
             turns="all",
             warmup=0,
             plots=False,
+            bandwidth_mib=0,
         ),
     )
     report = run_benchmark(settings, Session(tiny_target, head, None, {}), out=io.StringIO())
     rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
+    assert "memory_bandwidth" not in report and not any("copy_gb_s" in r for r in rows)  # bandwidth_mib=0: off
     assert sorted({(r["question_id"], r["turn"]) for r in rows}) == [(80, 1), (80, 2), (81, 1), (81, 2)]
     tok = tiny_target.tokenizer
     for r in rows:

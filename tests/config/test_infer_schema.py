@@ -50,3 +50,10 @@ def test_a_bad_tree_save_is_one_line(hydra_conf):
 def test_allow_target_mismatch_is_off_unless_asked(hydra_conf):
     assert settings().allow_target_mismatch is False
     assert settings("allow_target_mismatch=true").allow_target_mismatch is True
+
+
+def test_the_bandwidth_probe_size(hydra_conf):
+    assert settings().bench.bandwidth_mib == 256
+    assert settings("bench.bandwidth_mib=0").bench.bandwidth_mib == 0  # off
+    with pytest.raises(SpecHeadsError, match="bench.bandwidth_mib must be >= 0"):
+        settings("bench.bandwidth_mib=-1")
