@@ -88,7 +88,6 @@ class TargetStates:
     hidden: dict[int, torch.Tensor]
     final: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    cache: Any = None  # the model's KV cache after this forward, when it used one
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -210,14 +209,12 @@ class FrozenTarget:
         """One forward; returns the captured states (and logits when asked). Without grad, no autograd
         graph; with it (where grad is enabled), a LoRA inside the model (Medusa-2) trains through it."""
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()), self.capture(layer_ids, final=final) as store:
-            if logits:
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
-                out_logits, past = out.logits, getattr(out, "cache", None)
-            else:
-                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
-                out_logits, past = None, getattr(out, "cache", None)
+            # without logits the decoder alone runs: no LM head over the vocabulary
+            forward = self.model if logits else self.model.get_decoder()
+            out = forward(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
+        out_logits = out.logits if logits else None
         hidden = {k: v for k, v in store.items() if k != "final"}
-        return TargetStates(hidden=hidden, final=store.get("final"), logits=out_logits, cache=past)
+        return TargetStates(hidden=hidden, final=store.get("final"), logits=out_logits)
 
 
 def embedded_gguf(key: str) -> tuple[Path, str, str]:

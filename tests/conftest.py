@@ -68,7 +68,7 @@ def smollm2_target():
 
 def greedy_sequences(target):
     """The target's greedy 40-token continuations of 8 random 8-token prompts (seed 0): text to overfit heads on."""
-    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0)).to(target.device)
     return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
 
 
@@ -196,3 +196,29 @@ def fails_for_some_seed(check, variant, seeds) -> bool:
         except AssertionError:
             return True
     return False
+
+
+def assert_first_two_tokens_follow(counts, p1, p2, n):
+    """`counts` of the first two sampled tokens over `n` runs against the target's joint
+    distribution p1[a] * p2[a, b]: nothing sampled outside its support, and a chi-square test over
+    the cells expected at least 5 times (the rest pooled) with p-value > 0.01."""
+    from scipy.stats import chisquare
+
+    vocab = p1.numel()
+    joint = (p1[:, None] * p2).flatten().cpu()
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for idx in range(joint.numel()):
+        key = (idx // vocab, idx % vocab)
+        e = float(joint[idx]) * n
+        if e == 0:
+            assert counts[key] == 0
+        elif e < 5:
+            rest_o += counts[key]
+            rest_e += e
+        else:
+            obs.append(counts[key])
+            exp.append(e)
+    obs.append(rest_o)
+    exp.append(rest_e)
+    exp = [e * sum(obs) / sum(exp) for e in exp]
+    assert chisquare(obs, exp).pvalue > 0.01

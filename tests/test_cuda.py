@@ -9,17 +9,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import POLICIES, head_states, overfit
-from scipy.stats import chisquare
+from conftest import POLICIES, assert_first_two_tokens_follow, greedy_sequences, hf_greedy, quick_head
 
-from specheads.config.train import HeadConfig
 from specheads.decode.drafters import make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.tree import static_tree
-from specheads.heads import build_head
 from specheads.sampling import sampling_probs
 from specheads.target import FrozenTarget
 from specheads.tiny import tiny_target as build_tiny
@@ -43,33 +39,15 @@ def target():
 @pytest.fixture(scope="module")
 def sequences(target):
     """The target's greedy continuations of 8 seeded prompts, made on the device: what heads overfit on."""
-    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    return target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
-
-
-def trained_head(target, family, sequences):
-    torch.manual_seed(0)
-    rows = [{"input_ids": list(range(320)), "loss_mask": [1] * 320}]
-    head = build_head(HeadConfig(family=family, draft_vocab_size=200, ttt_steps=2), target, train_rows=rows)
-    head.to(DEVICE)
-    batch = {k: torch.ones_like(sequences) for k in ("attention_mask", "loss_mask")}
-    batch["input_ids"] = sequences
-    head.train()
-    overfit(head, batch, head_states(target, head, batch), steps=60)
-    return head.eval()
-
-
-def plain_greedy(target, prompt, n):
-    out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False)
-    return out[0, prompt.shape[1] :].tolist()
+    return greedy_sequences(target)
 
 
 @pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_output_is_the_targets_own_on_the_device(family, head_dtype, target, sequences):
-    head = trained_head(target, family, sequences).to(head_dtype)
+    head = quick_head(target, family, sequences, steps=60).to(head_dtype)
     prompts = [sequences[1:2, :8], torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=DEVICE)]
-    refs = [plain_greedy(target, p, 24) for p in prompts]
+    refs = [hf_greedy(target, p, 24) for p in prompts]
     accepted = 0
     for name, policy in POLICIES.items():
         for prompt, ref in zip(prompts, refs):
@@ -82,7 +60,7 @@ def test_greedy_output_is_the_targets_own_on_the_device(family, head_dtype, targ
 def test_sampling_follows_the_target_distribution_on_the_device(target, sequences):
     """The first two sampled tokens, the second decided by one tree verification, against the
     target's joint distribution; the drafts are both accepted and rejected."""
-    head = trained_head(target, "eagle", sequences)
+    head = quick_head(target, "eagle", sequences, steps=60)
     prompt = sequences[1:2, :8]
     cfg = SamplingConfig(max_new_tokens=3, temperature=0.8, top_p=0.9)
     gen = torch.Generator(device=DEVICE).manual_seed(7)
@@ -98,20 +76,7 @@ def test_sampling_follows_the_target_distribution_on_the_device(target, sequence
         vocab = p1.numel()
         batch = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab, device=DEVICE)[:, None]], dim=1)
         p2 = sampling_probs(target.model(batch).logits[:, -1].float(), 0.8, 0.9)
-    joint = (p1[:, None] * p2).flatten().cpu()
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for idx in torch.nonzero(joint).flatten().tolist():
-        e = float(joint[idx]) * n
-        key = (idx // vocab, idx % vocab)
-        if e < 5:
-            rest_o, rest_e = rest_o + counts[key], rest_e + e
-        else:
-            obs.append(counts[key])
-            exp.append(e)
-    assert sum(counts.values()) == sum(obs) + rest_o  # nothing sampled outside the target's support
-    obs.append(rest_o)
-    exp = np.array([*exp, rest_e]) * (sum(obs) / (sum(exp) + rest_e))
-    assert chisquare(obs, exp).pvalue > 0.01
+    assert_first_two_tokens_follow(counts, p1, p2, n)
 
 
 @pytest.mark.parametrize("family", ["eagle3", "medusa2", "hydra"])

@@ -188,7 +188,7 @@ def gate_choice(
     the step accepts the tree's accepted length cut to that depth and costs the verification of
     the tree's nodes down to it plus its drafting (draft_s: seconds by depth drafted)."""
     tree = static_tree(paths)
-    full = frozenset(tuple(p) for p in paths)
+    full = frozenset(tree.paths)
     max_depth = tree.layout.max_depth
     size = {d: pruned_tree(tree, d).size for d in range(1, max_depth + 1)}
     rows = []

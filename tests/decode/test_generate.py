@@ -4,11 +4,9 @@ token for token, whatever the drafts; sampled decoding must follow the target's 
 import random
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
-from conftest import POLICIES, greedy_sequences, hf_greedy, quick_head
-from scipy.stats import chisquare
+from conftest import POLICIES, assert_first_two_tokens_follow, greedy_sequences, hf_greedy, quick_head
 
 from specheads.bench.inputs import eos_token_ids
 from specheads.decode.baselines import PlainDrafter
@@ -298,23 +296,7 @@ def test_sampled_tokens_follow_the_target_distribution(temperature, top_p, targe
         firsts = torch.arange(320)
         batch = torch.cat([prompt.expand(320, -1), firsts[:, None]], dim=1)
         p2 = sampling_probs(target.model(batch).logits[:, -1], temperature, top_p)
-    joint = (p1[:, None] * p2).flatten()
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for idx in range(joint.numel()):
-        key = (idx // 320, idx % 320)
-        e = float(joint[idx]) * n
-        if e == 0:
-            assert counts[key] == 0
-        elif e < 5:
-            rest_o += counts[key]
-            rest_e += e
-        else:
-            obs.append(counts[key])
-            exp.append(e)
-    obs.append(rest_o)
-    exp.append(rest_e)
-    exp = np.array(exp) * (sum(obs) / sum(exp))
-    assert chisquare(obs, exp).pvalue > 0.01
+    assert_first_two_tokens_follow(counts, p1, p2, n)
 
 
 class FutureOracleDrafter:
