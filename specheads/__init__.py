@@ -10,7 +10,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "cli", "atomic", "provenance"),  # one-line errors, entry points, atomic writes, provenance
     ("config",),  # structured configs: one schema module per entry point
     ("target", "tiny", "sampling", "distributed"),  # frozen target, tiny targets, sampling rules, process group
-    ("kernels",),  # the CPU kernels of the target's forward in decoding (they cache under the target's cache root)
+    ("kernels",),  # CPU kernels of decoding: the target's forward (cached under its cache root), int8 drafting
     ("heads",),  # draft-head families: build, loss, draft step, head directories
     ("data",),  # formats, chat rendering + loss masks, datasets, decontamination, features
     ("distill",),  # prompt writing and regeneration by the target

@@ -89,6 +89,22 @@ def test_demo_prints_marked_answer_and_stats(head_dir):
     assert stats["new_tokens"] == 12 and stats["identical_to_baseline"]
 
 
+def test_an_int8_session_drafts_on_int8_weights_and_answers_as_the_target(head_dir):
+    from specheads.bench.demo import run_demo
+    from specheads.bench.session import load_session
+    from specheads.config.infer import InferJobConfig
+    from specheads.heads.io import draft_precision
+    from specheads.kernels import weight_int8
+
+    settings = InferJobConfig(head_path=str(head_dir), prompt="Tell me about writing.", max_new_tokens=12)
+    settings.head_dtype = "int8"
+    session = load_session(settings, CONF)
+    assert weight_int8.installed(session.head) and not weight_int8.installed(session.target.model)
+    assert draft_precision(session.head).startswith("int8/")
+    stats = run_demo(settings, session, out=io.StringIO())
+    assert stats["new_tokens"] == 12 and stats["identical_to_baseline"]
+
+
 def test_bench_writes_the_contract_fields(head_dir, tmp_path):
     questions = tmp_path / "question.jsonl"
     categories = ("writing", "math")
@@ -110,6 +126,9 @@ def test_bench_writes_the_contract_fields(head_dir, tmp_path):
         assert {"question_id", "category", "method", "output_ids", "new_tokens", "target_forwards", "wall_s"} <= set(r)
     summary = json.loads(out.with_name("out.summary.json").read_text())
     assert summary["methods"]["spec"]["all"]["tau"] >= 1.0
+    from specheads.heads.io import native_bf16_cpu
+
+    assert summary["head_dtype"] == ("int8/bfloat16" if native_bf16_cpu() else "float32")  # head_dtype=auto
     assert summary["identical_to_baseline"]["spec"]["equal"] == 2
     assert "tok/s" in proc.stdout and "spec" in proc.stdout
     assert out.with_name("out.tau.png").is_file() and out.with_name("out.acceptance.png").is_file()
@@ -136,7 +155,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
         (["head_path=/tmp"], "prompt"),
         (["head_path=/tmp", "bench.output=o.jsonl"], "bench.questions"),
         (["head_path=/tmp", "prompt=hi", "tree.kind=weird"], "tree.kind"),
-        (["head_path=/tmp", "prompt=hi", "head_dtype=int8"], "head_dtype must be one of"),
+        (["head_path=/tmp", "prompt=hi", "head_dtype=int4"], "head_dtype must be one of"),
         (["head_path=/tmp", "prompt=hi", "bench.methods=[spec,eagle]"], "bench.methods"),
         (["head_path=/tmp", "prompt=hi", "acceptance=typical"], "temperature > 0"),
         (["head_path=/tmp", "prompt=hi", "bench.heads=[/tmp]"], "bench.heads compares heads in the benchmark"),

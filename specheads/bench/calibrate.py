@@ -52,7 +52,7 @@ from ..decode.policy import describe_text_alone
 from ..decode.tree import TreeLayout, pruned_tree, static_tree
 from ..errors import SpecHeadsError
 from ..heads import read_head_config
-from ..heads.io import CONFIG_NAME
+from ..heads.io import CONFIG_NAME, draft_precision
 from ..provenance import portable_path
 from ..target import synchronize
 from .inputs import encode_prompt, eos_token_ids, sampling_config
@@ -492,7 +492,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         "top_k": t.top_k,
         "max_nodes": t.max_nodes,
         "machine": machine_description(target.device, kernels),
-        "head_dtype": str(head.dtype).removeprefix("torch."),
+        "head_dtype": draft_precision(head),
         "nodes": best["nodes"],
         "tau": round(best["tau"], 4),
         "expected_speedup": round(best["tokens_per_s"] / plain, 4),
@@ -508,7 +508,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             out.write(f"{head_dir} is not writable here: pass the tree as tree=static 'tree.paths=...'\n")
     elif t.save == "cache" and head_dir is not None and (head_dir / CONFIG_NAME).is_file():
         # the head directory keeps its own tree: this one fits this machine only
-        path = store_in_cache(cache_path(head_dir, target, kernels, head.dtype), best["paths"], record)
+        path = store_in_cache(cache_path(head_dir, target, kernels, draft_precision(head)), best["paths"], record)
         out.write(f"stored for this machine in {path}: tree=default uses it for this head here\n")
     out.flush()
     return dataclasses.replace(

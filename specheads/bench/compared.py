@@ -15,8 +15,7 @@ from ..decode.policy import TreePolicy, tree_policy_for
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import HEADS, read_head_config
-from ..heads.io import draft_dtype
-from ..kernels.linear_layout import install
+from ..heads.io import prepare_for_drafting, route_draft_kernels
 from .trees import use_cached_tree
 
 SPEC = "spec"
@@ -55,11 +54,11 @@ def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, Tr
         if label == main_label or method_name(label) in out:
             raise SpecHeadsError(f"bench.heads: two heads are named {label!r}; give them distinct directory names")
         head = open_head(directory, target, session.allow_target_mismatch)
-        head.to(dtype=draft_dtype(session.head_dtype, target, head))  # as the session's own head drafts
+        prepare_for_drafting(head, session.head_dtype, target)  # as the session's own head drafts
         if not is_exported_dir(directory):
             use_cached_tree(head, directory, target, kernels=session.layouts is not None)
         if session.layouts is not None:
-            install(head, session.layouts)
+            route_draft_kernels(head, session.layouts)
         policy = tree_policy_for(head, TreeConfig(kind="default"))
         out[method_name(label)] = (make_drafter(head, policy), policy, path)
     return out

@@ -33,6 +33,7 @@ from ..decode.baselines import PlainDrafter, hf_generate
 from ..decode.drafters import make_drafter, make_hybrid_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
 from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, tree_policy_for
+from ..heads.io import draft_precision
 from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
 from .compared import open_compared_heads
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
@@ -350,6 +351,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         "tree": describe_policy(spec_heads["spec"][1]) if "spec" in spec_heads else None,
         "device": str(target.device),
         "dtype": str(target.dtype).replace("torch.", ""),
+        "head_dtype": draft_precision(session.head) if session.head is not None else None,
         "temperature": settings.temperature,
         "top_p": settings.top_p,
         "max_new_tokens": b.max_new_tokens,

@@ -14,7 +14,7 @@ from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import read_head_config
-from ..heads.io import draft_dtype
+from ..heads.io import prepare_for_drafting, route_draft_kernels
 from ..kernels import gqa_attention
 from ..kernels.linear_layout import describe, install, measure_layouts
 from ..target import FrozenTarget, load_target, resolve_device
@@ -67,7 +67,7 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
     target = load_target(model_cfg, resolve_device(settings.device))
     head = open_head(head_dir, target, settings.allow_target_mismatch) if head_dir else None
     if head is not None:
-        head.to(dtype=draft_dtype(settings.head_dtype, target, head))
+        prepare_for_drafting(head, settings.head_dtype, target)
     if head is not None and not exported and settings.tree.kind == "default":
         # a tree calibrated for this head on this machine (tree=auto) beats the one it shipped with
         kernels = settings.linear_layout == "auto" and target.device.type == "cpu"
@@ -77,8 +77,8 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
         gqa_attention.install(target.model)  # before timing: the kernels are timed as they will run
         layouts = measure_layouts(target.model)
         # the draft head's multi-row steps (tree levels, catch-up) meet the same small-row matmuls
-        for model in (target.model, head):
-            if model is not None:
-                install(model, layouts)
+        install(target.model, layouts)
+        if head is not None:
+            route_draft_kernels(head, layouts)
         print(describe(layouts), file=sys.stderr)
     return Session(target, head, head_dir, head_config, layouts, settings.allow_target_mismatch, settings.head_dtype)

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import torch
 
 from ..atomic import write_json
-from ..heads.io import CONFIG_NAME
+from ..heads.io import CONFIG_NAME, draft_precision
 from ..kernels.linear_layout import cpu_model
 from ..target import cache_root, target_identity
 
@@ -60,16 +60,16 @@ def machine_description(device: torch.device, kernels: bool) -> dict[str, Any]:
     }
 
 
-def cache_path(head_dir: str | Path, target, kernels: bool, head_dtype: torch.dtype) -> Path:
+def cache_path(head_dir: str | Path, target, kernels: bool, precision: str) -> Path:
     """The cache file of this head's tree on this machine (and target: its weights and dtype; and
-    the dtype the head drafts in, which sets what a draft step costs)."""
+    the precision the head drafts in, heads.io.draft_precision, which sets what a draft step costs)."""
     parts = {
         "version": CACHE_VERSION,
         "host": platform.node(),
         "machine": machine_description(target.device, kernels),
         "target": target_identity(target)["weights_sha256"],
         "dtype": str(target.dtype),
-        "head_dtype": str(head_dtype),
+        "head_dtype": precision,
     }
     machine = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "trees" / f"{head_digest(head_dir)[:16]}-{machine}.json"
@@ -93,7 +93,7 @@ def read_cache(path: Path) -> dict | None:
 def use_cached_tree(head, head_dir: str | Path, target, kernels: bool, out: TextIO = sys.stderr) -> bool:
     """tree=default: a tree calibrated for this head on this machine replaces the stored one (one
     line says so). False when there is none (the head's own tree stays)."""
-    path = cache_path(head_dir, target, kernels, head.dtype)
+    path = cache_path(head_dir, target, kernels, draft_precision(head))
     stored = read_cache(path)
     if stored is None:
         return False

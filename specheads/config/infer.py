@@ -14,7 +14,7 @@ from ..errors import SpecHeadsError
 from .model import ModelConfig
 
 # infer.py's head_dtype (specheads.heads.io.draft_dtype says what each means)
-DRAFT_DTYPES = ("auto", "target", "float32", "bfloat16", "float16")
+DRAFT_DTYPES = ("auto", "target", "float32", "bfloat16", "float16", "int8")
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
 METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
@@ -117,9 +117,11 @@ class InferJobConfig:
     # this machine for the row count at hand (specheads.kernels.linear_layout), and masked attention keeps
     # grouped KV heads unrepeated (specheads.kernels.gqa_attention); stock: transformers as shipped
     linear_layout: str = "auto"
-    # the dtype the head drafts in: auto = bf16 on a CPU with native bf16 when the target runs fp32
-    # (a draft step reads the head's weights from memory: half the bytes), else the target's;
-    # target | float32 | bfloat16 | float16. Outputs are the target's either way.
+    # the precision the head drafts in: auto = int8 weights (one scale per output channel) with bf16
+    # activations on a CPU with native bf16 when the target runs fp32 (a draft step reads the
+    # head's weights from memory: a quarter of the bytes), else the target's dtype;
+    # target | float32 | bfloat16 | float16 | int8 (int8 weights, activations as under auto).
+    # Outputs are the target's either way.
     head_dtype: str = "auto"
     # load a head onto a target of its shape whose weights differ from those it was trained on
     # (another quantization or fine-tune; its acceptance will be lower); refused by default

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from ..atomic import write_directory
 from ..config.infer import DRAFT_DTYPES
 from ..errors import SpecHeadsError
+from ..kernels import linear_layout, weight_int8
 from ..target import LAYER_CONVENTION, FrozenTarget, TargetInfo
 from .base import DraftHead, check_same_target
 from .registry import HEADS
@@ -147,21 +148,55 @@ def native_bf16_cpu() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def halves_on_cpu(target: FrozenTarget, head: DraftHead) -> bool:
+    """Whether "auto" drafts below the target's precision: an fp32 target on a CPU with native bf16,
+    and a head that does not adapt the target (Medusa-2's LoRA keeps the target's dtype)."""
+    cpu_fp32 = target.device.type == "cpu" and target.dtype == torch.float32
+    return cpu_fp32 and not head.adapts_target and native_bf16_cpu()
+
+
 def draft_dtype(name: str, target: FrozenTarget, head: DraftHead) -> torch.dtype:
-    """The dtype a loaded head drafts in (infer.py's head_dtype).
+    """The dtype a loaded head drafts in (infer.py's head_dtype; with int8 weights, its activations').
 
     Drafting decodes one to a few rows at a time, so on CPU its cost is the head's weights read
-    from memory at every step: "auto" halves them (bf16) on an fp32 target where the CPU has native
-    bf16, and otherwise keeps the target's dtype. The draft's precision only changes which tokens
-    it proposes; the target verifies them, so outputs are the target's in any dtype. A head that
-    adapts the target (Medusa-2's LoRA) keeps the target's dtype under "auto".
+    from memory at every step: "auto" drafts in bf16 (on int8 weights, `int8_weights`) on an fp32
+    target where the CPU has native bf16, and otherwise keeps the target's dtype. The draft's
+    precision only changes which tokens it proposes; the target verifies them, so outputs are the
+    target's in any dtype.
     """
     if name not in DRAFT_DTYPES:
         raise SpecHeadsError(f"head_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {name!r}")
-    if name == "auto":
-        cpu_fp32 = target.device.type == "cpu" and target.dtype == torch.float32
-        halve = cpu_fp32 and not head.adapts_target and native_bf16_cpu()
-        return torch.bfloat16 if halve else target.dtype
+    if name in ("auto", "int8"):
+        return torch.bfloat16 if halves_on_cpu(target, head) else target.dtype
     if name == "target":
         return target.dtype
     return getattr(torch, name)
+
+
+def int8_weights(name: str, target: FrozenTarget, head: DraftHead) -> bool:
+    """Whether the head's linear layers draft on int8 weights: under "int8", and under "auto"
+    wherever it drafts in bf16 (BENCHMARKS.md "Drafting on int8 weights": the same acceptance,
+    a cheaper draft step)."""
+    return name == "int8" or (name == "auto" and halves_on_cpu(target, head))
+
+
+def prepare_for_drafting(head: DraftHead, name: str, target: FrozenTarget) -> DraftHead:
+    """Put a loaded head in the precision it drafts in (infer.py's head_dtype): its dtype, and its
+    linear layers on int8 copies of their weights where `int8_weights` says so."""
+    head.to(dtype=draft_dtype(name, target, head))
+    if int8_weights(name, target, head):
+        weight_int8.install(head)
+    return head
+
+
+def route_draft_kernels(head: DraftHead, layouts: linear_layout.RowLayouts) -> None:
+    """The target's measured row kernels for the head's linear layers, unless they run int8."""
+    if not weight_int8.installed(head):
+        linear_layout.install(head, layouts)
+
+
+def draft_precision(head: DraftHead) -> str:
+    """What the head drafts in, as records name it: "bfloat16", or "int8" with its activations'
+    dtype ("int8/bfloat16")."""
+    dtype = str(head.dtype).removeprefix("torch.")
+    return f"int8/{dtype}" if weight_int8.installed(head) else dtype

@@ -14,7 +14,7 @@ from specheads.decode.drafters import EagleDrafter, HybridDrafter, grow_tree, ma
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
 from specheads.decode.policy import HybridPolicy
 from specheads.decode.tree import TreeLayout, static_tree
-from specheads.kernels import gqa_attention
+from specheads.kernels import gqa_attention, weight_int8
 from specheads.kernels.linear_layout import (
     PACKED,
     WEIGHT_LEFT,
@@ -165,11 +165,15 @@ def test_heads_give_exact_greedy_output(family, trained, target, heads, sequence
         assert res.tau > 1.5, (family, res.accept_lengths)
 
 
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_bf16_head_on_an_fp32_target_gives_exact_greedy_output(family, target, sequences):
-    """infer.py's head_dtype=auto drafts in bf16 under an fp32 target on CPUs with native bf16:
-    the drafts may change, the output must not, and the head's drafts must still be accepted."""
+def test_a_bf16_or_int8_head_on_an_fp32_target_gives_exact_greedy_output(family, precision, target, sequences):
+    """infer.py's head_dtype=auto drafts in bf16 under an fp32 target on CPUs with native bf16, and
+    head_dtype=int8 on int8 weights: the drafts may change, the output must not, and the head's
+    drafts must still be accepted."""
     head = quick_head(target, family, sequences, steps=60).to(torch.bfloat16)
+    if precision == "int8":
+        assert weight_int8.install(head) > 0
     assert head.dtype == torch.bfloat16 and target.dtype == torch.float32
     prompt = sequences[1:2, :8]
     ref = hf_greedy(target, prompt, 32)

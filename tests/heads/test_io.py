@@ -94,5 +94,42 @@ def test_draft_dtype_halves_the_head_only_on_an_fp32_cpu_target_with_native_bf16
     monkeypatch.setattr(io, "native_bf16_cpu", lambda: False)  # emulated bf16 can be slower than fp32
     assert io.draft_dtype("auto", tiny_target, eagle3) == torch.float32
     assert io.draft_dtype("bfloat16", tiny_target, eagle3) == torch.bfloat16
+    assert io.draft_dtype("int8", tiny_target, eagle3) == torch.float32  # its activations: as under auto
+    monkeypatch.setattr(io, "native_bf16_cpu", lambda: True)
+    assert io.draft_dtype("int8", tiny_target, eagle3) == torch.bfloat16
     with pytest.raises(SpecHeadsError, match="head_dtype"):
-        io.draft_dtype("int8", tiny_target, eagle3)
+        io.draft_dtype("int4", tiny_target, eagle3)
+
+
+def test_int8_drafting_quantizes_the_heads_own_layers_and_routes_no_target_kernel(tiny_target, monkeypatch):
+    from specheads.heads import io
+    from specheads.kernels import linear_layout, weight_int8
+
+    monkeypatch.setattr(io, "native_bf16_cpu", lambda: True)
+    head = quick_head(tiny_target, "eagle3")
+    io.prepare_for_drafting(head, "int8", tiny_target)
+    assert head.dtype == torch.bfloat16 and weight_int8.installed(head)
+    assert io.draft_precision(head) == "int8/bfloat16"
+    assert not weight_int8.installed(tiny_target.model)  # the target's weights are never touched
+    io.route_draft_kernels(head, linear_layout.RowLayouts.everywhere(linear_layout.WEIGHT_LEFT))
+    assert all(not hasattr(layer, "_row_layouts") for layer in weight_int8.linear_layers(head))
+    saved = head.state_dict()
+    assert all(v.dtype == torch.bfloat16 for v in saved.values() if v.is_floating_point())  # int8 copies: not saved
+    plain = quick_head(tiny_target, "eagle3")
+    io.prepare_for_drafting(plain, "bfloat16", tiny_target)
+    assert io.draft_precision(plain) == "bfloat16" and not weight_int8.installed(plain)
+
+
+def test_auto_drafts_on_int8_weights_exactly_where_it_drafts_in_bf16(tiny_target, monkeypatch):
+    from specheads.heads import HEADS, io
+
+    eagle3 = quick_head(tiny_target, "eagle3")
+    medusa2 = types.SimpleNamespace(adapts_target=HEADS["medusa2"].adapts_target)
+    monkeypatch.setattr(io, "native_bf16_cpu", lambda: True)
+    assert io.int8_weights("auto", tiny_target, eagle3) and io.int8_weights("int8", tiny_target, eagle3)
+    assert not io.int8_weights("auto", tiny_target, medusa2)  # its LoRA adapts the target
+    assert not io.int8_weights("bfloat16", tiny_target, eagle3) and not io.int8_weights("target", tiny_target, eagle3)
+    io.prepare_for_drafting(eagle3, "auto", tiny_target)
+    assert io.draft_precision(eagle3) == "int8/bfloat16"
+    monkeypatch.setattr(io, "native_bf16_cpu", lambda: False)  # emulated bf16: the target's dtype, its weights
+    assert not io.int8_weights("auto", tiny_target, eagle3) and io.int8_weights("int8", tiny_target, eagle3)
