@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpecHeadsError
+from .linear_layout import linear_layers
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_WIDTH_MULTIPLE = 32
@@ -60,10 +61,6 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
 
 def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return int8_linear(x.to(self._int8_scales.dtype), self._int8_weight, self._int8_scales, self.bias)
-
-
-def linear_layers(module: nn.Module) -> list[nn.Linear]:
-    return [m for m in module.modules() if isinstance(m, nn.Linear)]
 
 
 def install(module: nn.Module) -> int:

@@ -112,7 +112,7 @@ def test_int8_drafting_quantizes_the_heads_own_layers_and_routes_no_target_kerne
     assert io.draft_precision(head) == "int8/bfloat16"
     assert not weight_int8.installed(tiny_target.model)  # the target's weights are never touched
     io.route_draft_kernels(head, linear_layout.RowLayouts.everywhere(linear_layout.WEIGHT_LEFT))
-    assert all(not hasattr(layer, "_row_layouts") for layer in weight_int8.linear_layers(head))
+    assert all(not hasattr(layer, "_row_layouts") for layer in linear_layout.linear_layers(head))
     saved = head.state_dict()
     assert all(v.dtype == torch.bfloat16 for v in saved.values() if v.is_floating_point())  # int8 copies: not saved
     plain = quick_head(tiny_target, "eagle3")
