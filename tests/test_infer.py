@@ -160,6 +160,16 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
         (["head_path=/tmp", "prompt=hi", "acceptance=typical"], "temperature > 0"),
         (["head_path=/tmp", "prompt=hi", "bench.heads=[/tmp]"], "bench.heads compares heads in the benchmark"),
         (["head_path=/tmp", "prompt=hi", "bench.heads=[/no/such/head]"], "bench.heads: /no/such/head does not exist"),
+        (["head_path=/tmp", "bench.questions=q.jsonl", "bench.head_dtypes=[int4]"], "bench.head_dtypes: each must be"),
+        (["head_path=/tmp", "prompt=hi", "bench.head_dtypes=[int8]"], "bench.head_dtypes runs the head"),
+        (
+            ["head_path=/tmp", "bench.questions=q.jsonl", "bench.methods=[plain]", "bench.head_dtypes=[int8]"],
+            "keep spec in bench.methods",
+        ),
+        (
+            ["head_path=/tmp", "bench.questions=q.jsonl", "bench.head_dtypes=[int8,int8]"],
+            "names a precision twice",
+        ),
     ],
 )
 def test_settings_are_checked(overrides, message):

@@ -1,8 +1,11 @@
-"""Heads compared side by side in one benchmark run (bench.heads=[DIR, ...]).
+"""Heads compared side by side in one benchmark run.
 
-Each runs as the method `spec:<label>` on the same target, questions and baselines as the main
-head, with its own stored tree (tree.kind=default; one calibrated for it on this machine, when the
-cache holds one), so the ratios of every head come from one run.
+bench.heads=[DIR, ...]: each runs as the method `spec:<label>` on the same target, questions and
+baselines as the main head, with its own stored tree (tree.kind=default; one calibrated for it on
+this machine, when the cache holds one), so the ratios of every head come from one run.
+bench.head_dtypes=[DTYPE, ...]: the main head loaded again in each precision (infer.py's
+head_dtype values), as the method `spec@<dtype>` with the main head's tree: only the drafting
+precision differs from method `spec`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ def head_label(path: str | Path) -> str:
 
 def method_name(label: str) -> str:
     return f"{SPEC}:{label}"
+
+
+def precision_method(name: str) -> str:
+    return f"{SPEC}@{name}"
 
 
 def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, TreePolicy, str]]:
@@ -61,4 +68,23 @@ def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, Tr
             route_draft_kernels(head, session.layouts)
         policy = tree_policy_for(head, TreeConfig(kind="default"))
         out[method_name(label)] = (make_drafter(head, policy), policy, path)
+    return out
+
+
+def open_precision_variants(names: list[str], session, policy: TreePolicy) -> dict[str, tuple[object, TreePolicy, str]]:
+    """method name -> (drafter, tree policy, head path): the session's head in each precision."""
+    if not names:
+        return {}
+    head = session.head
+    if head.adapts_target:
+        raise SpecHeadsError(
+            f"bench.head_dtypes: a {head.title} head changes its target when loaded; benchmark each precision alone"
+        )
+    out: dict[str, tuple[object, TreePolicy, str]] = {}
+    for name in names:
+        variant = open_head(session.head_dir, session.target, session.allow_target_mismatch)
+        prepare_for_drafting(variant, name, session.target)
+        if session.layouts is not None:
+            route_draft_kernels(variant, session.layouts)
+        out[precision_method(name)] = (make_drafter(variant, policy), policy, str(session.head_dir))
     return out

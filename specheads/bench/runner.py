@@ -35,7 +35,7 @@ from ..decode.generate import SamplingConfig, speculative_generate, tau_of
 from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, tree_policy_for
 from ..heads.io import draft_precision
 from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
-from .compared import open_compared_heads
+from .compared import open_compared_heads, open_precision_variants
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
 from .questions import read_questions
@@ -276,6 +276,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         text_only = HybridPolicy(None, b.prompt_lookup_num_tokens, settings.tree.ngram_max)
         spec_heads["lookup"] = (make_hybrid_drafter(None, text_only), text_only, None)
     spec_heads.update(open_compared_heads(b.heads, session))
+    if b.head_dtypes:
+        spec_heads.update(open_precision_variants(b.head_dtypes, session, spec_heads["spec"][1]))
     for method, (drafter, _, _) in spec_heads.items():
         # a tree chosen on the questions it is measured on flatters its head
         warn_overlap(method, getattr(drafter.head, "calibration", None), questions, b.turns, sys.stderr)
@@ -365,11 +367,12 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     heads = {
         m: {
             "head": path,
+            "head_dtype": draft_precision(drafter.head) if getattr(drafter, "head", None) is not None else None,
             "tree": describe_policy(policy),
             "acceptance_per_depth": acceptance_per_depth([r for r in rows if r["method"] == m]),
             "costs": cost_breakdown(rows, m),
         }
-        for m, (_, policy, path) in spec_heads.items()
+        for m, (drafter, policy, path) in spec_heads.items()
     }
     if "spec" in heads:  # the main head's entries sit at the top level of the summary
         main = heads.pop("spec")

@@ -88,6 +88,9 @@ class BenchConfig:
     # more head directories (same target) run side by side as methods spec:<name>, each with its
     # own stored tree, against the same baselines in the same run
     heads: list[str] = field(default_factory=list)
+    # the session's head again in other precisions (head_dtype values), as methods spec@<dtype>
+    # with the main head's tree: what the drafting precision is worth, measured in one run
+    head_dtypes: list[str] = field(default_factory=list)
     # an earlier benchmark's rows file (OUT.jsonl) whose baseline answers are the reference: the
     # summary adds each method's agreement with them (a Medusa-2 head against the original target)
     reference: str | None = None
@@ -189,6 +192,16 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
             raise SpecHeadsError(f"bench.heads: {extra} does not exist")
     if b.heads and not b.questions:
         raise SpecHeadsError("bench.heads compares heads in the benchmark: give bench.questions=FILE.jsonl")
+    for name in b.head_dtypes:
+        if name not in DRAFT_DTYPES:
+            raise SpecHeadsError(f"bench.head_dtypes: each must be one of {', '.join(DRAFT_DTYPES)}, got {name!r}")
+    if b.head_dtypes and (not b.questions or "spec" not in b.methods or not settings.head_path):
+        raise SpecHeadsError(
+            "bench.head_dtypes runs the head in other precisions beside method spec: give head=DIR, "
+            "bench.questions=FILE.jsonl and keep spec in bench.methods"
+        )
+    if len(set(b.head_dtypes)) != len(b.head_dtypes):
+        raise SpecHeadsError("bench.head_dtypes names a precision twice")
     if not settings.head_path and (not b.questions or "spec" in b.methods):
         raise SpecHeadsError("give the draft head: head=DIR_OR_HUB_ID")
     if not settings.head_path and settings.model is None:

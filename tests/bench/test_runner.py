@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import write_questions
 
-from specheads.bench.compared import open_compared_heads
+from specheads.bench.compared import open_compared_heads, open_precision_variants
 from specheads.bench.inputs import encode_turns
 from specheads.bench.runner import (
     acceptance_per_depth,
@@ -299,6 +299,40 @@ def test_compared_heads_are_refused_for_another_target_or_a_clashing_name(tmp_pa
     (tmp_path / "c" / "head" / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecHeadsError, match="changes its target; benchmark it alone"):
         open_compared_heads([str(tmp_path / "c" / "head")], session)
+
+
+def test_head_dtypes_run_the_main_head_in_other_precisions_with_its_tree(tmp_path, tiny_target, monkeypatch):
+    torch.manual_seed(0)
+    main = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), tiny_target)
+    save_head(main, tmp_path / "eagle3-run" / "head")
+    settings = InferJobConfig(
+        tree=TreeConfig(kind="chain", depth=2),
+        bench=BenchConfig(
+            questions=str(numbered_questions(tmp_path / "q.jsonl", 2)),
+            output=str(tmp_path / "out" / "res.jsonl"),
+            max_new_tokens=8,
+            methods=["baseline", "spec"],
+            warmup=0,
+            plots=False,
+            head_dtypes=["bfloat16", "int8"],
+        ),
+    )
+    out = io.StringIO()
+    session = Session(tiny_target, main, tmp_path / "eagle3-run" / "head", {})
+    report = run_benchmark(settings, session, out=out)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"baseline", "spec", "spec@bfloat16", "spec@int8"}
+    compared = report["compared_heads"]
+    assert compared["spec@bfloat16"]["head_dtype"] == "bfloat16"
+    assert compared["spec@int8"]["head_dtype"].startswith("int8/")
+    assert report["head_dtype"] == "float32" and main.dtype == torch.float32  # the main head is left as it was
+    for m in ("spec@bfloat16", "spec@int8"):
+        assert compared[m]["tree"] == report["tree"]  # the main head's tree: only the precision differs
+        assert report["identical_to_baseline"][m]["equal"] == 2
+    assert "spec@int8: spec step" in out.getvalue()
+    monkeypatch.setattr(type(main), "adapts_target", True)  # a head that changes its target: not loaded twice
+    with pytest.raises(SpecHeadsError, match="bench.head_dtypes: .* changes its target"):
+        open_precision_variants(["bfloat16"], session, None)
 
 
 def test_hybrid_without_a_head_is_prompt_lookup_through_our_loop(tmp_path, tiny_target):
