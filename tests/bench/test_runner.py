@@ -251,12 +251,9 @@ def test_encode_turns_alternates_user_and_answers():
         encode_turns(tok, ["hi", "more"], [])
 
 
-def test_compared_heads_run_side_by_side_in_one_run(tmp_path, tiny_target):
-    torch.manual_seed(0)
-    main = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), tiny_target)
-    other = build_head(HeadConfig(family="medusa", num_heads=2), tiny_target)
-    save_head(other, tmp_path / "medusa-run" / "head")
-    settings = InferJobConfig(
+def side_by_side(tmp_path, **bench) -> InferJobConfig:
+    """Settings of a short run (2 questions, 8 tokens) with more heads or precisions beside spec."""
+    return InferJobConfig(
         tree=TreeConfig(kind="chain", depth=2),
         bench=BenchConfig(
             questions=str(numbered_questions(tmp_path / "q.jsonl", 2)),
@@ -265,9 +262,17 @@ def test_compared_heads_run_side_by_side_in_one_run(tmp_path, tiny_target):
             methods=["baseline", "spec"],
             warmup=0,
             plots=False,
-            heads=[str(tmp_path / "medusa-run" / "head")],
+            **bench,
         ),
     )
+
+
+def test_compared_heads_run_side_by_side_in_one_run(tmp_path, tiny_target):
+    torch.manual_seed(0)
+    main = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), tiny_target)
+    other = build_head(HeadConfig(family="medusa", num_heads=2), tiny_target)
+    save_head(other, tmp_path / "medusa-run" / "head")
+    settings = side_by_side(tmp_path, heads=[str(tmp_path / "medusa-run" / "head")])
     out = io.StringIO()
     report = run_benchmark(settings, Session(tiny_target, main, tmp_path / "eagle3-run" / "head", {}), out=out)
     rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
@@ -305,18 +310,7 @@ def test_head_dtypes_run_the_main_head_in_other_precisions_with_its_tree(tmp_pat
     torch.manual_seed(0)
     main = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), tiny_target)
     save_head(main, tmp_path / "eagle3-run" / "head")
-    settings = InferJobConfig(
-        tree=TreeConfig(kind="chain", depth=2),
-        bench=BenchConfig(
-            questions=str(numbered_questions(tmp_path / "q.jsonl", 2)),
-            output=str(tmp_path / "out" / "res.jsonl"),
-            max_new_tokens=8,
-            methods=["baseline", "spec"],
-            warmup=0,
-            plots=False,
-            head_dtypes=["bfloat16", "int8"],
-        ),
-    )
+    settings = side_by_side(tmp_path, head_dtypes=["bfloat16", "int8"])
     out = io.StringIO()
     session = Session(tiny_target, main, tmp_path / "eagle3-run" / "head", {})
     report = run_benchmark(settings, session, out=out)
