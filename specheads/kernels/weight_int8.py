@@ -1,16 +1,18 @@
-"""Weight-only int8 for a draft head's linear layers (infer.py's head_dtype=int8).
+"""Weight-only int8 for a draft head's linear layers (infer.py's head_dtype=int8, and auto on a CPU
+with native bf16 under an fp32 target).
 
 Drafting runs the head over one to a few rows at a time, right after a target forward has pushed
 the head's weights out of the CPU's caches: a draft step costs about the time to stream those
 weights from memory. Stored as int8 with one scale per output channel (symmetric, round to
-nearest), they stream at half of bf16's bytes; torch's `_weight_int8pack_mm` (the kernel of
-weight-only int8 in gpt-fast and torchao) multiplies bf16 or fp32 activations by them without
-ever writing the dequantized weight. Only the head's proposals can change, never the output: the
+nearest), they stream at half of bf16's bytes; torch's `_weight_int8pack_mm` (ATen's weight-only
+int8 matrix product) multiplies bf16 or fp32 activations by them without ever writing the
+dequantized weight. Only the head's proposals can change, never the output: the
 target verifies every draft in its own precision.
 
 The kernel is used on CPU where the input width is a multiple of 32 (torch 2.13's CPU kernel
-crashes on widths such as 8 or 24; every real head's widths are multiples of 32). Elsewhere a layer
-multiplies by its dequantized weight, built at each call: the same product, without the saving.
+crashes on widths such as 8 or 24; the SmolLM2 head's widths, 576 to 1728, are multiples of 32).
+Elsewhere a layer multiplies by its dequantized weight, built at each call: the same product,
+without the saving.
 """
 
 from __future__ import annotations
