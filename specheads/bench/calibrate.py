@@ -508,7 +508,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             out.write(f"{head_dir} is not writable here: pass the tree as tree=static 'tree.paths=...'\n")
     elif t.save == "cache" and head_dir is not None and (head_dir / CONFIG_NAME).is_file():
         # the head directory keeps its own tree: this one fits this machine only
-        path = store_in_cache(cache_path(head_dir, target, kernels, draft_precision(head)), best["paths"], record)
+        path = store_in_cache(cache_path(head_dir, target, kernels, record["head_dtype"]), best["paths"], record)
         out.write(f"stored for this machine in {path}: tree=default uses it for this head here\n")
     out.flush()
     return dataclasses.replace(

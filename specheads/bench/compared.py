@@ -73,8 +73,6 @@ def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, Tr
 
 def open_precision_variants(names: list[str], session, policy: TreePolicy) -> dict[str, tuple[object, TreePolicy, str]]:
     """method name -> (drafter, tree policy, head path): the session's head in each precision."""
-    if not names:
-        return {}
     head = session.head
     if head.adapts_target:
         raise SpecHeadsError(

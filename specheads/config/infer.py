@@ -16,6 +16,12 @@ from .model import ModelConfig
 # infer.py's head_dtype (specheads.heads.io.draft_dtype says what each means)
 DRAFT_DTYPES = ("auto", "target", "float32", "bfloat16", "float16", "int8")
 
+
+def check_draft_dtype(name: str, key: str = "head_dtype") -> None:
+    if name not in DRAFT_DTYPES:
+        raise SpecHeadsError(f"{key} must be one of {', '.join(DRAFT_DTYPES)}, got {name!r}")
+
+
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
 METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
 TREE_SAVES = ("cache", "head", "none")
@@ -139,8 +145,7 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError(f"linear_layout must be auto or stock, got {settings.linear_layout!r}")
     if t.min_path_prob is not None and not 0.0 <= t.min_path_prob < 1.0:
         raise SpecHeadsError(f"tree.min_path_prob must be in [0, 1), got {t.min_path_prob}")
-    if settings.head_dtype not in DRAFT_DTYPES:
-        raise SpecHeadsError(f"head_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {settings.head_dtype!r}")
+    check_draft_dtype(settings.head_dtype)
     if t.kind not in TREE_KINDS:
         raise SpecHeadsError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {t.kind!r}")
     for name in ("depth", "top_k", "total_tokens", "max_nodes", "calibration_prompts", "calibration_tokens"):
@@ -193,8 +198,7 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     if b.heads and not b.questions:
         raise SpecHeadsError("bench.heads compares heads in the benchmark: give bench.questions=FILE.jsonl")
     for name in b.head_dtypes:
-        if name not in DRAFT_DTYPES:
-            raise SpecHeadsError(f"bench.head_dtypes: each must be one of {', '.join(DRAFT_DTYPES)}, got {name!r}")
+        check_draft_dtype(name, "bench.head_dtypes: each")
     if b.head_dtypes and (not b.questions or "spec" not in b.methods or not settings.head_path):
         raise SpecHeadsError(
             "bench.head_dtypes runs the head in other precisions beside method spec: give head=DIR, "

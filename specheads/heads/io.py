@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..atomic import write_directory
-from ..config.infer import DRAFT_DTYPES
+from ..config.infer import check_draft_dtype
 from ..errors import SpecHeadsError
 from ..kernels import linear_layout, weight_int8
 from ..target import LAYER_CONVENTION, FrozenTarget, TargetInfo
@@ -164,8 +164,7 @@ def draft_dtype(name: str, target: FrozenTarget, head: DraftHead) -> torch.dtype
     precision only changes which tokens it proposes; the target verifies them, so outputs are the
     target's in any dtype.
     """
-    if name not in DRAFT_DTYPES:
-        raise SpecHeadsError(f"head_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {name!r}")
+    check_draft_dtype(name)
     if name in ("auto", "int8"):
         return torch.bfloat16 if halves_on_cpu(target, head) else target.dtype
     if name == "target":

@@ -92,9 +92,3 @@ def uninstall(module: nn.Module) -> None:
     for layer in linear_layers(module):
         if hasattr(layer, "_int8_weight"):
             del layer.forward, layer._int8_weight, layer._int8_scales
-
-
-def reference_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """What an installed layer computes, written plainly (dequantize, then nn.Linear's product)."""
-    w = dequantize(layer._int8_weight, layer._int8_scales).to(x.dtype)
-    return F.linear(x, w, layer.bias)
