@@ -81,10 +81,14 @@ def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
     if family == "medusa":  # the same command again: nothing left to train, the head is written again
         logged = (out / "metrics.jsonl").read_text()
         fp32 = load_file(out / "head" / "model.safetensors")
+        assert "segments" not in json.loads((out / "head" / "config.json").read_text())["training"]  # one process
         again = run([*proc.args, "save_dtype=bfloat16"])  # this time with its weights stored in bf16
         assert "resuming from step 3" in again.stderr
         assert (out / "metrics.jsonl").read_text() == logged  # no step was trained twice
         assert_head_written(again, out)
+        record = json.loads((out / "head" / "config.json").read_text())["training"]
+        assert [s["steps"] for s in record["segments"]] == [[0, 3], [3, 3]]  # who trained what
+        assert record["segments"][1]["command"] == record["command"] != record["segments"][0]["command"]
         bf16 = load_file(out / "head" / "model.safetensors")
         assert {t.dtype for t in bf16.values()} == {torch.bfloat16}
         assert all(torch.equal(bf16[k], fp32[k].to(torch.bfloat16)) for k in fp32)

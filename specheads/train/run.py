@@ -87,10 +87,15 @@ def ensure_auto_features(
     return directory
 
 
-def training_record(cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, origin: dict) -> dict:
+def training_record(
+    cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, origin: dict, segments: list[dict] | None = None
+) -> dict:
     """What a head directory records of the run that wrote it (at its end, or at a checkpoint).
     origin: what the run read at its start (data digests, code version, commit, command), not at the
-    write: a commit made while a run trains is not the code that trained it."""
+    write: a commit made while a run trains is not the code that trained it. segments (Trainer.segments):
+    recorded when more than one process trained the run (it was resumed), since the commit and
+    command above are then only the last one's."""
+    resumed = {"segments": segments} if segments and len(segments) > 1 else {}
     return {
         "steps": step,
         "seed": cfg.seed,
@@ -102,6 +107,7 @@ def training_record(cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, or
         "data": portable_path(cfg.data.path),
         "data_mix": [portable_path(m) for m in cfg.data.mix],
         **origin,
+        **resumed,
         "eval": last_eval,
     }
 
@@ -148,12 +154,15 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
         print(f"resuming from step {resumed} ({trainer.checkpoints.latest()})", file=sys.stderr)
     log = MetricsLog(output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed)
     origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code}
-    trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, origin)
+    trainer.origin = code
+    trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, origin, t.segments())
     try:
         last_eval = trainer.fit(log)
     finally:
         log.close()
-    path = trainer.write_head(output_dir / "head", training_record(cfg, d, trainer.step, last_eval, origin))
+    path = trainer.write_head(
+        output_dir / "head", training_record(cfg, d, trainer.step, last_eval, origin, trainer.segments())
+    )
     if d.is_main:
         plot_metrics(output_dir / "metrics.jsonl", output_dir / "curves.png")
         if last_eval:

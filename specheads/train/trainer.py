@@ -142,6 +142,11 @@ class Trainer:
         self.checkpoints = Checkpoints(output_dir, t.keep_checkpoints, d.rank, d.world_size)
         self.step = 0
         self.last_eval: dict[str, float] = {}
+        # who trains: this process's code and command (set by train(cfg)); a resumed run also
+        # carries who trained it before, from its checkpoint, so its head names every segment
+        self.origin: dict[str, Any] = {}
+        self.earlier_segments: list[dict[str, Any]] = []
+        self.resumed_at = 0
         # the training record a head directory written at a checkpoint carries (train.save_heads);
         # set by train(cfg), which owns the run's provenance
         self.head_record: Callable[[Trainer], dict[str, Any]] | None = None
@@ -182,8 +187,15 @@ class Trainer:
             )
         self.step = int(state["step"])
         self.last_eval = state.get("last_eval", {})
+        # a checkpoint written before checkpoints named their segments: its steps' code is unknown
+        self.earlier_segments = state.get("segments") or [{"steps": [0, self.step], "commit": None, "command": None}]
+        self.resumed_at = self.step
         self.retarget_schedule()
         return self.step
+
+    def segments(self) -> list[dict[str, Any]]:
+        """[{"steps": [from, to], commit, command, ...}] for every process that trained this run."""
+        return [*self.earlier_segments, {"steps": [self.resumed_at, self.step], **self.origin}]
 
     def retarget_schedule(self) -> None:
         """A resumed run whose step count changed (train.max_steps / epochs) decays its learning rate
@@ -206,6 +218,7 @@ class Trainer:
                 "micro_batches": self.step * self.cfg.train.grad_accum,
                 "fingerprint": self.fingerprint(),
                 "last_eval": self.last_eval,
+                "segments": self.segments(),
             },
         )
 

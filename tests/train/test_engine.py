@@ -120,12 +120,25 @@ def test_resume_continues_the_same_run_and_refuses_another(world, tiny_target, t
         return Trainer(cfg, *head_and_states(cfg, tiny_target, world), world, out)
 
     first = trainer("medusa")
+    first.origin = {"commit": "c1", "command": "train.py first"}
     for _ in range(2):
         first.train_step()
     first.save()
     second = trainer("medusa")
+    second.origin = {"commit": "c2", "command": "train.py second"}
     assert second.resume() == 2
     assert all(torch.equal(a, b) for a, b in zip(first.head.parameters(), second.head.parameters()))
+    # the resumed run names who trained which steps (its own commit and command are only the last)
+    assert second.segments() == [
+        {"steps": [0, 2], "commit": "c1", "command": "train.py first"},
+        {"steps": [2, 2], "commit": "c2", "command": "train.py second"},
+    ]
+    # a checkpoint from before checkpoints named their segments: its steps' code is not invented
+    state = {"step": 2, "micro_batches": 2, "fingerprint": first.fingerprint(), "last_eval": {}}
+    first.checkpoints.save(first.engine, 2, state)
+    third = trainer("medusa")
+    assert third.resume() == 2
+    assert third.segments()[0] == {"steps": [0, 2], "commit": None, "command": None}
     with pytest.raises(SpecHeadsError, match="different run.*grad_accum 1 -> 2"):
         trainer("medusa", grad_accum=2).resume()
 
