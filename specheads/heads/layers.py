@@ -121,6 +121,14 @@ class DraftAttention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """SDPA over grouped KV heads. torch's CPU kernels read the groups in place, mask or not
+        (no copy of the draft cache at every step); CUDA's fused kernels cannot take a mask and
+        groups together, so there the heads are repeated."""
+        if q.device.type == "cpu":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, self.expand_kv(k), self.expand_kv(v), attn_mask=mask)
+
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = attn.shape
         return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -154,10 +162,9 @@ class DraftDecoderLayer(nn.Module):
             k, v = cache.append(layer_index, k, v)
         else:
             past = 0
-        if mask is None:
+        if mask is None and t > 1:  # one new query sees every slot: no mask, SDPA's one-query path
             mask = causal_mask_with_past(t, past, q.device)
-        out = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=mask)
-        return self.finish(residual, attn.output(out))
+        return self.finish(residual, attn.output(attn.attend(q, k, v, mask)))
 
     def forward_unrolled(self, x, residual, cos, sin, context: tuple | None, chain: list):
         """One training-time-test step.
