@@ -41,6 +41,11 @@ def test_shipped_head_is_small_bf16_with_tree_and_provenance():
     training = config["training"]
     assert training["steps"] > 0 and training["commit"] and "train.py" in training["command"]
     assert "sharegpt_smollm2_135m" in training["data"] and training["data_mix"]
+    # a head trained by several processes (resumed) names each, steps 0 to the end without a gap
+    segments = training.get("segments", [{"steps": [0, training["steps"]], "command": training["command"]}])
+    assert segments[0]["steps"][0] == 0 and segments[-1]["steps"][1] == training["steps"]
+    assert all(a["steps"][1] == b["steps"][0] for a, b in zip(segments, segments[1:]))
+    assert segments[-1]["command"] == training["command"] and all("train.py" in s["command"] for s in segments)
     for path in shipped_data():  # named by a repository path that exists, not a machine's
         assert path.exists() and path.resolve().is_relative_to(ROOT / "data"), path
 
