@@ -88,14 +88,14 @@ def ensure_auto_features(
 
 
 def training_record(
-    cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, origin: dict, segments: list[dict] | None = None
+    cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, origin: dict, segments: list[dict]
 ) -> dict:
     """What a head directory records of the run that wrote it (at its end, or at a checkpoint).
     origin: what the run read at its start (data digests, code version, commit, command), not at the
     write: a commit made while a run trains is not the code that trained it. segments (Trainer.segments):
     recorded when more than one process trained the run (it was resumed), since the commit and
     command above are then only the last one's."""
-    resumed = {"segments": segments} if segments and len(segments) > 1 else {}
+    resumed = {"segments": segments} if len(segments) > 1 else {}
     return {
         "steps": step,
         "seed": cfg.seed,
@@ -160,9 +160,7 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
         last_eval = trainer.fit(log)
     finally:
         log.close()
-    path = trainer.write_head(
-        output_dir / "head", training_record(cfg, d, trainer.step, last_eval, origin, trainer.segments())
-    )
+    path = trainer.write_head(output_dir / "head", trainer.head_record(trainer))  # the record every kept head gets
     if d.is_main:
         plot_metrics(output_dir / "metrics.jsonl", output_dir / "curves.png")
         if last_eval:
