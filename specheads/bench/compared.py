@@ -6,13 +6,15 @@ this machine, when the cache holds one), so the ratios of every head come from o
 bench.head_dtypes=[DTYPE, ...]: the main head loaded again in each precision (infer.py's
 head_dtype values), as the method `spec@<dtype>` with the main head's tree: only the drafting
 precision differs from method `spec`.
+bench.trees=[SPEC, ...]: the main head (the same object) with other trees (config.infer.
+parse_tree_spec), as the method `spec#<SPEC>`: only the tree differs from method `spec`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..config.infer import TreeConfig
+from ..config.infer import TreeConfig, parse_tree_spec
 from ..decode.drafters import make_drafter
 from ..decode.policy import TreePolicy, tree_policy_for
 from ..errors import SpecHeadsError
@@ -36,6 +38,10 @@ def method_name(label: str) -> str:
 
 def precision_method(name: str) -> str:
     return f"{SPEC}@{name}"
+
+
+def tree_method(spec: str) -> str:
+    return f"{SPEC}#{spec}"
 
 
 def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, TreePolicy, str]]:
@@ -85,4 +91,13 @@ def open_precision_variants(names: list[str], session, policy: TreePolicy) -> di
         if session.layouts is not None:
             route_draft_kernels(variant, session.layouts)
         out[precision_method(name)] = (make_drafter(variant, policy), policy, str(session.head_dir))
+    return out
+
+
+def open_tree_variants(specs: list[str], session) -> dict[str, tuple[object, TreePolicy, str]]:
+    """method name -> (drafter, tree policy, head path): the session's head drafting each tree."""
+    out: dict[str, tuple[object, TreePolicy, str]] = {}
+    for spec in specs:
+        policy = tree_policy_for(session.head, parse_tree_spec(spec))
+        out[tree_method(spec)] = (make_drafter(session.head, policy), policy, str(session.head_dir))
     return out

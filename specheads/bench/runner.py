@@ -35,7 +35,7 @@ from ..decode.generate import SamplingConfig, speculative_generate, tau_of
 from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, tree_policy_for
 from ..heads.io import draft_precision
 from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
-from .compared import open_compared_heads, open_precision_variants
+from .compared import open_compared_heads, open_precision_variants, open_tree_variants
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
 from .questions import read_questions
@@ -278,6 +278,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     spec_heads.update(open_compared_heads(b.heads, session))
     if b.head_dtypes:
         spec_heads.update(open_precision_variants(b.head_dtypes, session, spec_heads["spec"][1]))
+    if b.trees:
+        spec_heads.update(open_tree_variants(b.trees, session))
     for method, (drafter, _, _) in spec_heads.items():
         # a tree chosen on the questions it is measured on flatters its head
         warn_overlap(method, getattr(drafter.head, "calibration", None), questions, b.turns, sys.stderr)

@@ -6,6 +6,7 @@ passes it on as `head_path` before Hydra composes.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,9 @@ class BenchConfig:
     # the session's head again in other precisions (head_dtype values), as methods spec@<dtype>
     # with the main head's tree: what the drafting precision is worth, measured in one run
     head_dtypes: list[str] = field(default_factory=list)
+    # the session's head again with other trees (parse_tree_spec: chain:K, dynamic:DEPTH:TOP_K:NODES,
+    # static:[[0],[1],[0,0]], default), as methods spec#<spec>: what the tree is worth, in one run
+    trees: list[str] = field(default_factory=list)
     # an earlier benchmark's rows file (OUT.jsonl) whose baseline answers are the reference: the
     # summary adds each method's agreement with them (a Medusa-2 head against the original target)
     reference: str | None = None
@@ -136,6 +140,38 @@ class InferJobConfig:
     # (another quantization or fine-tune; its acceptance will be lower); refused by default
     allow_target_mismatch: bool = False
     debug: bool = False
+
+
+def parse_tree_spec(spec: str) -> TreeConfig:
+    """One bench.trees entry as the tree settings it stands for:
+    chain:K (the top-1 chain of K drafts), dynamic:DEPTH:TOP_K:NODES (EAGLE-2), static:PATHS (rank
+    paths as JSON, e.g. static:[[0],[1],[0,0]]) or default (the head's stored tree and depth gate)."""
+    kind, _, rest = str(spec).partition(":")
+    try:
+        if kind == "default" and not rest:
+            return TreeConfig(kind="default")
+        if kind == "chain":
+            return TreeConfig(kind="chain", depth=_positive(rest))
+        if kind == "dynamic":
+            depth, top_k, nodes = (_positive(x) for x in rest.split(":"))
+            return TreeConfig(kind="dynamic", depth=depth, top_k=top_k, total_tokens=nodes)
+        if kind == "static":
+            paths = json.loads(rest)
+            if isinstance(paths, list) and paths and all(isinstance(p, list) for p in paths):
+                return TreeConfig(kind="static", paths=paths)
+    except ValueError:
+        pass
+    raise SpecHeadsError(
+        f"bench.trees: {spec!r} is not a tree; use chain:K, dynamic:DEPTH:TOP_K:NODES, "
+        "static:[[0],[1],[0,0]] or default"
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 def validate(settings: InferJobConfig) -> InferJobConfig:
@@ -206,6 +242,15 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         )
     if len(set(b.head_dtypes)) != len(b.head_dtypes):
         raise SpecHeadsError("bench.head_dtypes names a precision twice")
+    for spec in b.trees:
+        parse_tree_spec(spec)
+    if b.trees and (not b.questions or not settings.head_path or b.mode != "timed"):
+        raise SpecHeadsError(
+            "bench.trees times the head with other trees beside its own: give head=DIR and "
+            "bench.questions=FILE.jsonl (timed mode; bench.mode=replay already counts every static tree)"
+        )
+    if len(set(b.trees)) != len(b.trees):
+        raise SpecHeadsError("bench.trees names a tree twice")
     if not settings.head_path and (not b.questions or "spec" in b.methods):
         raise SpecHeadsError("give the draft head: head=DIR_OR_HUB_ID")
     if not settings.head_path and settings.model is None:

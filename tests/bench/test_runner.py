@@ -329,6 +329,27 @@ def test_head_dtypes_run_the_main_head_in_other_precisions_with_its_tree(tmp_pat
         open_precision_variants(["bfloat16"], session, None)
 
 
+def test_bench_trees_run_the_main_head_with_other_trees(tmp_path, tiny_target):
+    torch.manual_seed(0)
+    main = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), tiny_target)
+    settings = side_by_side(tmp_path, trees=["chain:1", "dynamic:2:2:3"])
+    out = io.StringIO()
+    report = run_benchmark(settings, Session(tiny_target, main, tmp_path / "eagle3-run" / "head", {}), out=out)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "res.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"baseline", "spec", "spec#chain:1", "spec#dynamic:2:2:3"}
+    compared = report["compared_heads"]
+    assert report["tree"] == "static tree (2 nodes, depth 2)"  # the session's own tree (chain of 2)
+    assert compared["spec#chain:1"]["tree"] == "static tree (1 nodes, depth 1)"
+    assert compared["spec#dynamic:2:2:3"]["tree"] == "dynamic tree (depth 2, top_k 2, 3 nodes)"
+    # the trees really differ: a chain of 1 never drafts past depth 1, the others do
+    depths = {m: max(d for r in rows if r["method"] == m for d in r["tree_depths"]) for m in compared}
+    assert depths == {"spec#chain:1": 1, "spec#dynamic:2:2:3": 2}
+    for m in compared:
+        assert report["identical_to_baseline"][m]["equal"] == 2
+        assert compared[m]["head_dtype"] == report["head_dtype"]
+    assert "spec#dynamic:2:2:3: spec step" in out.getvalue()
+
+
 def test_hybrid_without_a_head_is_prompt_lookup_through_our_loop(tmp_path, tiny_target):
     settings = InferJobConfig(
         bench=BenchConfig(

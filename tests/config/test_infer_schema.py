@@ -1,5 +1,6 @@
 """specheads/config/infer.py: tree.save says where a calibrated tree goes (the machine's cache by
-default, never the head directory unless asked); the old boolean values still read."""
+default, never the head directory unless asked); the old boolean values still read. bench.trees
+entries read as the tree settings they name, or are refused with the forms they take."""
 
 from pathlib import Path
 
@@ -8,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from specheads.config import register_configs, typed
-from specheads.config.infer import validate
+from specheads.config.infer import parse_tree_spec, validate
 from specheads.errors import SpecHeadsError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -57,3 +58,50 @@ def test_the_bandwidth_probe_size(hydra_conf):
     assert settings("bench.bandwidth_mib=0").bench.bandwidth_mib == 0  # off
     with pytest.raises(SpecHeadsError, match="bench.bandwidth_mib must be >= 0"):
         settings("bench.bandwidth_mib=-1")
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("chain:3", {"kind": "chain", "depth": 3}),
+        ("dynamic:2:3:4", {"kind": "dynamic", "depth": 2, "top_k": 3, "total_tokens": 4}),
+        ("static:[[0],[1],[0,0]]", {"kind": "static", "paths": [[0], [1], [0, 0]]}),
+        ("default", {"kind": "default"}),
+    ],
+)
+def test_tree_specs_read_as_the_tree_settings_they_name(spec, expected):
+    tree = parse_tree_spec(spec)
+    assert {k: getattr(tree, k) for k in expected} == expected
+    assert tree.min_path_prob is None  # the stored depth gate applies to `default` only (policy.min_path_prob_for)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["chain", "chain:0", "chain:x", "dynamic:2:3", "dynamic:2:3:0", "static:[0,1]", "static:", "auto", "default:1"],
+)
+def test_a_malformed_tree_spec_is_refused_with_the_forms_it_takes(spec):
+    with pytest.raises(SpecHeadsError, match=r"bench.trees: .* is not a tree; use chain:K, dynamic:DEPTH:TOP_K:NODES"):
+        parse_tree_spec(spec)
+
+
+def test_bench_trees_come_through_the_command_line(hydra_conf, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("{}\n")
+    s = settings(f"bench.questions={questions}", "bench.trees=[dynamic:2:3:4,chain:3,'static:[[0],[1]]']")
+    assert s.bench.trees == ["dynamic:2:3:4", "chain:3", "static:[[0],[1]]"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["bench.trees=[chain:2]"], "bench.trees times the head with other trees"),  # no questions
+        (["bench.trees=[chain:2]", "bench.mode=replay", "bench.questions=Q"], "bench.mode=replay already counts"),
+        (["bench.trees=[chain:2,chain:2]", "bench.questions=Q"], "names a tree twice"),
+        (["bench.trees=[tree:2]", "bench.questions=Q"], "'tree:2' is not a tree"),
+    ],
+)
+def test_bench_trees_need_a_timed_benchmark_and_distinct_trees(hydra_conf, tmp_path, overrides, message):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("{}\n")
+    with pytest.raises(SpecHeadsError, match=message):
+        settings(*[o.replace("=Q", f"={questions}") for o in overrides])
