@@ -42,7 +42,8 @@ class TreeConfig:
     total_tokens: int = 32
     # a static tree's next level is drafted only while a path into it has at least this probability
     # under the head (0: every level, every step); None: the value calibrated with the head's tree
-    # (tree=auto, stored with it), else 0
+    # (tree=auto, stored with it), else 0. A dynamic tree drafts and keeps only the nodes whose
+    # path has at least this probability.
     min_path_prob: float | None = None
     # auto calibration
     calibration_questions: str | None = None  # question.jsonl; None = built-in prompts
@@ -98,7 +99,7 @@ class BenchConfig:
     # the session's head again in other precisions (head_dtype values), as methods spec@<dtype>
     # with the main head's tree: what the drafting precision is worth, measured in one run
     head_dtypes: list[str] = field(default_factory=list)
-    # the session's head again with other trees (parse_tree_spec: chain:K, dynamic:DEPTH:TOP_K:NODES,
+    # the session's head again with other trees (parse_tree_spec: chain:K, dynamic:DEPTH:TOP_K:NODES[:P],
     # static:[[0],[1],[0,0]], default), as methods spec#<spec>: what the tree is worth, in one run
     trees: list[str] = field(default_factory=list)
     # an earlier benchmark's rows file (OUT.jsonl) whose baseline answers are the reference: the
@@ -144,8 +145,9 @@ class InferJobConfig:
 
 def parse_tree_spec(spec: str) -> TreeConfig:
     """One bench.trees entry as the tree settings it stands for:
-    chain:K (the top-1 chain of K drafts), dynamic:DEPTH:TOP_K:NODES (EAGLE-2), static:PATHS (rank
-    paths as JSON, e.g. static:[[0],[1],[0,0]]) or default (the head's stored tree and depth gate)."""
+    chain:K (the top-1 chain of K drafts), dynamic:DEPTH:TOP_K:NODES[:P] (EAGLE-2; P: the least
+    path probability a node needs), static:PATHS (rank paths as JSON, e.g. static:[[0],[1],[0,0]])
+    or default (the head's stored tree and depth gate)."""
     kind, _, rest = str(spec).partition(":")
     try:
         if kind == "default" and not rest:
@@ -153,8 +155,14 @@ def parse_tree_spec(spec: str) -> TreeConfig:
         if kind == "chain":
             return TreeConfig(kind="chain", depth=_positive(rest))
         if kind == "dynamic":
-            depth, top_k, nodes = (_positive(x) for x in rest.split(":"))
-            return TreeConfig(kind="dynamic", depth=depth, top_k=top_k, total_tokens=nodes)
+            depth, top_k, nodes, *floor = rest.split(":")
+            tree = TreeConfig(
+                kind="dynamic", depth=_positive(depth), top_k=_positive(top_k), total_tokens=_positive(nodes)
+            )
+            if len(floor) > 1 or (floor and not 0.0 < float(floor[0]) < 1.0):
+                raise ValueError(rest)
+            tree.min_path_prob = float(floor[0]) if floor else None
+            return tree
         if kind == "static":
             paths = json.loads(rest)
             if isinstance(paths, list) and paths and all(isinstance(p, list) for p in paths):
@@ -162,7 +170,7 @@ def parse_tree_spec(spec: str) -> TreeConfig:
     except ValueError:
         pass
     raise SpecHeadsError(
-        f"bench.trees: {spec!r} is not a tree; use chain:K, dynamic:DEPTH:TOP_K:NODES, "
+        f"bench.trees: {spec!r} is not a tree; use chain:K, dynamic:DEPTH:TOP_K:NODES[:P], "
         "static:[[0],[1],[0,0]] or default"
     )
 

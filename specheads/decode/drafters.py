@@ -94,8 +94,11 @@ def _grow_static(
 def _grow_dynamic(
     table: DraftTable, child_logp: ChildLogp, to_target: ToTarget, spec: DynamicTreeSpec, max_depth: int
 ) -> tuple[list[int], TreeLayout]:
+    floor = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
     frontier = [0]
     for _ in range(min(spec.depth, max_depth)):
+        if not frontier:  # no path is likely enough to be worth another level
+            break
         logp = child_logp(frontier, table)
         k = min(spec.top_k, logp.shape[-1])
         top = torch.topk(logp, k, dim=-1)
@@ -106,10 +109,11 @@ def _grow_dynamic(
             base = table.scores[parent]
             for j in range(k):
                 children.append(table.add(tokens[row][j], parent, base + values[row][j]))
-        # the next frontier: the top_k children by path score (ties to the earlier node)
-        frontier = sorted(sorted(children, key=lambda c: (-table.scores[c], c))[: spec.top_k])
+        # the next frontier: the top_k children by path score (ties to the earlier node) above the floor
+        likely = [c for c in children if table.scores[c] >= floor]
+        frontier = sorted(sorted(likely, key=lambda c: (-table.scores[c], c))[: spec.top_k])
     cand_parents = [p - 1 for p in table.parents[1:]]  # candidates are table ids 1.., root -> -1
-    kept, layout = select_dynamic(cand_parents, table.scores[1:], spec.total_tokens)
+    kept, layout = select_dynamic(cand_parents, table.scores[1:], spec.total_tokens, floor)
     return [table.tokens[0]] + [table.tokens[c + 1] for c in kept], layout
 
 

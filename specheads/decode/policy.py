@@ -18,15 +18,23 @@ from .tree import StaticTree, chain_paths, static_tree
 @dataclass(frozen=True)
 class DynamicTreeSpec:
     """EAGLE-2: `depth` drafted tokens at most per path, `top_k` children per expanded node,
-    `total_tokens` drafted nodes kept (the root is extra)."""
+    `total_tokens` drafted nodes kept (the root is extra).
+
+    min_path_prob > 0: only nodes whose path probability under the head is at least this are
+    expanded or kept, so a step where the head is sure of one path (or of none) drafts and
+    verifies fewer nodes; a node's path probability never exceeds its parent's, so what is kept
+    is still one connected tree."""
 
     depth: int = 5
     top_k: int = 8
     total_tokens: int = 48
+    min_path_prob: float = 0.0
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
             raise SpecHeadsError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {self}")
+        if not 0.0 <= self.min_path_prob < 1.0:
+            raise SpecHeadsError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
 
 
 TreePolicy = StaticTree | DynamicTreeSpec
@@ -49,7 +57,7 @@ def fallback_policy(head, tree: TreeConfig) -> TreePolicy:
     """A head without a stored tree: its family's fallback tree, cut to the depth the head can
     draft and completed by the top-1 chain to that depth; else a dynamic tree."""
     if head.fallback_tree is None:
-        return DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens)
+        return DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, tree.min_path_prob or 0.0)
     limit = head.max_draft_depth(head.spec)
     paths = {tuple(p) for p in head.fallback_tree if limit is None or len(p) <= limit}
     if limit is not None:
@@ -78,7 +86,7 @@ def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
     elif kind == "chain":
         policy = static_tree(chain_paths(tree.depth), gate)
     elif kind == "dynamic":
-        policy = DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens)
+        policy = DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, gate)
     elif kind == "default":
         policy = static_tree(head.default_tree, gate) if head.default_tree else fallback_policy(head, tree)
     else:
@@ -163,4 +171,5 @@ def describe_policy(policy: TreePolicy | HybridPolicy) -> str:
             f", a level drafted while a path into it has p >= {policy.min_path_prob:g}" if policy.min_path_prob else ""
         )
         return f"static tree ({policy.size - 1} nodes, depth {policy.layout.max_depth}{gate})"
-    return f"dynamic tree (depth {policy.depth}, top_k {policy.top_k}, {policy.total_tokens} nodes)"
+    floor = f", nodes with p >= {policy.min_path_prob:g}" if policy.min_path_prob else ""
+    return f"dynamic tree (depth {policy.depth}, top_k {policy.top_k}, {policy.total_tokens} nodes{floor})"

@@ -15,6 +15,7 @@ All functions here are pure: no model, no randomness.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -160,21 +161,24 @@ def full_paths(depth: int, width: int) -> list[list[int]]:
     return out
 
 
-def select_dynamic(parents: Sequence[int], scores: Sequence[float], total_tokens: int) -> tuple[list[int], TreeLayout]:
+def select_dynamic(
+    parents: Sequence[int], scores: Sequence[float], total_tokens: int, min_score: float = -math.inf
+) -> tuple[list[int], TreeLayout]:
     """EAGLE-2 rerank: keep the `total_tokens` best candidates by score as one connected tree.
 
     Candidates are numbered in creation order (a parent before its children); parents[i] is a
     candidate index or -1 for a child of the root. Scores are cumulative log-probabilities, so a
     child never beats its parent; ties go to the earlier candidate, which keeps every ancestor of
-    a kept node. Returns (kept candidate indices in ascending order, layout of root + kept), where
-    tree node j + 1 is candidate kept[j].
+    a kept node. Candidates scoring below `min_score` are left out; a child of a left-out parent
+    scores below it too, so the rest stays connected. Returns (kept candidate indices in ascending
+    order, layout of root + kept), where tree node j + 1 is candidate kept[j].
     """
     n = len(parents)
     if len(scores) != n:
         raise ValueError("parents and scores must have the same length")
     if total_tokens < 0:
         raise ValueError("total_tokens must be >= 0")
-    order = sorted(range(n), key=lambda i: (-float(scores[i]), i))
+    order = sorted((i for i in range(n) if scores[i] >= min_score), key=lambda i: (-float(scores[i]), i))
     kept = sorted(order[:total_tokens])
     node_of = {c: j + 1 for j, c in enumerate(kept)}
     tree_parents = [-1]

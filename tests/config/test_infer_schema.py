@@ -65,14 +65,14 @@ def test_the_bandwidth_probe_size(hydra_conf):
     [
         ("chain:3", {"kind": "chain", "depth": 3}),
         ("dynamic:2:3:4", {"kind": "dynamic", "depth": 2, "top_k": 3, "total_tokens": 4}),
+        ("dynamic:2:3:4:0.05", {"kind": "dynamic", "depth": 2, "total_tokens": 4, "min_path_prob": 0.05}),
         ("static:[[0],[1],[0,0]]", {"kind": "static", "paths": [[0], [1], [0, 0]]}),
         ("default", {"kind": "default"}),
     ],
 )
 def test_tree_specs_read_as_the_tree_settings_they_name(spec, expected):
     tree = parse_tree_spec(spec)
-    assert {k: getattr(tree, k) for k in expected} == expected
-    assert tree.min_path_prob is None  # the stored depth gate applies to `default` only (policy.min_path_prob_for)
+    assert {k: getattr(tree, k) for k in {"min_path_prob": None, **expected}} == {"min_path_prob": None, **expected}
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,9 @@ def test_tree_specs_read_as_the_tree_settings_they_name(spec, expected):
     ["chain", "chain:0", "chain:x", "dynamic:2:3", "dynamic:2:3:0", "static:[0,1]", "static:", "auto", "default:1"],
 )
 def test_a_malformed_tree_spec_is_refused_with_the_forms_it_takes(spec):
-    with pytest.raises(SpecHeadsError, match=r"bench.trees: .* is not a tree; use chain:K, dynamic:DEPTH:TOP_K:NODES"):
+    with pytest.raises(
+        SpecHeadsError, match=r"bench.trees: .* is not a tree; use chain:K, dynamic:DEPTH:TOP_K:NODES\[:P\]"
+    ):
         parse_tree_spec(spec)
 
 

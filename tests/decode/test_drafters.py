@@ -21,7 +21,7 @@ from specheads.decode.drafters import (
     text_continuations,
 )
 from specheads.decode.generate import SamplingConfig, speculative_generate
-from specheads.decode.policy import HybridPolicy, tree_policy_for
+from specheads.decode.policy import DynamicTreeSpec, HybridPolicy, tree_policy_for
 from specheads.decode.tree import FROM_TEXT, chain_paths, static_tree
 from specheads.errors import SpecHeadsError
 from specheads.heads import MedusaHead, build_head
@@ -257,3 +257,32 @@ def test_the_gate_check_fails_when_the_gate_reads_one_probability_only():
     paths = [[0], [0, 0], [0, 0, 0]]
     probs = {0: [0.6, 0.4, 0, 0], 1: [0.7, 0.3, 0, 0], 2: [0.5, 0.5, 0, 0]}
     assert gated_growth_by_hand(paths, probs, 0.5) == [(0,), (0, 0)]  # 0.6 * 0.7 = 0.42 < 0.5 <= 0.7
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.05, 0.2, 0.35, 0.7])
+def test_a_floored_dynamic_tree_is_the_unfloored_one_cut_at_the_floor(floor):
+    """With room for every candidate, the floor only removes: the nodes whose path probability
+    is below it, and no level is drafted once no node of the level above reaches it."""
+    probs = {0: [0.6, 0.3, 0.05, 0.05], 1: [0.1, 0.8, 0.05, 0.05], 2: [0.25, 0.25, 0.25, 0.25]}
+    calls = []
+
+    def counted(ids, table):
+        calls.append(list(ids))
+        return fixed_children(probs)(ids, table)
+
+    def path_probs(tokens, layout):  # each node's token path -> the product of the head's probabilities on it
+        return {
+            tuple(tokens[n] for n in layout.path_to(i)): math.prod(
+                probs[d][tokens[n] - 100] for d, n in enumerate(layout.path_to(i)[1:])
+            )
+            for i in range(layout.size)
+        }
+
+    spec = DynamicTreeSpec(depth=3, top_k=2, total_tokens=64)
+    full = path_probs(*grow_tree(7, fixed_children(probs), lambda ids: ids + 100, spec, max_depth=9))
+    floored = DynamicTreeSpec(depth=3, top_k=2, total_tokens=64, min_path_prob=floor)
+    got = path_probs(*grow_tree(7, counted, lambda ids: ids + 100, floored, max_depth=9))
+    assert set(got) == {path for path, p in full.items() if p >= floor}
+    deepest = max(len(path) - 1 for path in got)
+    assert len(calls) == min(deepest + 1, 3)  # a level is drafted only below a node above the floor
+    assert (len(got) < len(full)) == (floor > 0)  # the check can fail: every floor here cuts the tree

@@ -12,7 +12,7 @@ from specheads.bench.inputs import eos_token_ids
 from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import EagleDrafter, HybridDrafter, grow_tree, make_drafter, text_continuations
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
-from specheads.decode.policy import HybridPolicy
+from specheads.decode.policy import DynamicTreeSpec, HybridPolicy
 from specheads.decode.tree import TreeLayout, static_tree
 from specheads.kernels import gqa_attention, weight_int8
 from specheads.kernels.linear_layout import (
@@ -163,6 +163,23 @@ def test_heads_give_exact_greedy_output(family, trained, target, heads, sequence
             target, make_drafter(head, POLICIES["chain"]), sequences[1:2, :8], SamplingConfig(max_new_tokens=32)
         )
         assert res.tau > 1.5, (family, res.accept_lengths)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_floored_dynamic_tree_gives_exact_greedy_output(family, target, heads, sequences):
+    """A dynamic tree that keeps only nodes above a path probability verifies trees of a size
+    that changes from step to step (root alone included); the output must not change."""
+    head = heads[family, "trained"]
+    prompt = sequences[1:2, :8]
+    ref = hf_greedy(target, prompt, 32)
+    for floor in (0.05, 0.3):
+        policy = DynamicTreeSpec(depth=4, top_k=3, total_tokens=12, min_path_prob=floor)
+        res = speculative_generate(target, make_drafter(head, policy), prompt, SamplingConfig(max_new_tokens=32))
+        assert res.output_ids == ref, (family, floor)
+        assert sum(res.accepted_drafts) > 0, (family, floor)
+        # far from the token limit an unfloored tree always has 1 + 12 nodes: the floor cut some
+        early = res.tree_sizes[: len(res.tree_sizes) // 2]
+        assert min(early) < 13, (family, floor, res.tree_sizes)
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])

@@ -66,6 +66,10 @@ def test_the_head_picks_its_drafter_and_its_depth_limit(tiny_target):
 def test_describe_policy():
     assert describe_policy(static_tree([[0], [1], [0, 0]])) == "static tree (3 nodes, depth 2)"
     assert describe_policy(DynamicTreeSpec(4, 3, 12)) == "dynamic tree (depth 4, top_k 3, 12 nodes)"
+    assert (
+        describe_policy(DynamicTreeSpec(4, 3, 12, 0.05))
+        == "dynamic tree (depth 4, top_k 3, 12 nodes, nodes with p >= 0.05)"
+    )
 
 
 def test_hybrid_policies(tiny_target):

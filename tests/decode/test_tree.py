@@ -103,6 +103,25 @@ def test_select_dynamic_keeps_a_connected_top_set(seed):
         assert layout.parents[j] == (0 if p == -1 else kept.index(p) + 1)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_select_dynamic_with_a_floor_keeps_the_best_above_it(seed):
+    rng = random.Random(seed)
+    parents, scores = [], []
+    for i in range(rng.randint(1, 40)):
+        p = rng.randrange(-1, i)
+        parents.append(p)
+        scores.append((0.0 if p == -1 else scores[p]) - rng.random())
+    total, floor = rng.randint(0, len(parents)), -rng.random() * 3
+    kept, layout = select_dynamic(parents, scores, total, floor)
+    above = sorted((s for s in scores if s >= floor), reverse=True)
+    assert sorted((scores[c] for c in kept), reverse=True) == above[:total]  # a plain top-k over the floor
+    assert all(
+        layout.parents[j] == (0 if parents[c] == -1 else kept.index(parents[c]) + 1) for j, c in enumerate(kept, 1)
+    )
+    if above[total:] or len(above) < len(scores):  # the floor or the budget left some out
+        assert len(kept) < len(parents)
+
+
 def test_select_dynamic_prefers_shallow_high_value_nodes():
     # root children a (-0.1), b (-2.0); a's child c (-0.2 total) beats b.
     kept, layout = select_dynamic([-1, -1, 0], [-0.1, -2.0, -0.2], 2)
