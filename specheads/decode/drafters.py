@@ -214,22 +214,32 @@ class EagleDrafter:
                 return root_logp[None]
             new_ids = [i for i in ids if i != 0]
             n, past = len(new_ids), self.cache.length
-            mask = torch.zeros(n, past + n, dtype=torch.bool, device=device)
-            mask[:, :stable] = True
+            # the drafted slots each new node sees (its ancestors' and its own), built in Python and
+            # sent as one tensor: a tensor write per slot costs more than the draft layer's attention
+            seen = []
             for r, i in enumerate(new_ids):
-                mask[r, past + r] = True
+                row = [False] * (past - stable + n)
+                row[past - stable + r] = True
                 a = table.parents[i]
                 while a > 0:
-                    mask[r, slot[a]] = True
+                    row[slot[a] - stable] = True
                     a = table.parents[a]
+                seen.append(row)
+            if n == 1 and all(seen[0]):
+                mask = None  # one query that sees every slot: the layer's unmasked one-query path
+            else:
+                drafted = torch.tensor(seen, dtype=torch.bool, device=device)
+                mask = torch.cat([drafted.new_ones(n, stable), drafted], dim=1)[None, None]
             tok = torch.tensor([[table.tokens[i] for i in new_ids]], device=device)
             feats = torch.stack([hidden[table.parents[i]] for i in new_ids])[None]
             pos = torch.tensor([[stable - 1 + table.depths[i] for i in new_ids]], device=device)
-            out, logits = self.head.draft_step(tok, feats, pos, self.cache, attention_mask=mask[None, None])
+            out, logits = self.head.draft_step(tok, feats, pos, self.cache, attention_mask=mask)
             logp = torch.log_softmax(logits[0].float(), dim=-1)
             for r, i in enumerate(new_ids):
                 hidden[i] = out[0, r]
                 slot[i] = past + r
+            if new_ids == ids:
+                return logp
             rows = {i: logp[r] for r, i in enumerate(new_ids)}
             rows[0] = root_logp
             return torch.stack([rows[i] for i in ids])

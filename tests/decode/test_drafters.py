@@ -22,7 +22,7 @@ from specheads.decode.drafters import (
 )
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import DynamicTreeSpec, HybridPolicy, tree_policy_for
-from specheads.decode.tree import FROM_TEXT, chain_paths, static_tree
+from specheads.decode.tree import FROM_TEXT, chain_paths, full_paths, static_tree
 from specheads.errors import SpecHeadsError
 from specheads.heads import MedusaHead, build_head
 
@@ -286,3 +286,38 @@ def test_a_floored_dynamic_tree_is_the_unfloored_one_cut_at_the_floor(floor):
     deepest = max(len(path) - 1 for path in got)
     assert len(calls) == min(deepest + 1, 3)  # a level is drafted only below a node above the floor
     assert (len(got) < len(full)) == (floor > 0)  # the check can fail: every floor here cuts the tree
+
+
+@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+def test_tree_drafts_equal_each_path_drafted_alone(family, tiny_target):
+    """Every node of a drafted tree gets the children the head gives its path drafted alone, one
+    token after another with nothing else in the draft cache: what the tree's attention masks
+    (several nodes of a level in one draft forward, beside their cousins' cache slots) must reproduce."""
+    from conftest import quick_head
+
+    head = quick_head(tiny_target, family)
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), tiny_target.capture(head.target_layer_ids(), final=head.reads_final) as store:
+        root = int(tiny_target.model(prompt).logits[0, -1].argmax())
+    states, length = dict(store), prompt.shape[1]
+    drafter = make_drafter(head, static_tree(full_paths(3, 2)))
+    drafter.start(prompt, states, root)
+    with torch.no_grad():
+        tokens, layout = drafter.draft(root, length, max_depth=9)
+
+    @torch.no_grad()
+    def alone(path):  # the head's draft logits after the root and `path`, drafted one token at a time
+        cache = head.new_cache()
+        ids = torch.cat([prompt[:, 1:], torch.tensor([[root]])], dim=1)
+        hidden, logits = head.draft_step(ids, head.input_features(states), torch.arange(length)[None], cache)
+        for depth, token in enumerate(path, start=1):
+            step = torch.tensor([[token]]), hidden[:, -1:], torch.tensor([[length - 1 + depth]])
+            hidden, logits = head.draft_step(*step, cache)
+        return logits[0, -1]
+
+    assert layout.size == 15
+    for node in range(layout.size):
+        if layout.children[node]:
+            path = [tokens[n] for n in layout.path_to(node)[1:]]
+            expected = head.draft_to_target(torch.topk(alone(path), 2).indices).tolist()
+            assert [tokens[c] for c in layout.children[node]] == expected, (node, path)
