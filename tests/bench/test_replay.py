@@ -135,6 +135,10 @@ def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path): 
     label, _ = report["heads"]
     r = report["heads"][label]
     assert r["trained"]["steps"] > 0 and r["trained"] == report["heads"]["checkpoint"]["trained"]
+    # the same weights as a bench.heads entry draft as the session's head does (precision, kernels)
+    assert report["heads"]["checkpoint"]["head_dtype"] == r["head_dtype"]
+    assert report["heads"]["checkpoint"]["chain_tau"] == r["chain_tau"]
+    assert report["heads"]["checkpoint"]["best_tree_tau"] == r["best_tree_tau"]
     assert out.with_name("out.replay_training.png").is_file()
     assert set(r["chain_tau"]) == {"1", "2", "3", "4", "5"} and r["tree"]["nodes"] == 3
     assert set(r["per_category"]) == {"writing", "math"}
