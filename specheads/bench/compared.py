@@ -20,7 +20,6 @@ from ..decode.policy import TreePolicy, tree_policy_for
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import HEADS, read_head_config
-from ..heads.io import prepare_for_drafting, route_draft_kernels
 from .trees import use_cached_tree
 
 SPEC = "spec"
@@ -67,11 +66,9 @@ def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, Tr
         if label == main_label or method_name(label) in out:
             raise SpecHeadsError(f"bench.heads: two heads are named {label!r}; give them distinct directory names")
         head = open_head(directory, target, session.allow_target_mismatch)
-        prepare_for_drafting(head, session.head_dtype, target)  # as the session's own head drafts
+        session.draft_like_own_head(head)
         if not is_exported_dir(directory):
             use_cached_tree(head, directory, target, kernels=session.layouts is not None)
-        if session.layouts is not None:
-            route_draft_kernels(head, session.layouts)
         policy = tree_policy_for(head, TreeConfig(kind="default"))
         out[method_name(label)] = (make_drafter(head, policy), policy, path)
     return out
@@ -87,9 +84,7 @@ def open_precision_variants(names: list[str], session, policy: TreePolicy) -> di
     out: dict[str, tuple[object, TreePolicy, str]] = {}
     for name in names:
         variant = open_head(session.head_dir, session.target, session.allow_target_mismatch)
-        prepare_for_drafting(variant, name, session.target)
-        if session.layouts is not None:
-            route_draft_kernels(variant, session.layouts)
+        session.draft_like_own_head(variant, name)
         out[precision_method(name)] = (make_drafter(variant, policy), policy, str(session.head_dir))
     return out
 

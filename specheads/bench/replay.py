@@ -36,7 +36,7 @@ from ..decode.generate import speculative_generate
 from ..decode.tree import chain_paths
 from ..errors import SpecHeadsError
 from ..export import open_head, resolve_head_path
-from ..heads.io import draft_precision, prepare_for_drafting, route_draft_kernels
+from ..heads.io import draft_precision
 from ..target import target_identity
 from .compared import head_label
 from .inputs import encode_turns, eos_token_ids, sampling_config
@@ -331,11 +331,8 @@ def run_replay(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> d
         if label in heads:
             raise SpecHeadsError(f"bench.heads: two heads are named {label!r}; give them distinct directory names")
         head = open_head(resolve_head_path(path), target, session.allow_target_mismatch)
-        # drafted as the session's own head is (its precision, the measured kernels): ranks of
-        # near-ties move with the arithmetic, and two heads are compared on the same one
-        prepare_for_drafting(head, session.head_dtype, target)
-        if session.layouts is not None:
-            route_draft_kernels(head, session.layouts)
+        # ranks of near-ties move with the arithmetic: two heads are compared on the same one
+        session.draft_like_own_head(head)
         heads[label] = (head, tree_of(head, settings, main=False), path)
     answers = greedy_answers(target, questions, settings, paths["answers"])
     results = {}

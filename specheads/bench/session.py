@@ -31,6 +31,13 @@ class Session:
     allow_target_mismatch: bool = False  # heads trained on other weights of the target's shape load too
     head_dtype: str = "auto"  # infer.py's head_dtype: what every head of the session drafts in
 
+    def draft_like_own_head(self, head, head_dtype: str | None = None) -> None:
+        """Prepare another head to draft as the session's own does: in `head_dtype` (the session's
+        unless given) and through the target's measured row kernels."""
+        prepare_for_drafting(head, head_dtype or self.head_dtype, self.target)
+        if self.layouts is not None:
+            route_draft_kernels(head, self.layouts)
+
 
 def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:
     """The target a head was trained for: its training record, a conf/model option with the

@@ -156,13 +156,15 @@ def parse_tree_spec(spec: str) -> TreeConfig:
             return TreeConfig(kind="chain", depth=_positive(rest))
         if kind == "dynamic":
             depth, top_k, nodes, *floor = rest.split(":")
-            tree = TreeConfig(
-                kind="dynamic", depth=_positive(depth), top_k=_positive(top_k), total_tokens=_positive(nodes)
-            )
             if len(floor) > 1 or (floor and not 0.0 < float(floor[0]) < 1.0):
                 raise ValueError(rest)
-            tree.min_path_prob = float(floor[0]) if floor else None
-            return tree
+            return TreeConfig(
+                kind="dynamic",
+                depth=_positive(depth),
+                top_k=_positive(top_k),
+                total_tokens=_positive(nodes),
+                min_path_prob=float(floor[0]) if floor else None,
+            )
         if kind == "static":
             paths = json.loads(rest)
             if isinstance(paths, list) and paths and all(isinstance(p, list) for p in paths):

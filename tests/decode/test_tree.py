@@ -83,41 +83,46 @@ def test_layout_rejects_children_before_parents():
         TreeLayout((-1, 2, 0))
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_select_dynamic_keeps_a_connected_top_set(seed):
-    rng = random.Random(seed)
+def random_candidates(rng):
+    """Up to 40 candidates in creation order, each a child of the root (-1) or of an earlier one,
+    scored as cumulative log-probabilities; a fifth add exactly 0 (ties with their parent, which
+    the tie rule must keep)."""
     parents, scores = [], []
     for i in range(rng.randint(1, 40)):
         p = rng.randrange(-1, i)
-        base = 0.0 if p == -1 else scores[p]
-        # include exact ties (log-prob 0) to check the tie rule keeps parents
         parents.append(p)
-        scores.append(base + (0.0 if rng.random() < 0.2 else -rng.random()))
-    total = rng.randint(0, len(parents))
-    kept, layout = select_dynamic(parents, scores, total)
-    assert len(kept) == total and kept == sorted(kept)
-    # exactly the `total` best scores (as a multiset)
-    assert sorted((scores[c] for c in kept), reverse=True) == sorted(scores, reverse=True)[:total]
+        scores.append((0.0 if p == -1 else scores[p]) + (0.0 if rng.random() < 0.2 else -rng.random()))
+    return parents, scores
+
+
+def assert_connected(kept, parents, layout):
+    """Tree node j + 1 is candidate kept[j], hung below its parent's node (the root for -1)."""
     for j, c in enumerate(kept, start=1):
         p = parents[c]
         assert layout.parents[j] == (0 if p == -1 else kept.index(p) + 1)
 
 
 @pytest.mark.parametrize("seed", range(10))
+def test_select_dynamic_keeps_a_connected_top_set(seed):
+    rng = random.Random(seed)
+    parents, scores = random_candidates(rng)
+    total = rng.randint(0, len(parents))
+    kept, layout = select_dynamic(parents, scores, total)
+    assert len(kept) == total and kept == sorted(kept)
+    # exactly the `total` best scores (as a multiset)
+    assert sorted((scores[c] for c in kept), reverse=True) == sorted(scores, reverse=True)[:total]
+    assert_connected(kept, parents, layout)
+
+
+@pytest.mark.parametrize("seed", range(10))
 def test_select_dynamic_with_a_floor_keeps_the_best_above_it(seed):
     rng = random.Random(seed)
-    parents, scores = [], []
-    for i in range(rng.randint(1, 40)):
-        p = rng.randrange(-1, i)
-        parents.append(p)
-        scores.append((0.0 if p == -1 else scores[p]) - rng.random())
+    parents, scores = random_candidates(rng)
     total, floor = rng.randint(0, len(parents)), -rng.random() * 3
     kept, layout = select_dynamic(parents, scores, total, floor)
     above = sorted((s for s in scores if s >= floor), reverse=True)
     assert sorted((scores[c] for c in kept), reverse=True) == above[:total]  # a plain top-k over the floor
-    assert all(
-        layout.parents[j] == (0 if parents[c] == -1 else kept.index(parents[c]) + 1) for j, c in enumerate(kept, 1)
-    )
+    assert_connected(kept, parents, layout)
     if above[total:] or len(above) < len(scores):  # the floor or the budget left some out
         assert len(kept) < len(parents)
 
