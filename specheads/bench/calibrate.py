@@ -1,4 +1,4 @@
-"""tree=auto: choose the static tree with the most expected tokens per second on this machine.
+"""tree=auto: choose the tree with the most expected tokens per second on this machine.
 
 1. Acceptance. The target writes its own greedy answers to calibration prompts. At every answer
    position, the head drafts along the true continuation (teacher-forced, exactly as a tree
@@ -24,6 +24,12 @@
    verify cost at each step's merged size, the head's drafting, the lookup) is stored in the
    calibration record as "hybrid".
 
+5. Dynamic trees (bench/dynamic_trees.py, tree.dynamic): at the same positions the head drafts
+   its full EAGLE-2 tree, from which the acceptance, size and drafting levels of every smaller
+   and floored dynamic tree follow; the best one is chosen over the static tree when it is
+   expected to be faster (record "policy": "dynamic"), while the static tree is still stored as
+   the head's default_tree, which the engine exporters read.
+
 The tree goes to this machine's cache (bench/trees.py), not into the head directory, unless
 tree.save=head asks for that; its record names the prompts it was measured on.
 """
@@ -48,13 +54,14 @@ from ..config.infer import InferJobConfig, TreeConfig
 from ..decode.baselines import hf_generate
 from ..decode.drafters import make_drafter, text_continuations
 from ..decode.kv import new_cache, verify_tree
-from ..decode.policy import describe_text_alone
+from ..decode.policy import DynamicTreeSpec, TreePolicy, describe_text_alone
 from ..decode.tree import TreeLayout, pruned_tree, static_tree
 from ..errors import SpecHeadsError
 from ..heads import read_head_config
 from ..heads.io import CONFIG_NAME, draft_precision
 from ..provenance import portable_path
 from ..target import synchronize
+from .dynamic_trees import MAX_DEPTH, NODES, TOP_K, dynamic_choice, grow_along
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
 from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
@@ -135,21 +142,24 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
 
 
 @torch.no_grad()
-def time_draft(
-    target, head, paths: list[list[int]], prompt: Sequence[int], repeats: int = 5, accepted: int = 3
-) -> float:
-    """Seconds the real drafter spends on one step with this tree (catch-up of `accepted` tokens included)."""
+def time_draft(target, head, policy: TreePolicy, prompt: Sequence[int], repeats: int = 5, accepted: int = 3) -> float:
+    """Seconds the real drafter spends on one step of this tree policy (catch-up of `accepted`
+    tokens included), each timed step right after a target forward, as in decoding, where a draft
+    always follows a verification: drafting back to back with warm caches measured 0.5-1 ms a
+    step less on a CPU than the same trees cost in the loop, most for the trees with most levels."""
     device = target.device
-    drafter = make_drafter(head, static_tree(paths))
+    drafter = make_drafter(head, policy)
     ids = torch.tensor([list(prompt)], device=device)
+    cache = new_cache(target.model)
     with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
-        out = target.model(ids)
+        out = target.model(input_ids=ids, cache=cache, use_cache=True)
     root = int(out.logits[0, -1].argmax())
     drafter.start(ids, dict(store), root)
     drafter.draft(root, len(prompt), 1 << 30)
     times = []
     for r in range(repeats + 1):
         drafter.rewind(accepted)
+        settle_forward(target, root, cache)
         synchronize(device)
         t0 = time.perf_counter()
         drafter.draft(root, len(prompt), 1 << 30)
@@ -366,6 +376,28 @@ def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vector
     }
 
 
+def calibrate_dynamic(target, head, prompts, contexts, depth: int, gates, target_s, prompt, out) -> dict | None:
+    """The floored dynamic tree (bench/dynamic_trees.py) with the most expected tokens per second
+    on the calibration answers, with its drafting time; None when no answer has two tokens."""
+    depth = min(depth, MAX_DEPTH)
+    growths: dict[int, list] = {}
+    for k in tqdm(TOP_K, desc="calibration: dynamic trees", unit="top_k", file=sys.stderr):
+        growths[k] = [
+            g
+            for ids, full in zip(prompts, contexts)
+            if len(full) - len(ids) >= 2
+            for g in grow_along(target, head, full, len(ids), k, depth)
+        ]
+    if not any(growths.values()):
+        return None
+    draft_s = {
+        k: {d: time_draft(target, head, DynamicTreeSpec(d, k, 1), prompt) for d in range(1, depth + 1)} for k in TOP_K
+    }
+    verify_s = [interpolate(target_s, max(m, 1)) for m in range(max(NODES) + 2)]
+    best = max(dynamic_choice(growths, verify_s, draft_s, depth, NODES, gates), key=lambda r: r["tokens_per_s"])
+    return {**best, "draft_ms": 1e3 * draft_s[best["top_k"]][best["depth"]]}
+
+
 def calibration_texts(settings: InferJobConfig) -> tuple[str, list[str]]:
     """(where they come from, the prompt texts) of the calibration: tree.calibration_questions'
     first turns, taken from each category in turn (a few prompts still cover every category),
@@ -405,7 +437,9 @@ def store_default_tree(head, head_dir: Path, paths: list[list[int]], calibration
 
 
 def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> TreeConfig:
-    """Measure, choose, (store), and return the chosen tree as a static TreeConfig."""
+    """Measure, choose, (store), and return the chosen tree as a TreeConfig: static, or dynamic
+    when a floored dynamic tree is expected to be faster (its `paths` are still the best static
+    tree, the one stored as the head's default_tree)."""
     t = settings.tree
     target, head = session.target, session.head
     limit = head.max_draft_depth(head.spec)
@@ -434,7 +468,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     def draft_time(paths) -> float:
         key = tuple(tuple(p) for p in paths)
         if key not in drafting:
-            drafting[key] = time_draft(target, head, [list(p) for p in key], prompt)
+            drafting[key] = time_draft(target, head, static_tree([list(p) for p in key]), prompt)
         return drafting[key]
 
     gates = GATES if t.min_path_prob is None else (t.min_path_prob,)
@@ -482,6 +516,19 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
             f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n"
         )
+    dynamic = (
+        calibrate_dynamic(target, head, prompts, contexts, depth, gates, target_s, prompt, out) if t.dynamic else None
+    )
+    use_dynamic = dynamic is not None and dynamic["tokens_per_s"] > best["tokens_per_s"]
+    if dynamic is not None:
+        floor = (
+            f", nodes kept while their path has p >= {dynamic['min_path_prob']:g}" if dynamic["min_path_prob"] else ""
+        )
+        out.write(
+            f"dynamic tree: depth {dynamic['depth']}, top_k {dynamic['top_k']}, {dynamic['nodes']} nodes{floor}: "
+            f"tau {dynamic['tau']:.2f}, draft {dynamic['draft_ms']:.1f} ms, expected speedup "
+            f"{dynamic['tokens_per_s'] / plain:.2f}x{'  <- chosen: tree=default drafts it' if use_dynamic else ''}\n"
+        )
     hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, rows, target_s, out)
     kernels = getattr(session, "layouts", None) is not None
     record = {
@@ -499,6 +546,17 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         "min_path_prob": best["min_path_prob"],  # the tree's depth gate: tree=default drafts with it
         "hybrid": hybrid,
     }
+    if dynamic is not None:
+        record["dynamic"] = {
+            "depth": dynamic["depth"],
+            "top_k": dynamic["top_k"],
+            "total_tokens": dynamic["nodes"],
+            "min_path_prob": dynamic["min_path_prob"],
+            "tau": round(dynamic["tau"], 4),
+            "expected_speedup": round(dynamic["tokens_per_s"] / plain, 4),
+        }
+    # what tree=default drafts: the static tree (default_tree, also what engines export) or this dynamic one
+    record["policy"] = "dynamic" if use_dynamic else "static"
     head.calibration = record
     head_dir = Path(session.head_dir) if session.head_dir is not None else None
     if t.save == "head" and head_dir is not None:
@@ -511,11 +569,21 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         path = store_in_cache(cache_path(head_dir, target, kernels, record["head_dtype"]), best["paths"], record)
         out.write(f"stored for this machine in {path}: tree=default uses it for this head here\n")
     out.flush()
+    chosen = (
+        {
+            "kind": "dynamic",
+            "depth": dynamic["depth"],
+            "top_k": dynamic["top_k"],
+            "total_tokens": dynamic["nodes"],
+            "min_path_prob": dynamic["min_path_prob"],
+        }
+        if use_dynamic
+        else {"kind": "static", "min_path_prob": best["min_path_prob"]}
+    )
     return dataclasses.replace(
         t,
-        kind="static",
-        paths=best["paths"],
-        min_path_prob=best["min_path_prob"],
+        **chosen,
+        paths=best["paths"],  # the static tree stored as the head's default_tree, chosen or not
         hybrid_paths=hybrid["paths"],
         ngram_nodes=hybrid["ngram_nodes"],
         text_alone=hybrid["text_alone"],

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import torch
 
 from ..atomic import write_json
+from ..decode.policy import stored_dynamic
 from ..heads.io import CONFIG_NAME, draft_precision
 from ..kernels.linear_layout import cpu_model
 from ..target import cache_root, target_identity
@@ -99,9 +100,11 @@ def use_cached_tree(head, head_dir: str | Path, target, kernels: bool, out: Text
         return False
     head.default_tree = stored["default_tree"]
     head.calibration = stored.get("calibration")
+    dynamic = stored_dynamic(head)
+    tree = f"a dynamic tree of {dynamic['total_tokens']} nodes" if dynamic else f"{len(head.default_tree)} nodes"
     out.write(
         f"tree: {head_dir} drafts with the tree calibrated on this machine "
-        f"({len(head.default_tree)} nodes, {path}; tree=auto calibrates again)\n"
+        f"({tree}, {path}; tree=auto calibrates again)\n"
     )
     return True
 

@@ -50,6 +50,9 @@ class TreeConfig:
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     max_nodes: int = 64
+    # tree=auto also weighs EAGLE-2 dynamic trees with a floor (bench/dynamic_trees.py) and chooses
+    # one when it is expected to be faster; the static tree is stored either way (engines export it)
+    dynamic: bool = True
     # hybrid (the head's tree + what followed the text's last n-gram earlier in the prompt and
     # answer, one tree): the longest n-gram matched (shorter ones after it) and the text nodes per
     # step (None: the calibrated share, else 8); hybrid_paths is the head's part of the hybrid

@@ -53,10 +53,17 @@ ToTarget = Callable[[torch.Tensor], torch.Tensor]
 
 
 def grow_tree(
-    root: int, child_logp: ChildLogp, to_target: ToTarget, policy: TreePolicy, max_depth: int
+    root: int,
+    child_logp: ChildLogp,
+    to_target: ToTarget,
+    policy: TreePolicy,
+    max_depth: int,
+    table: DraftTable | None = None,
 ) -> tuple[list[int], TreeLayout]:
-    """Draft a tree below `root` (never deeper than max_depth); returns (tokens, layout)."""
-    table = DraftTable()
+    """Draft a tree below `root` (never deeper than max_depth); returns (tokens, layout). `table`
+    (an empty DraftTable) receives every node drafted, kept or not, with its path score: what tree
+    calibration reads to price dynamic trees (bench/dynamic_trees.py)."""
+    table = DraftTable() if table is None else table
     table.add(root, -1, 0.0)
     if max_depth < 1:
         return [root], TreeLayout((-1,))
@@ -126,6 +133,7 @@ class MedusaDrafter:
         self.layer_ids: list[int] = []
         self.reads_final = True
         self.final: torch.Tensor | None = None  # [1, 1, H] target state at the last accepted token
+        self.table: DraftTable | None = None  # every node the last draft() drafted (grow_tree)
 
     def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
         self.final = states["final"][:, -1:]
@@ -143,7 +151,8 @@ class MedusaDrafter:
         def child_logp(ids, table):
             return head_logp[torch.tensor([table.depths[i] for i in ids], device=head_logp.device)]
 
-        return grow_tree(root, child_logp, lambda ids: ids, self.policy, max_depth)
+        self.table = DraftTable()
+        return grow_tree(root, child_logp, lambda ids: ids, self.policy, max_depth, self.table)
 
 
 class EagleDrafter:
@@ -162,6 +171,7 @@ class EagleDrafter:
         self.cache = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, features) to feed
         self.last_fed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.table: DraftTable | None = None  # every node the last draft() drafted (grow_tree)
 
     def _features(self, states: dict) -> torch.Tensor:
         return self.head.input_features(states)
@@ -245,7 +255,8 @@ class EagleDrafter:
             return torch.stack([rows[i] for i in ids])
 
         try:
-            return grow_tree(root, child_logp, self.head.draft_to_target, self.policy, max_depth)
+            self.table = DraftTable()
+            return grow_tree(root, child_logp, self.head.draft_to_target, self.policy, max_depth, self.table)
         finally:
             self.cache.crop(stable)
 
@@ -278,6 +289,7 @@ class SequentialDrafter:
         self.pending: torch.Tensor | None = None  # final states of positions not fed yet [1, n, H]
         self.last_fed: torch.Tensor | None = None
         self.base: torch.Tensor | None = None  # [H] the heads' base state at the last accepted token
+        self.table: DraftTable | None = None  # every node the last draft() drafted (grow_tree)
 
     def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
         self.cache = self.head.new_prefix_cache()
@@ -317,8 +329,14 @@ class SequentialDrafter:
 
     def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
         base = self._catch_up()
+        self.table = DraftTable()
         return grow_tree(
-            root, lambda ids, table: self.child_logp(base, ids, table), lambda ids: ids, self.policy, max_depth
+            root,
+            lambda ids, table: self.child_logp(base, ids, table),
+            lambda ids: ids,
+            self.policy,
+            max_depth,
+            self.table,
         )
 
 

@@ -1,8 +1,9 @@
 """The tree policy: which tree a drafter grows, from infer.py's tree settings and the head.
 
 A policy is a static tree of rank paths (tree.py) or an EAGLE-2 dynamic tree (DynamicTreeSpec).
-`tree.kind=default` takes the head's stored tree, else its family's fallback tree, else a
-dynamic tree; `auto` is resolved into a static tree by calibration (bench/calibrate.py) first.
+`tree.kind=default` takes the dynamic tree the head's calibration chose, else the head's stored
+tree, else its family's fallback tree, else a dynamic tree; `auto` is resolved into a tree by
+calibration (bench/calibrate.py) first.
 A hybrid policy (HybridPolicy) adds the continuations of the text's own repeats to a head's tree.
 """
 
@@ -65,18 +66,28 @@ def fallback_policy(head, tree: TreeConfig) -> TreePolicy:
     return static_tree(sorted(paths))
 
 
+def stored_dynamic(head) -> dict | None:
+    """The dynamic tree a head's calibration chose over its static tree (bench/calibrate.py's
+    record: "policy": "dynamic"), else None."""
+    calibration = getattr(head, "calibration", None) or {}
+    return calibration.get("dynamic") if calibration.get("policy") == "dynamic" else None
+
+
 def min_path_prob_for(head, tree: TreeConfig) -> float:
     """tree.min_path_prob, else the one calibrated with the head's stored tree (tree=default only:
     it belongs to that tree), else 0 (every level drafted)."""
     if tree.min_path_prob is not None:
         return tree.min_path_prob
+    if tree.kind == "default" and stored_dynamic(head) is not None:
+        return float(stored_dynamic(head)["min_path_prob"])
     if tree.kind == "default" and getattr(head, "default_tree", None):
         return float(((getattr(head, "calibration", None) or {}).get("min_path_prob")) or 0.0)
     return 0.0
 
 
 def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
-    """The tree to draft: tree.kind, or for `default` the head's stored tree, else a family default."""
+    """The tree to draft: tree.kind, or for `default` the head's calibrated dynamic tree or stored
+    tree, else a family default."""
     kind = tree.kind
     gate = min_path_prob_for(head, tree)
     if kind == "static":
@@ -87,6 +98,9 @@ def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
         policy = static_tree(chain_paths(tree.depth), gate)
     elif kind == "dynamic":
         policy = DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, gate)
+    elif kind == "default" and stored_dynamic(head) is not None:
+        dyn = stored_dynamic(head)
+        policy = DynamicTreeSpec(dyn["depth"], dyn["top_k"], dyn["total_tokens"], gate)
     elif kind == "default":
         policy = static_tree(head.default_tree, gate) if head.default_tree else fallback_policy(head, tree)
     else:

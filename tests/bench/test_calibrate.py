@@ -273,7 +273,8 @@ def calibrate(head, head_dir, target, **tree):
     )
     out = io.StringIO()
     chosen = calibrate_tree(settings, Session(target, head, head_dir, {}), out=out)
-    assert chosen.kind == "static" and 1 <= len(chosen.paths) <= 8 and "<- chosen" in out.getvalue()
+    assert chosen.kind in ("static", "dynamic") and 1 <= len(chosen.paths) <= 8 and "<- chosen" in out.getvalue()
+    assert (chosen.kind == "dynamic") == (head.calibration["policy"] == "dynamic") == ("drafts it" in out.getvalue())
     return chosen, out.getvalue()
 
 
@@ -300,7 +301,7 @@ def test_calibrate_tree_stores_a_tree_in_the_head_when_asked(family, tmp_path, t
     head = quick_head(tiny_target, family, sequences, steps=30)
     head_dir = save_head(head, tmp_path / "head", dtype=torch.bfloat16)
     weights = (head_dir / "model.safetensors").read_bytes()
-    chosen, out = calibrate(head, head_dir, tiny_target, save="head")
+    chosen, out = calibrate(head, head_dir, tiny_target, save="head", dynamic=False)  # dynamic: the test below
     assert "stored as the default tree" in out
     config = json.loads((head_dir / "config.json").read_text())
     assert config["default_tree"] == chosen.paths
@@ -434,3 +435,54 @@ def test_the_time_target_check_fails_on_a_broken_timer(monkeypatch, tiny_target,
 
     monkeypatch.setattr(calibrate, name, broken, raising=False)  # shadows the builtin in that module only
     assert scripted_time_target(monkeypatch, tiny_target) != pytest.approx(plain_time_target(SCRIPTED))
+
+
+def test_calibration_chooses_a_dynamic_tree_when_it_is_faster_and_tree_default_drafts_it(
+    tmp_path, monkeypatch, tiny_target, sequences
+):
+    """Static trees priced out (their expected speed set to 0): the floored dynamic tree is chosen,
+    stored with the static tree the exporters read, and tree=default decodes it losslessly; with
+    tree.dynamic=false the static tree is chosen again."""
+    import specheads.bench.calibrate as calibrate_module
+
+    real_gate_choice = calibrate_module.gate_choice
+
+    def static_priced_out(*args, **kwargs):
+        return [{**r, "tokens_per_s": 0.0} for r in real_gate_choice(*args, **kwargs)]
+
+    monkeypatch.setattr(calibrate_module, "gate_choice", static_priced_out)
+    head = quick_head(tiny_target, "eagle3", sequences, steps=30)
+    head_dir = save_head(head, tmp_path / "head")
+    chosen, out = calibrate(head, head_dir, tiny_target, save="head")
+    assert chosen.kind == "dynamic" and "dynamic tree: depth" in out
+    config = json.loads((head_dir / "config.json").read_text())
+    stored = config["calibration"]["dynamic"]
+    assert config["calibration"]["policy"] == "dynamic" and config["default_tree"] == chosen.paths
+    assert (stored["depth"], stored["top_k"], stored["total_tokens"], stored["min_path_prob"]) == (
+        chosen.depth,
+        chosen.top_k,
+        chosen.total_tokens,
+        chosen.min_path_prob,
+    )
+    reloaded = load_head(head_dir, tiny_target)
+    policy = tree_policy_for(reloaded, TreeConfig(kind="default"))
+    assert (policy.depth, policy.top_k, policy.total_tokens, policy.min_path_prob) == (
+        chosen.depth,
+        chosen.top_k,
+        chosen.total_tokens,
+        chosen.min_path_prob,
+    )
+    # an explicit floor still wins over the stored one; an explicit static tree is static
+    assert tree_policy_for(reloaded, TreeConfig(kind="default", min_path_prob=0.5)).min_path_prob == 0.5
+    assert tree_policy_for(reloaded, TreeConfig(kind="chain", depth=2)).size == 3
+    cfg = SamplingConfig(max_new_tokens=24)
+    accepted = 0
+    for row in range(3):
+        prompt = sequences[row : row + 1, :8]
+        plain = speculative_generate(tiny_target, PlainDrafter(), prompt, cfg)
+        res = speculative_generate(tiny_target, make_drafter(reloaded, policy), prompt, cfg)
+        assert res.output_ids == plain.output_ids
+        accepted += sum(res.accepted_drafts)
+    assert accepted > 0
+    chosen, _ = calibrate(load_head(head_dir, tiny_target), head_dir, tiny_target, save="none", dynamic=False)
+    assert chosen.kind == "static"
