@@ -24,11 +24,11 @@
    verify cost at each step's merged size, the head's drafting, the lookup) is stored in the
    calibration record as "hybrid".
 
-5. Dynamic trees (bench/dynamic_trees.py, tree.dynamic): at the same positions the head drafts
+5. Dynamic trees (bench/dynamic_trees.py, tree.dynamic=weigh, the default): at the same positions the head drafts
    its full EAGLE-2 tree, from which the acceptance, size and drafting levels of every smaller
    and floored dynamic tree follow; the best one is chosen over the static tree when it is
-   expected to be faster (record "policy": "dynamic"), while the static tree is still stored as
-   the head's default_tree, which the engine exporters read.
+   expected to be faster (record "policy": "dynamic"; tree.dynamic=only: always), while the
+   static tree is still stored as the head's default_tree, which the engine exporters read.
 
 The tree goes to this machine's cache (bench/trees.py), not into the head directory, unless
 tree.save=head asks for that; its record names the prompts it was measured on.
@@ -376,12 +376,16 @@ def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vector
     }
 
 
-def calibrate_dynamic(target, head, prompts, contexts, depth: int, gates, target_s, prompt, out) -> dict | None:
+def calibrate_dynamic(
+    target, head, prompts, contexts, depth: int, top_k: int, gates, target_s, prompt, out
+) -> dict | None:
     """The floored dynamic tree (bench/dynamic_trees.py) with the most expected tokens per second
-    on the calibration answers, with its drafting time; None when no answer has two tokens."""
+    on the calibration answers (depth and top_k at most those given), with its drafting time;
+    None when no answer has two tokens."""
     depth = min(depth, MAX_DEPTH)
+    widths = [k for k in TOP_K if k <= top_k] or [top_k]
     growths: dict[int, list] = {}
-    for k in tqdm(TOP_K, desc="calibration: dynamic trees", unit="top_k", file=sys.stderr):
+    for k in tqdm(widths, desc="calibration: dynamic trees", unit="top_k", file=sys.stderr):
         growths[k] = [
             g
             for ids, full in zip(prompts, contexts)
@@ -391,10 +395,20 @@ def calibrate_dynamic(target, head, prompts, contexts, depth: int, gates, target
     if not any(growths.values()):
         return None
     draft_s = {
-        k: {d: time_draft(target, head, DynamicTreeSpec(d, k, 1), prompt) for d in range(1, depth + 1)} for k in TOP_K
+        k: {d: time_draft(target, head, DynamicTreeSpec(d, k, 1), prompt) for d in range(1, depth + 1)} for k in widths
     }
     verify_s = [interpolate(target_s, max(m, 1)) for m in range(max(NODES) + 2)]
-    best = max(dynamic_choice(growths, verify_s, draft_s, depth, NODES, gates), key=lambda r: r["tokens_per_s"])
+    rows = dynamic_choice(growths, verify_s, draft_s, depth, NODES, gates)
+    plain = 1 / target_s[1]
+    out.write("dynamic trees, the best of each depth (draft ms: all levels drafted):\n")
+    out.write(f"{'depth':>5} {'top_k':>5} {'nodes':>5} {'floor':>5} {'tau':>6} {'draft ms':>8} {'tok/s':>7}\n")
+    for d in range(1, depth + 1):
+        r = max((r for r in rows if r["depth"] == d), key=lambda r: r["tokens_per_s"])
+        out.write(
+            f"{d:>5} {r['top_k']:>5} {r['nodes']:>5} {r['min_path_prob']:>5g} {r['tau']:>6.2f} "
+            f"{1e3 * draft_s[r['top_k']][d]:>8.1f} {r['tokens_per_s']:>7.1f}  ({r['tokens_per_s'] / plain:.2f}x)\n"
+        )
+    best = max(rows, key=lambda r: r["tokens_per_s"])
     return {**best, "draft_ms": 1e3 * draft_s[best["top_k"]][best["depth"]]}
 
 
@@ -517,9 +531,11 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n"
         )
     dynamic = (
-        calibrate_dynamic(target, head, prompts, contexts, depth, gates, target_s, prompt, out) if t.dynamic else None
+        calibrate_dynamic(target, head, prompts, contexts, depth, t.top_k, gates, target_s, prompt, out)
+        if t.dynamic != "off"
+        else None
     )
-    use_dynamic = dynamic is not None and dynamic["tokens_per_s"] > best["tokens_per_s"]
+    use_dynamic = dynamic is not None and (t.dynamic == "only" or dynamic["tokens_per_s"] > best["tokens_per_s"])
     if dynamic is not None:
         floor = (
             f", nodes kept while their path has p >= {dynamic['min_path_prob']:g}" if dynamic["min_path_prob"] else ""

@@ -26,6 +26,7 @@ def check_draft_dtype(name: str, key: str = "head_dtype") -> None:
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
 METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
 TREE_SAVES = ("cache", "head", "none")
+TREE_DYNAMIC = ("weigh", "off", "only")
 BENCH_MODES = ("timed", "replay")
 DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is not given
 
@@ -50,9 +51,10 @@ class TreeConfig:
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     max_nodes: int = 64
-    # tree=auto also weighs EAGLE-2 dynamic trees with a floor (bench/dynamic_trees.py) and chooses
-    # one when it is expected to be faster; the static tree is stored either way (engines export it)
-    dynamic: bool = True
+    # tree=auto and EAGLE-2 dynamic trees with a floor (bench/dynamic_trees.py): weigh = choose one
+    # when it is expected to be faster than the static tree; off = static trees only; only = the
+    # best dynamic tree (top_k up to tree.top_k). The static tree is stored either way (engines export it)
+    dynamic: str = "weigh"
     # hybrid (the head's tree + what followed the text's last n-gram earlier in the prompt and
     # answer, one tree): the longest n-gram matched (shorter ones after it) and the text nodes per
     # step (None: the calibrated share, else 8); hybrid_paths is the head's part of the hybrid
@@ -208,6 +210,8 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError(
             f"need 1 <= tree.text_alone_ngram <= tree.ngram_max ({t.ngram_max}), got {t.text_alone_ngram}"
         )
+    if t.dynamic not in TREE_DYNAMIC:
+        raise SpecHeadsError(f"tree.dynamic must be one of {', '.join(TREE_DYNAMIC)}, got {t.dynamic!r}")
     # true / false: the values of the boolean this key was before
     t.save = {"true": "cache", "false": "none"}.get(str(t.save).lower(), str(t.save))
     if t.save not in TREE_SAVES:

@@ -301,7 +301,7 @@ def test_calibrate_tree_stores_a_tree_in_the_head_when_asked(family, tmp_path, t
     head = quick_head(tiny_target, family, sequences, steps=30)
     head_dir = save_head(head, tmp_path / "head", dtype=torch.bfloat16)
     weights = (head_dir / "model.safetensors").read_bytes()
-    chosen, out = calibrate(head, head_dir, tiny_target, save="head", dynamic=False)  # dynamic: the test below
+    chosen, out = calibrate(head, head_dir, tiny_target, save="head", dynamic="off")  # dynamic: the test below
     assert "stored as the default tree" in out
     config = json.loads((head_dir / "config.json").read_text())
     assert config["default_tree"] == chosen.paths
@@ -442,7 +442,7 @@ def test_calibration_chooses_a_dynamic_tree_when_it_is_faster_and_tree_default_d
 ):
     """Static trees priced out (their expected speed set to 0): the floored dynamic tree is chosen,
     stored with the static tree the exporters read, and tree=default decodes it losslessly; with
-    tree.dynamic=false the static tree is chosen again."""
+    tree.dynamic=off the static tree is chosen again, with tree.dynamic=only a dynamic one."""
     import specheads.bench.calibrate as calibrate_module
 
     real_gate_choice = calibrate_module.gate_choice
@@ -484,5 +484,9 @@ def test_calibration_chooses_a_dynamic_tree_when_it_is_faster_and_tree_default_d
         assert res.output_ids == plain.output_ids
         accepted += sum(res.accepted_drafts)
     assert accepted > 0
-    chosen, _ = calibrate(load_head(head_dir, tiny_target), head_dir, tiny_target, save="none", dynamic=False)
+    monkeypatch.setattr(calibrate_module, "gate_choice", real_gate_choice)
+    chosen, _ = calibrate(load_head(head_dir, tiny_target), head_dir, tiny_target, save="none", dynamic="off")
     assert chosen.kind == "static"
+    # only: a dynamic tree whatever the static trees are priced at, no wider than tree.top_k
+    chosen, out = calibrate(load_head(head_dir, tiny_target), head_dir, tiny_target, save="none", dynamic="only")
+    assert chosen.kind == "dynamic" and chosen.top_k in (2, 3) and "drafts it" in out

@@ -48,6 +48,13 @@ def test_a_bad_tree_save_is_one_line(hydra_conf):
         settings("tree=auto", "tree.save=disk")
 
 
+def test_tree_dynamic_weighs_dynamic_trees_unless_told(hydra_conf):
+    assert settings("tree=auto").tree.dynamic == "weigh"
+    assert settings("tree=auto", "tree.dynamic=only").tree.dynamic == "only"
+    with pytest.raises(SpecHeadsError, match="tree.dynamic must be one of weigh, off, only, got 'yes'"):
+        settings("tree=auto", "tree.dynamic=yes")
+
+
 def test_allow_target_mismatch_is_off_unless_asked(hydra_conf):
     assert settings().allow_target_mismatch is False
     assert settings("allow_target_mismatch=true").allow_target_mismatch is True
