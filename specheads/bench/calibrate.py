@@ -24,11 +24,12 @@
    verify cost at each step's merged size, the head's drafting, the lookup) is stored in the
    calibration record as "hybrid".
 
-5. Dynamic trees (bench/dynamic_trees.py, tree.dynamic=weigh, the default): at the same positions the head drafts
-   its full EAGLE-2 tree, from which the acceptance, size and drafting levels of every smaller
-   and floored dynamic tree follow; the best one is chosen over the static tree when it is
-   expected to be faster (record "policy": "dynamic"; tree.dynamic=only: always), while the
-   static tree is still stored as the head's default_tree, which the engine exporters read.
+5. Dynamic trees (bench/dynamic_trees.py; tree.dynamic=weigh, the default): at the same
+   positions the head drafts its full EAGLE-2 tree, from which the acceptance, size and drafting
+   levels of every smaller and floored dynamic tree follow; the best one is chosen over the
+   static tree when it is expected to be faster (record "policy": "dynamic"; tree.dynamic=only:
+   always), while the static tree is still stored as the head's default_tree, which the engine
+   exporters read.
 
 The tree goes to this machine's cache (bench/trees.py), not into the head directory, unless
 tree.save=head asks for that; its record names the prompts it was measured on.

@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
 
 from specheads.bench.dynamic_trees import Growth, accepted_within, dynamic_choice, grow_along
@@ -19,8 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def drafted_at_each_position(target, head, full, start, spec):
     """(accepted, tree size, levels drafted) of the real drafter at each answer position, fed one
     true token at a time as grow_along feeds its own: the plain walk down the drafted tree."""
-    import torch
-
     drafter = make_drafter(head, spec)
     seq = torch.tensor([full])
     with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
