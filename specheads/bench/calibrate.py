@@ -385,14 +385,11 @@ def calibrate_dynamic(
     None when no answer has two tokens."""
     depth = min(depth, MAX_DEPTH)
     widths = [k for k in TOP_K if k <= top_k] or [top_k]
-    growths: dict[int, list] = {}
-    for k in tqdm(widths, desc="calibration: dynamic trees", unit="top_k", file=sys.stderr):
-        growths[k] = [
-            g
-            for ids, full in zip(prompts, contexts)
-            if len(full) - len(ids) >= 2
-            for g in grow_along(target, head, full, len(ids), k, depth)
-        ]
+    growths: dict[int, list] = {k: [] for k in widths}
+    answered = [(ids, full) for ids, full in zip(prompts, contexts) if len(full) - len(ids) >= 2]
+    for ids, full in tqdm(answered, desc="calibration: dynamic trees", unit="prompt", file=sys.stderr):
+        for k, grown in grow_along(target, head, full, len(ids), widths, depth).items():
+            growths[k] += grown
     if not any(growths.values()):
         return None
     draft_s = {
@@ -563,12 +560,15 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         "min_path_prob": best["min_path_prob"],  # the tree's depth gate: tree=default drafts with it
         "hybrid": hybrid,
     }
+    # the dynamic tree as TreeConfig's fields: what the record stores and tree=default drafts
+    dynamic_tree = (
+        {k: dynamic[k] for k in ("depth", "top_k", "min_path_prob")} | {"total_tokens": dynamic["nodes"]}
+        if dynamic is not None
+        else None
+    )
     if dynamic is not None:
         record["dynamic"] = {
-            "depth": dynamic["depth"],
-            "top_k": dynamic["top_k"],
-            "total_tokens": dynamic["nodes"],
-            "min_path_prob": dynamic["min_path_prob"],
+            **dynamic_tree,
             "tau": round(dynamic["tau"], 4),
             "expected_speedup": round(dynamic["tokens_per_s"] / plain, 4),
         }
@@ -587,13 +587,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         out.write(f"stored for this machine in {path}: tree=default uses it for this head here\n")
     out.flush()
     chosen = (
-        {
-            "kind": "dynamic",
-            "depth": dynamic["depth"],
-            "top_k": dynamic["top_k"],
-            "total_tokens": dynamic["nodes"],
-            "min_path_prob": dynamic["min_path_prob"],
-        }
+        {"kind": "dynamic", **dynamic_tree}
         if use_dynamic
         else {"kind": "static", "min_path_prob": best["min_path_prob"]}
     )

@@ -98,24 +98,30 @@ def growth_of(table: DraftTable, truth: Sequence[int]) -> Growth:
 
 
 @torch.no_grad()
-def grow_along(target, head, ids: Sequence[int], answer_start: int, top_k: int, depth: int) -> list[Growth]:
-    """The full dynamic tree at each answer position, rooted at answer tokens 0..n-2 as
-    calibrate.rank_vectors' positions are; the drafter catches up one true token per step."""
-    drafter = make_drafter(head, DynamicTreeSpec(depth, top_k, total_tokens=1))
+def grow_along(
+    target, head, ids: Sequence[int], answer_start: int, widths: Sequence[int], depth: int
+) -> dict[int, list[Growth]]:
+    """Per top_k in `widths`, the full dynamic tree at each answer position, rooted at answer
+    tokens 0..n-2 as calibrate.rank_vectors' positions are; the drafter catches up one true token
+    per step. One target forward serves every width."""
+    drafters = {k: make_drafter(head, DynamicTreeSpec(depth, k, total_tokens=1)) for k in widths}
+    first = next(iter(drafters.values()))
     seq = torch.tensor([list(ids)], device=target.device)
-    with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
+    with target.capture(first.layer_ids, final=first.reads_final) as store:
         target.model(seq)
     states = dict(store)
 
     def at(lo: int, hi: int) -> dict:
         return {k: v[:, lo:hi] for k, v in states.items()}
 
-    drafter.start(seq[:, :answer_start], at(0, answer_start), int(ids[answer_start]))
-    out = []
-    for r in range(answer_start, len(ids) - 1):
-        drafter.draft(int(ids[r]), r, depth)
-        out.append(growth_of(drafter.table, [int(x) for x in ids[r + 1 : r + 1 + depth]]))
-        drafter.advance(at(r, r + 1), [int(ids[r])], int(ids[r + 1]))
+    out: dict[int, list[Growth]] = {}
+    for k, drafter in drafters.items():
+        drafter.start(seq[:, :answer_start], at(0, answer_start), int(ids[answer_start]))
+        out[k] = []
+        for r in range(answer_start, len(ids) - 1):
+            drafter.draft(int(ids[r]), r, depth)
+            out[k].append(growth_of(drafter.table, [int(x) for x in ids[r + 1 : r + 1 + depth]]))
+            drafter.advance(at(r, r + 1), [int(ids[r])], int(ids[r + 1]))
     return out
 
 

@@ -78,8 +78,9 @@ def min_path_prob_for(head, tree: TreeConfig) -> float:
     it belongs to that tree), else 0 (every level drafted)."""
     if tree.min_path_prob is not None:
         return tree.min_path_prob
-    if tree.kind == "default" and stored_dynamic(head) is not None:
-        return float(stored_dynamic(head)["min_path_prob"])
+    dynamic = stored_dynamic(head) if tree.kind == "default" else None
+    if dynamic is not None:
+        return float(dynamic["min_path_prob"])
     if tree.kind == "default" and getattr(head, "default_tree", None):
         return float(((getattr(head, "calibration", None) or {}).get("min_path_prob")) or 0.0)
     return 0.0

@@ -53,8 +53,8 @@ def test_one_growth_predicts_every_smaller_and_floored_dynamic_tree(family, tiny
     full = prompt[0].tolist() + plain.output_ids
     seen = {"floor cut levels": 0, "nodes cut acceptance": 0, "accepted": 0}
     wrong = 0
-    for top_k in (2, 3):
-        growths = grow_along(tiny_target, head, full, 8, top_k, depth=3)
+    grown = grow_along(tiny_target, head, full, 8, (2, 3), depth=3)
+    for top_k, growths in grown.items():
         assert len(growths) == len(full) - 8 - 1
         # floors around the head's own path probabilities, so that some steps stop early
         top = sorted(math.exp(g.scores[0]) for g in growths)
