@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,11 @@ def end_distributed(finished: bool = True) -> None:
     if finished and dist.get_world_size() > 1:
         dist.barrier()
     dist.destroy_process_group()
+    # DeepSpeed keeps a clone of the world group; a later group in this process (a second train()
+    # call, a notebook) would otherwise get the destroyed one from it
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and hasattr(groups, "_WORLD_GROUP"):
+        groups._WORLD_GROUP = None
 
 
 def _skip_shm_comm_op() -> None:

@@ -174,6 +174,10 @@ class TrainConfig:
     # also write the head of every checkpoint as OUTPUT_DIR/heads/step-N (config.json + safetensors,
     # kept whatever keep_checkpoints prunes): what `infer.py bench.mode=replay` compares checkpoints on
     save_heads: bool = False
+    # a head directory to start from instead of fresh weights (a published or earlier head continued
+    # on new data, with a fresh optimizer and schedule); its family, target and shapes must match
+    # this run's head fields. A run that resumes from its own checkpoint ignores it.
+    init_from: str | None = None
 
 
 @dataclass

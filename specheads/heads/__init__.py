@@ -4,7 +4,7 @@ from .base import DraftHead, check_compatible
 from .eagle import AutoregressiveHead, EagleHead
 from .eagle3 import Eagle3Head
 from .hydra import HydraHead
-from .io import load_head, read_head_config, save_head
+from .io import load_head, read_head_config, save_head, warm_start
 from .layers import DraftCache
 from .medusa import MedusaHead
 from .medusa2 import Medusa2Head
@@ -25,6 +25,7 @@ __all__ = [
     "build_head",
     "check_compatible",
     "load_head",
+    "warm_start",
     "read_head_config",
     "save_head",
 ]

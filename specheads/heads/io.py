@@ -199,3 +199,25 @@ def draft_precision(head: DraftHead) -> str:
     dtype ("int8/bfloat16")."""
     dtype = str(head.dtype).removeprefix("torch.")
     return f"int8/{dtype}" if weight_int8.installed(head) else dtype
+
+
+def warm_start(head: DraftHead, directory: str | os.PathLike, target: FrozenTarget) -> DraftHead:
+    """Copy the weights of the head directory `directory` into the fresh `head` (train.init_from)
+    and return the loaded source head, whose record the new head keeps.
+
+    The source goes through load_head, so a corrupt file or another target is refused as there. It
+    must be the same family with tensors of the same shapes: an EAGLE-3 head's draft vocabulary
+    (d2t / t2d) comes with its weights, since its LM head's rows belong to those token ids.
+    """
+    source = load_head(directory, target)
+    if source.family != head.family:
+        raise SpecHeadsError(f"train.init_from={directory} is a {source.family} head; this run trains {head.family}")
+    theirs, ours = source.state_dict(), head.state_dict()
+    for name, tensor in ours.items():
+        if name in theirs and theirs[name].shape != tensor.shape:
+            raise SpecHeadsError(
+                f"train.init_from={directory}: {name} is {tuple(theirs[name].shape)} there and "
+                f"{tuple(tensor.shape)} here; set head.* as its config.json has them"
+            )
+    head.load_state_dict(theirs)  # strict: the same family and shapes have the same tensors
+    return source

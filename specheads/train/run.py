@@ -19,8 +19,8 @@ from ..data.features import auto_features_dir, ensure_split_features
 from ..distill.builtin import ensure_builtin_data
 from ..distributed import Dist, main_rank_first, process_group, quiet_deepspeed
 from ..errors import SpecHeadsError
-from ..heads import HEADS, DraftHead, build_head
-from ..provenance import data_record, portable_path, provenance
+from ..heads import HEADS, DraftHead, build_head, warm_start
+from ..provenance import data_record, file_digest, portable_path, provenance
 from ..target import FLOAT_DTYPES, FrozenTarget, load_target
 from .metrics import MetricsLog, plot_metrics
 from .plan import check_fits, dry_run, shard_decision
@@ -87,6 +87,23 @@ def ensure_auto_features(
     return directory
 
 
+def warm_started(cfg: TrainJobConfig, head: DraftHead, target: FrozenTarget) -> dict:
+    """train.init_from: the fresh head takes that head's weights; the record the new head keeps of
+    it (its path, weights digest and its own training record, so a continued head names every run
+    behind it). {} without init_from."""
+    if not cfg.train.init_from:
+        return {}
+    directory = Path(cfg.train.init_from)
+    source = warm_start(head, directory, target)
+    return {
+        "init_from": {
+            "head": portable_path(directory),
+            "weights_sha256": file_digest(directory / "model.safetensors"),
+            "training": source.training_record or {},
+        }
+    }
+
+
 def training_record(
     cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, origin: dict, segments: list[dict]
 ) -> dict:
@@ -146,6 +163,7 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
         print(f"train: the frozen target is sharded over {d.world_size} ranks (ZeRO-3 inference)", file=sys.stderr)
     with frozen_parts_gathered(target):  # a head copies from the target's embedding / LM head when built
         head, source = head_and_states(cfg, target, d)
+        init = warm_started(cfg, head, target)
     trainer = Trainer(cfg, head, source, d, output_dir)
     resumed = trainer.resume()
     if resumed == 0:
@@ -153,7 +171,7 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
     elif d.is_main:
         print(f"resuming from step {resumed} ({trainer.checkpoints.latest()})", file=sys.stderr)
     log = MetricsLog(output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed)
-    origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code}
+    origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code, **init}
     trainer.origin = code
     trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, origin, t.segments())
     try:

@@ -172,6 +172,7 @@ class Trainer:
             "world_size": self.d.world_size,
             "seed": c.seed,
             "train_rows": len(self.source.rows("train")),
+            "init_from": c.train.init_from,
         }
 
     def resume(self) -> int:

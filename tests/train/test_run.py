@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
+import torch
 from conftest import write_conversations
 
 from specheads import provenance
 from specheads.config.model import ModelConfig
 from specheads.config.train import DataConfig, HeadConfig, TrainConfig, TrainJobConfig, WandbConfig
+from specheads.errors import SpecHeadsError
 from specheads.train import run
 
 
@@ -30,3 +33,48 @@ def test_every_head_of_a_run_records_the_commit_it_started_at(tmp_path, monkeypa
     heads = [out / "head", out / "heads" / "step-1", out / "heads" / "step-2"]
     recorded = [json.loads((h / "config.json").read_text())["training"]["commit"] for h in heads]
     assert recorded == ["commit-0"] * 3
+
+
+def tiny_job(data, out, **train):
+    return TrainJobConfig(
+        model=ModelConfig(name="tiny-random", path="tiny:llama"),
+        head=HeadConfig(family="eagle3"),
+        data=DataConfig(path=str(data), max_length=64, eval_fraction=0.25),
+        train=TrainConfig(warmup_steps=1, batch_size=2, eval_every=0, **train),
+        wandb=WandbConfig(mode="disabled"),
+        output_dir=str(out),
+    )
+
+
+def test_init_from_starts_a_run_from_an_earlier_heads_weights_and_records_it(tmp_path):
+    """A continued head starts where the earlier one ended (its step-0 head equals it, draft vocab
+    included, where a fresh start does not) and keeps the earlier head's record in its own."""
+    from safetensors.torch import load_file
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=16)
+    first = run.train(tiny_job(data, tmp_path / "first", max_steps=2))
+    # lr 0: the continued run's weights stay the earlier head's, so equality is exact
+    later = run.train(tiny_job(data, tmp_path / "later", max_steps=1, lr=0.0, init_from=str(first)))
+    fresh = run.train(tiny_job(data, tmp_path / "fresh", max_steps=1, lr=0.0))
+    a, b, c = (load_file(str(h / "model.safetensors")) for h in (first, later, fresh))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    record = json.loads((later / "config.json").read_text())["training"]["init_from"]
+    assert record["training"]["steps"] == 2
+    assert record["weights_sha256"] == provenance.file_digest(first / "model.safetensors")
+    assert "init_from" not in json.loads((fresh / "config.json").read_text())["training"]
+
+
+def test_init_from_refuses_another_family_or_other_shapes_in_one_line(tmp_path):
+    data = write_conversations(tmp_path / "chats.jsonl", n=16)
+    first = run.train(tiny_job(data, tmp_path / "first", max_steps=1))
+    other_vocab = tiny_job(data, tmp_path / "b", max_steps=1, init_from=str(first))
+    other_vocab.head.draft_vocab_size = 64
+    with pytest.raises(SpecHeadsError, match=r"is \(.*\) there and \(.*\) here"):
+        run.train(other_vocab)
+    other_family = tiny_job(data, tmp_path / "c", max_steps=1, init_from=str(first))
+    other_family.head = HeadConfig(family="medusa")
+    with pytest.raises(SpecHeadsError, match="is a eagle3 head; this run trains medusa"):
+        run.train(other_family)
+    with pytest.raises(SpecHeadsError, match="not a head directory"):
+        run.train(tiny_job(data, tmp_path / "d", max_steps=1, init_from=str(tmp_path)))
