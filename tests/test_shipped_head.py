@@ -24,10 +24,20 @@ ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "heads" / "smollm2-135m-eagle3"
 
 
+def run_records() -> list[dict]:
+    """The shipped head's training record, then, for a head continued from another
+    (train.init_from), that head's record, and so on: every run behind the shipped weights."""
+    records, training = [], json.loads((SHIPPED / "config.json").read_text())["training"]
+    while training:
+        records.append(training)
+        training = training.get("init_from", {}).get("training")
+    return records
+
+
 def shipped_data() -> list[Path]:
-    """The data sets its provenance names (training.data and data_mix): paths inside the repository."""
-    training = json.loads((SHIPPED / "config.json").read_text())["training"]
-    return [ROOT / p for p in [training["data"], *training.get("data_mix", [])]]
+    """The data sets the runs name (training.data and data_mix): paths inside the repository."""
+    paths = [ROOT / p for t in run_records() for p in [t["data"], *t.get("data_mix", [])]]
+    return list(dict.fromkeys(paths))
 
 
 def test_shipped_head_is_small_bf16_with_tree_and_provenance():
@@ -38,7 +48,11 @@ def test_shipped_head_is_small_bf16_with_tree_and_provenance():
     config = json.loads((SHIPPED / "config.json").read_text())
     assert config["family"] == "eagle3" and config["target"]["name"] == "smollm2-135m"
     assert config["default_tree"], "the calibrated tree is stored with the head"
-    training = config["training"]
+    for training in run_records():  # a continued head names every run behind it
+        check_run_record(training)
+
+
+def check_run_record(training: dict) -> None:
     assert training["steps"] > 0 and training["commit"] and "train.py" in training["command"]
     assert "sharegpt_smollm2_135m" in training["data"] and training["data_mix"]
     # a head trained by several processes (resumed) names each, steps 0 to the end without a gap
@@ -46,8 +60,11 @@ def test_shipped_head_is_small_bf16_with_tree_and_provenance():
     assert segments[0]["steps"][0] == 0 and segments[-1]["steps"][1] == training["steps"]
     assert all(a["steps"][1] == b["steps"][0] for a, b in zip(segments, segments[1:]))
     assert segments[-1]["command"] == training["command"] and all("train.py" in s["command"] for s in segments)
-    for path in shipped_data():  # named by a repository path that exists, not a machine's
+    for path in [ROOT / p for p in [training["data"], *training.get("data_mix", [])]]:
+        # named by a repository path that exists, not a machine's
         assert path.exists() and path.resolve().is_relative_to(ROOT / "data"), path
+    if "init_from" in training:
+        assert training["init_from"]["head"] and len(training["init_from"]["weights_sha256"]) == 64
 
 
 @pytest.fixture(scope="module")
