@@ -34,10 +34,14 @@ def run_records() -> list[dict]:
     return records
 
 
+def data_paths(training: dict) -> list[Path]:
+    """The data sets one run's record names (training.data and data_mix), as repository paths."""
+    return [ROOT / p for p in [training["data"], *training.get("data_mix", [])]]
+
+
 def shipped_data() -> list[Path]:
-    """The data sets the runs name (training.data and data_mix): paths inside the repository."""
-    paths = [ROOT / p for t in run_records() for p in [t["data"], *t.get("data_mix", [])]]
-    return list(dict.fromkeys(paths))
+    """The data sets of every run behind the shipped head: paths inside the repository."""
+    return list(dict.fromkeys(p for t in run_records() for p in data_paths(t)))
 
 
 def test_shipped_head_is_small_bf16_with_tree_and_provenance():
@@ -60,8 +64,7 @@ def check_run_record(training: dict) -> None:
     assert segments[0]["steps"][0] == 0 and segments[-1]["steps"][1] == training["steps"]
     assert all(a["steps"][1] == b["steps"][0] for a, b in zip(segments, segments[1:]))
     assert segments[-1]["command"] == training["command"] and all("train.py" in s["command"] for s in segments)
-    for path in [ROOT / p for p in [training["data"], *training.get("data_mix", [])]]:
-        # named by a repository path that exists, not a machine's
+    for path in data_paths(training):  # named by a repository path that exists, not a machine's
         assert path.exists() and path.resolve().is_relative_to(ROOT / "data"), path
     if "init_from" in training:
         assert training["init_from"]["head"] and len(training["init_from"]["weights_sha256"]) == 64

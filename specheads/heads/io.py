@@ -207,17 +207,27 @@ def warm_start(head: DraftHead, directory: str | os.PathLike, target: FrozenTarg
 
     The source goes through load_head, so a corrupt file or another target is refused as there. It
     must be the same family with tensors of the same shapes: an EAGLE-3 head's draft vocabulary
-    (d2t / t2d) comes with its weights, since its LM head's rows belong to those token ids.
+    (d2t / t2d) comes with its weights, since its LM head's rows belong to those token ids. A head
+    that adapts the target (Medusa-2) is refused: its saved LoRA is folded into the target when
+    loaded, so there is no adapter left to continue.
     """
+    if head.adapts_target:  # its LoRA is folded into the target on load, not weights to continue
+        raise SpecHeadsError(f"train.init_from cannot continue a {head.family} head (its LoRA lives in the target)")
     source = load_head(directory, target)
     if source.family != head.family:
         raise SpecHeadsError(f"train.init_from={directory} is a {source.family} head; this run trains {head.family}")
     theirs, ours = source.state_dict(), head.state_dict()
+    missing, unexpected = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
+    if missing or unexpected:
+        raise SpecHeadsError(
+            f"train.init_from={directory} lacks {missing[:5]} and has {unexpected[:5]} that this run's head "
+            "does not; set head.* as its config.json has them"
+        )
     for name, tensor in ours.items():
-        if name in theirs and theirs[name].shape != tensor.shape:
+        if theirs[name].shape != tensor.shape:
             raise SpecHeadsError(
                 f"train.init_from={directory}: {name} is {tuple(theirs[name].shape)} there and "
                 f"{tuple(tensor.shape)} here; set head.* as its config.json has them"
             )
-    head.load_state_dict(theirs)  # strict: the same family and shapes have the same tensors
+    head.load_state_dict(theirs)
     return source

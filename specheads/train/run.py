@@ -20,6 +20,7 @@ from ..distill.builtin import ensure_builtin_data
 from ..distributed import Dist, main_rank_first, process_group, quiet_deepspeed
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead, build_head, warm_start
+from ..heads.io import WEIGHTS_NAME
 from ..provenance import data_record, file_digest, portable_path, provenance
 from ..target import FLOAT_DTYPES, FrozenTarget, load_target
 from .metrics import MetricsLog, plot_metrics
@@ -98,7 +99,7 @@ def warm_started(cfg: TrainJobConfig, head: DraftHead, target: FrozenTarget) -> 
     return {
         "init_from": {
             "head": portable_path(directory),
-            "weights_sha256": file_digest(directory / "model.safetensors"),
+            "weights_sha256": file_digest(directory / WEIGHTS_NAME),
             "training": source.training_record or {},
         }
     }
