@@ -68,21 +68,16 @@ def test_init_from_starts_a_run_from_an_earlier_heads_weights_and_records_it(tmp
 def test_init_from_refuses_another_family_other_tensors_or_a_target_adapter_in_one_line(tmp_path):
     data = write_conversations(tmp_path / "chats.jsonl", n=16)
     first = run.train(tiny_job(data, tmp_path / "first", max_steps=1))
-    other_vocab = tiny_job(data, tmp_path / "b", max_steps=1, init_from=str(first))
-    other_vocab.head.draft_vocab_size = 64
-    with pytest.raises(SpecHeadsError, match=r"is \(.*\) there and \(.*\) here"):
-        run.train(other_vocab)
-    other_family = tiny_job(data, tmp_path / "c", max_steps=1, init_from=str(first))
-    other_family.head = HeadConfig(family="medusa")
-    with pytest.raises(SpecHeadsError, match="is a eagle3 head; this run trains medusa"):
-        run.train(other_family)
-    other_keys = tiny_job(data, tmp_path / "e", max_steps=1, init_from=str(first))
-    other_keys.head.fc_bias = True
-    with pytest.raises(SpecHeadsError, match=r"lacks \['fc.bias'\] and has \[\] that this run's head does not"):
-        run.train(other_keys)
-    lora = tiny_job(data, tmp_path / "f", max_steps=1, init_from=str(first))
-    lora.head = HeadConfig(family="medusa2")
-    with pytest.raises(SpecHeadsError, match="cannot continue a medusa2 head"):
-        run.train(lora)
+    refused = [  # (the run's head fields, the one line that refuses them)
+        (HeadConfig(family="eagle3", draft_vocab_size=64), r"is \(.*\) there and \(.*\) here"),
+        (HeadConfig(family="medusa"), "is a eagle3 head; this run trains medusa"),
+        (HeadConfig(family="eagle3", fc_bias=True), r"lacks \['fc.bias'\] and has \[\] that this run's head does not"),
+        (HeadConfig(family="medusa2"), "cannot continue a medusa2 head"),
+    ]
+    for i, (head, line) in enumerate(refused):
+        job = tiny_job(data, tmp_path / f"run-{i}", max_steps=1, init_from=str(first))
+        job.head = head
+        with pytest.raises(SpecHeadsError, match=line):
+            run.train(job)
     with pytest.raises(SpecHeadsError, match="not a head directory"):
         run.train(tiny_job(data, tmp_path / "d", max_steps=1, init_from=str(tmp_path)))
