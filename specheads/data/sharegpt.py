@@ -3,7 +3,8 @@
 `data.path=sharegpt` and `distill.prompts=sharegpt` name it. The package bundles
 ShareGPT_V3_unfiltered_cleaned_split.json cut off mid-conversation, so `json.load` fails on it:
 the array is read one element at a time and the broken tail is skipped, with one line saying
-how many conversations were read and that the file ended early.
+how many conversations were read and that the file ended early. An element in the middle that is
+not JSON is skipped and counted, and reading goes on after it.
 
 Roles follow the format: human/user speak as the user, gpt/chatgpt/bing/bard as the assistant,
 system as the system. A conversation is a dialogue the user opens, so turns before its first
@@ -41,6 +42,10 @@ _CHUNK = 1 << 20
 # The cleaned split cuts long conversations into pieces "<id>_0", "<id>_1", ...: a later piece
 # opens in the middle of a dialogue whose beginning it lacks.
 _PART = re.compile(r"_(\d+)$")
+# What delimits an element: a string (group 1 empty when the buffer ends inside it), a bracket, a comma.
+_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*("?)|[\[\]{},]')
+# What may follow an element: its separator or the array's end (group 1), or the end of the buffer.
+_AFTER = re.compile(r"\s*(?:([,\]])|\Z)")
 
 
 def packaged_file() -> Path:
@@ -72,8 +77,31 @@ class ReadReport:
         return f"sharegpt: {self.elements} conversations read from {path.name}: {end}; skipped: {skipped}"
 
 
+def element_end(buf: str, pos: int) -> int | None:
+    """Where the array element starting at buf[pos] ends, by its brackets outside strings (so an
+    element json cannot parse still has an extent to skip); None when buf ends inside it."""
+    depth = 0
+    for m in _TOKEN.finditer(buf, pos):
+        token = m.group()
+        if token[0] == '"':
+            if not m.group(1):  # the string runs past the buffer
+                return None
+        elif token in "[{":
+            depth += 1
+        elif token in "]}":
+            if depth == 0:  # the array's own "]" ends a bare element; a stray "}" is part of it
+                return m.start() if token == "]" else m.end()
+            depth -= 1
+            if depth == 0:
+                return m.end()
+        elif depth == 0:  # ","
+            return m.start()
+    return None
+
+
 def iter_json_array(path: Path, report: ReadReport) -> Iterator[Any]:
-    """The elements of a top-level JSON array, one at a time, stopping quietly at a cut-off tail."""
+    """The elements of a top-level JSON array, one at a time, stopping quietly at a cut-off tail.
+    An element that is not JSON is skipped and counted (report.skipped["malformed"])."""
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8", errors="replace") as f:
         buf = f.read(_CHUNK).lstrip()
@@ -97,12 +125,22 @@ def iter_json_array(path: Path, report: ReadReport) -> Iterator[Any]:
                 return
             try:
                 element, end = decoder.raw_decode(buf, pos)
+                after = _AFTER.match(buf, end)
+                if after is None:  # "NaNsense": a value, then more of the same element
+                    raise json.JSONDecodeError("not an element", buf, end)
+                end = None if after.group(1) is None and not eof else end  # "]" or "," may be next
             except json.JSONDecodeError:
-                more = f.read(_CHUNK)
-                if not more:  # the last element is cut off
+                end = element_end(buf, pos)
+                if end is not None:
+                    report.skipped["malformed"] += 1
+                    pos = end
+                    continue
+            if end is None:  # the element may go on past the buffer: read on; at the end, it is the cut-off tail
+                if eof:
                     report.complete = False
                     return
-                buf, pos = buf[pos:] + more, 0
+                more = f.read(_CHUNK)
+                buf, pos, eof = buf[pos:] + more, 0, not more
                 continue
             report.elements += 1
             yield element

