@@ -113,6 +113,21 @@ def fingerprint_diffs(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def optimizer_settings(engine) -> dict[str, Any]:
+    """What restoring a checkpoint's optimizer and schedule puts back, under its train.* name (the
+    schedule's length is left out: retarget_schedule honours a new one)."""
+    scheduler = engine.lr_scheduler
+    schedule = scheduler.lr_lambdas[0]
+    group = scheduler.optimizer.param_groups[0]  # the head's decayed matrices (param_groups)
+    return {
+        "train.lr": scheduler.base_lrs[0],
+        "train.warmup_steps": getattr(schedule, "warmup_steps", None),
+        "train.min_lr_ratio": getattr(schedule, "min_lr_ratio", None),
+        "train.betas": list(group.get("betas", ())),
+        "train.weight_decay": group.get("weight_decay"),
+    }
+
+
 class Trainer:
     """Steps a DeepSpeed-wrapped head over a StateSource; checkpoints, evaluates, logs."""
 
@@ -180,11 +195,19 @@ class Trainer:
         latest = self.checkpoints.latest()
         if latest is None:
             return 0
+        configured = optimizer_settings(self.engine)
         state = self.checkpoints.load(self.engine, latest)
         diffs = fingerprint_diffs(state.get("fingerprint", {}), self.fingerprint())
         if diffs:
             raise SpecHeadsError(
                 f"{self.output_dir} holds a checkpoint of a different run ({'; '.join(diffs)}); use a new output_dir"
+            )
+        restored = optimizer_settings(self.engine)
+        changed = [f"{k} {restored[k]!r} -> {v!r}" for k, v in configured.items() if restored[k] != v]
+        if changed:
+            raise SpecHeadsError(
+                f"{latest} restores its own optimizer settings, so this run's would be ignored ({'; '.join(changed)}): "
+                "set them back to resume, or use a new output_dir"
             )
         self.step = int(state["step"])
         self.last_eval = state.get("last_eval", {})

@@ -246,3 +246,33 @@ def test_autocast_trains_in_bf16_with_float32_weights(world, tiny_target, tmp_pa
     assert sum(mixed[-2:]) < sum(mixed[:2])
     with pytest.raises(SpecHeadsError, match="train.autocast must be null, bfloat16 or float16"):
         first_losses("int8", steps=1)
+
+
+@pytest.mark.parametrize(
+    "changed, line",
+    [
+        ({"lr": 1e-3}, r"train\.lr 0\.003 -> 0\.001"),
+        ({"warmup_steps": 5}, r"train\.warmup_steps 2 -> 5"),
+        ({"min_lr_ratio": 0.5}, r"train\.min_lr_ratio 0\.1 -> 0\.5"),
+        ({"betas": [0.8, 0.9]}, r"train\.betas \[0\.9, 0\.95\] -> \[0\.8, 0\.9\]"),
+        ({"weight_decay": 0.1}, r"train\.weight_decay 0\.0 -> 0\.1"),
+    ],
+)
+def test_resume_refuses_an_optimizer_setting_it_would_ignore(world, tiny_target, tmp_path, changed, line):
+    """The checkpoint's optimizer and schedule are restored whole: a changed setting would be silently
+    dropped (while the head's record wrote the new one), so it is refused, naming both values."""
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    out = tmp_path / "run"
+
+    def trainer(**train):
+        cfg = job("medusa", data, out, max_steps=4, **train)
+        torch.manual_seed(0)
+        return Trainer(cfg, *head_and_states(cfg, tiny_target, world), world, out)
+
+    first = trainer()
+    first.train_step()
+    first.save()
+    assert trainer().resume() == 1
+    with pytest.raises(SpecHeadsError, match=line) as refused:
+        trainer(**changed).resume()
+    assert "\n" not in str(refused.value)
