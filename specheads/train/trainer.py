@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..config.train import DeepSpeedConfig, HeadConfig, TrainConfig, TrainJobConfig
 from ..data.datasets import row_lengths
+from ..data.features import rows_digest
 from ..distributed import Dist, all_gather_objects, all_reduce_sum, peak_memory_gb, per_rank
 from ..errors import SpecHeadsError
 from ..heads import save_head
@@ -99,12 +100,18 @@ def autocast_dtype(name: str | None, head_dtype: torch.dtype) -> torch.dtype | N
     return FLOAT_DTYPES[name]
 
 
+# fingerprint keys a checkpoint written before them lacks: not compared there (its train_rows still is)
+ADDED_LATER = ("train_data", "group_by_length")
+
+
 def fingerprint_diffs(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs between a checkpoint's run and this one. A head field that a later version
     added (absent from the checkpoint) counts only when it is set away from its default."""
     defaults = asdict(HeadConfig())
     diffs = []
     for key, value in now.items():
+        if key in ADDED_LATER and key not in saved:
+            continue
         old = saved.get(key)
         if key == "head" and isinstance(old, dict) and isinstance(value, dict):
             old = {**{k: v for k, v in defaults.items() if k in value}, **old}
@@ -152,6 +159,7 @@ class Trainer:
             if len(eval_rows)
             else []
         )
+        self.data_digest = rows_digest(source.rows("train"))
         self.max_steps = self.total_steps()
         self.engine = initialize(head, t, cfg.deepspeed, d, self.max_steps)
         self.checkpoints = Checkpoints(output_dir, t.keep_checkpoints, d.rank, d.world_size)
@@ -187,6 +195,9 @@ class Trainer:
             "world_size": self.d.world_size,
             "seed": c.seed,
             "train_rows": len(self.source.rows("train")),
+            # the rows the step count indexes, by what they hold, and the order they are batched in
+            "train_data": self.data_digest,
+            "group_by_length": c.train.group_by_length,
             "init_from": c.train.init_from,
         }
 

@@ -148,3 +148,12 @@ def test_a_resumed_run_with_another_step_count_decays_to_its_new_end(capsys):
         opt.step()
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # fully decayed at the new end
+
+
+def test_a_checkpoint_from_before_the_data_digest_resumes_on_its_row_count():
+    from specheads.train.trainer import fingerprint_diffs
+
+    now = {"train_rows": 24, "train_data": "ab12", "group_by_length": False}
+    assert fingerprint_diffs({"train_rows": 24}, now) == []
+    assert fingerprint_diffs({"train_rows": 25}, now) == ["train_rows 25 -> 24"]
+    assert fingerprint_diffs({**now, "train_data": "cd34"}, now) == ["train_data 'cd34' -> 'ab12'"]

@@ -276,3 +276,27 @@ def test_resume_refuses_an_optimizer_setting_it_would_ignore(world, tiny_target,
     with pytest.raises(SpecHeadsError, match=line) as refused:
         trainer(**changed).resume()
     assert "\n" not in str(refused.value)
+
+
+def test_resume_refuses_other_data_of_the_same_size_and_another_batch_order(world, tiny_target, tmp_path):
+    """The rows a checkpoint's step counts index are named by a digest of what they hold, not by
+    their count; group_by_length orders them, so it must match too."""
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    other = write_conversations(tmp_path / "other.jsonl", n=32, seed=1)  # as many rows, other text
+    moved = tmp_path / "moved.jsonl"
+    moved.write_bytes(data.read_bytes())
+    out = tmp_path / "run"
+
+    def trainer(path, **train):
+        cfg = job("medusa", path, out, max_steps=4, **train)
+        torch.manual_seed(0)
+        return Trainer(cfg, *head_and_states(cfg, tiny_target, world), world, out)
+
+    first = trainer(data)
+    first.train_step()
+    first.save()
+    assert trainer(moved).resume() == 1  # the same rows under another name
+    with pytest.raises(SpecHeadsError, match=r"different run \(train_data '[\w:]+' -> '[\w:]+'\)"):
+        trainer(other).resume()
+    with pytest.raises(SpecHeadsError, match=r"different run \(group_by_length True -> False\)"):
+        trainer(data, group_by_length=False).resume()
