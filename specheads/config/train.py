@@ -39,6 +39,18 @@ class HeadConfig:
     draft_vocab_size: int = 8192
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    # peagle (also reads the eagle3 fields above but the training-time test's): one draft forward
+    # fills `parallel_depths` positions, the later ones from a mask token and a learned feature
+    parallel_depths: int = 4
+    # training packs depth d of a random max(rate^d, min_rate) share of the positions into the
+    # forward of depth 0 (COD sampling): ~2.5x the rows of one depth for 4 depths at 0.7 / 0.2
+    depth_keep_rate: float = 0.7
+    depth_min_rate: float = 0.2
+    # train the head's own copy of the token embedding (the P-EAGLE paper's choice; the export then
+    # carries embed_tokens), else the target's embedding is read frozen
+    train_embeddings: bool = False
+    # the token whose embedding fills the later positions; None = heads/mask_token.py's rule
+    mask_token_id: int | None = None
     # hydra (also reads num_heads, num_layers, shared_lm_head and medusa_decay above)
     # Hydra++ teacher distillation: soft CE against the target's next-token distribution
     hydra_teacher_loss: bool = False
@@ -89,6 +101,14 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "eagle": (*_EAGLE_LAYER, "feature_loss_weight", "token_loss_weight", "noise", "noise_std"),
     "eagle3": (*_EAGLE_LAYER, "ttt_steps", "ttt_decay"),
+    "peagle": (
+        *_EAGLE_LAYER,
+        "parallel_depths",
+        "depth_keep_rate",
+        "depth_min_rate",
+        "train_embeddings",
+        "mask_token_id",
+    ),
 }
 
 

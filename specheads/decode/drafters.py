@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpecHeadsError
-from .policy import DynamicTreeSpec, HybridPolicy, TreePolicy, check_depth
+from .policy import DynamicTreeSpec, HybridPolicy, TreePolicy, check_depth, policy_depth
 from .tree import StaticTree, TreeLayout, merge_chains, pruned_tree, select_dynamic
 
 
@@ -261,6 +261,27 @@ class EagleDrafter:
             self.cache.crop(stable)
 
 
+class ParallelDecoderDrafter(EagleDrafter):
+    """P-EAGLE: one draft forward feeds the accepted tokens and fills every depth of the tree at
+    once (the later depths from the mask token), so the tree is grown from per-depth top-k as
+    Medusa's is. The draft cache keeps the accepted entries only."""
+
+    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        if self.pending is None:
+            raise RuntimeError("draft() called twice without advance() or rewind()")
+        ids, feats = self.pending
+        self.pending = None
+        self.last_fed = (ids, feats)
+        depth = min(max_depth, policy_depth(self.policy))
+        logp = torch.log_softmax(self.head.parallel_logits(ids, feats, self.cache, depth).float(), dim=-1)
+
+        def child_logp(nodes: list[int], table: DraftTable) -> torch.Tensor:
+            return logp[torch.tensor([table.depths[i] for i in nodes], device=logp.device)]
+
+        self.table = DraftTable()
+        return grow_tree(root, child_logp, self.head.draft_to_target, self.policy, max_depth, self.table)
+
+
 def path_tokens(table: DraftTable, node: int) -> list[int]:
     """The tokens from the root down to `node` (both included)."""
     path = [table.tokens[node]]
@@ -341,7 +362,12 @@ class SequentialDrafter:
 
 
 # the drafter for each head's draft_kind
-DRAFTERS = {"parallel": MedusaDrafter, "autoregressive": EagleDrafter, "sequential": SequentialDrafter}
+DRAFTERS = {
+    "parallel": MedusaDrafter,
+    "autoregressive": EagleDrafter,
+    "sequential": SequentialDrafter,
+    "parallel_decoder": ParallelDecoderDrafter,
+}
 
 
 def make_drafter(head, policy: TreePolicy):

@@ -8,6 +8,7 @@ from .io import load_head, read_head_config, save_head, warm_start
 from .layers import DraftCache
 from .medusa import MedusaHead
 from .medusa2 import Medusa2Head
+from .peagle import PEagleHead
 from .registry import HEADS, build_head
 from .spec import HeadSpec
 
@@ -22,6 +23,7 @@ __all__ = [
     "HydraHead",
     "Medusa2Head",
     "MedusaHead",
+    "PEagleHead",
     "build_head",
     "check_compatible",
     "load_head",

@@ -32,7 +32,8 @@ class DraftHead(nn.Module):
     title: ClassVar[str] = ""  # the family's name in prose (model cards)
     # How inference drafts a tree: "parallel" (every depth from the last accepted target state),
     # "sequential" (level by level, a node's children from the head of its depth given the node's
-    # path) or "autoregressive" (a draft decoder run level by level); decode picks the drafter by it.
+    # path), "autoregressive" (a draft decoder run level by level) or "parallel_decoder" (a draft
+    # decoder filling every depth in one forward, P-EAGLE); decode picks the drafter by it.
     draft_kind: ClassVar[str] = ""
     # The static tree (rank paths) drafted when the head stores no default_tree; None: a dynamic tree.
     fallback_tree: ClassVar[tuple[tuple[int, ...], ...] | None] = None
@@ -108,6 +109,10 @@ class DraftHead(nn.Module):
     def max_draft_depth(cls, spec: HeadSpec) -> int | None:
         """The deepest tree a head of this spec can draft (None: no limit)."""
         return None
+
+    @classmethod
+    def prepare_spec(cls, spec: HeadSpec, target: FrozenTarget) -> None:
+        """Resolve, in place, the spec fields a fresh head takes from the target's tokenizer."""
 
     @classmethod
     def describe(cls, spec: HeadSpec, info: TargetInfo, layer_ids: list[int]) -> str:

@@ -20,7 +20,7 @@ from ..kernels import linear_layout, weight_int8
 from ..target import LAYER_CONVENTION, FrozenTarget, TargetInfo
 from .base import DraftHead, check_same_target
 from .registry import HEADS
-from .spec import HeadSpec
+from .spec import FUSED_FAMILIES, HeadSpec
 
 SCHEMA_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -44,7 +44,9 @@ def head_config_dict(head: DraftHead, training: dict | None = None) -> dict[str,
         "vocab": {
             "target_vocab_size": head.info.vocab_size,
             "draft_vocab_size": head.spec.draft_vocab_size,
-            "mapping": "d2t offsets (target_id = draft_id + d2t[draft_id])" if head.family == "eagle3" else "identity",
+            "mapping": "d2t offsets (target_id = draft_id + d2t[draft_id])"
+            if head.family in FUSED_FAMILIES
+            else "identity",
         },
         "default_tree": head.default_tree,
         **({"calibration": head.calibration} if head.calibration else {}),

@@ -21,7 +21,9 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, requested: int | None = No
     """The mask token id for a target whose embedding has `vocab_size` rows (the rule above)."""
     if requested is not None:
         if not 0 <= requested < vocab_size:
-            raise SpecHeadsError(f"head.mask_token_id {requested} is outside the target's vocabulary 0..{vocab_size - 1}")
+            raise SpecHeadsError(
+                f"head.mask_token_id {requested} is outside the target's vocabulary 0..{vocab_size - 1}"
+            )
         return int(requested)
     own = getattr(tokenizer, "mask_token_id", None)
     if own is not None and 0 <= own < vocab_size:

@@ -11,6 +11,7 @@ from .eagle3 import Eagle3Head
 from .hydra import HydraHead
 from .medusa import MedusaHead
 from .medusa2 import Medusa2Head
+from .peagle import PEagleHead
 from .spec import HeadSpec
 from .vocab import build_draft_vocab
 
@@ -20,13 +21,15 @@ HEADS: dict[str, type[DraftHead]] = {
     Eagle3Head.family: Eagle3Head,
     HydraHead.family: HydraHead,
     Medusa2Head.family: Medusa2Head,
+    PEagleHead.family: PEagleHead,
 }
 
 
 def build_head(head_cfg: HeadConfig, target: FrozenTarget, train_rows=None) -> DraftHead:
-    """A fresh head for `target`. EAGLE-3 builds its draft vocab from `train_rows` (cached when
+    """A fresh head for `target`. EAGLE-3 and P-EAGLE build its draft vocab from `train_rows` (cached when
     the rows are a `datasets.Dataset`, keyed by its fingerprint)."""
     spec = HeadSpec.from_config(head_cfg, target.info)
+    HEADS[spec.family].prepare_spec(spec, target)
     head = HEADS[spec.family](spec, target.info)
     head.attach(target)
     head.target_identity = target_identity(target)
@@ -34,7 +37,7 @@ def build_head(head_cfg: HeadConfig, target: FrozenTarget, train_rows=None) -> D
     if isinstance(head, Eagle3Head) and spec.draft_vocab_size < target.info.vocab_size:
         if train_rows is None:
             raise SpecHeadsError(
-                "eagle3 with a reduced draft vocab needs training data to choose it from "
+                f"{spec.family} with a reduced draft vocab needs training data to choose it from "
                 f"(draft_vocab_size {spec.draft_vocab_size} < vocab {target.info.vocab_size})"
             )
         key = None

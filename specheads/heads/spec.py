@@ -10,7 +10,9 @@ from ..config.train import HeadConfig, family_fields
 from ..errors import SpecHeadsError
 from ..target import TargetInfo
 
-FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2")
+FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2", "peagle")
+# the families of the EAGLE-3 draft (fused target layers, a reduced draft vocabulary)
+FUSED_FAMILIES = ("eagle3", "peagle")
 
 
 @dataclass
@@ -38,7 +40,7 @@ class HeadSpec(HeadConfig):
         spec.layer_ids = list(raw.get("layer_ids") or default_layer_ids(family, info.num_layers))
         if not spec.intermediate_size:
             spec.intermediate_size = info.intermediate_size
-        if family == "eagle3":
+        if family in FUSED_FAMILIES:
             spec.draft_vocab_size = min(spec.draft_vocab_size or info.vocab_size, info.vocab_size)
         else:
             spec.draft_vocab_size = info.vocab_size
@@ -46,6 +48,8 @@ class HeadSpec(HeadConfig):
             spec.eval_depth = spec.num_heads  # one head per depth
         elif family == "eagle3":
             spec.eval_depth = max(spec.eval_depth, spec.ttt_steps)
+        elif family == "peagle":
+            spec.eval_depth = spec.parallel_depths
         spec.validate(info)
         return spec
 
@@ -53,8 +57,10 @@ class HeadSpec(HeadConfig):
         bad = [k for k in self.layer_ids if not 0 <= k <= info.num_layers]
         if bad:
             raise SpecHeadsError(f"layer ids {bad} out of range 0..{info.num_layers} for {info.name}")
-        if self.family == "eagle3" and len(self.layer_ids) < 1:
-            raise SpecHeadsError("eagle3 needs at least one fused layer id")
+        if self.family in FUSED_FAMILIES and len(self.layer_ids) < 1:
+            raise SpecHeadsError(f"{self.family} needs at least one fused layer id")
+        if self.family == "peagle":
+            self.validate_parallel()
         for name in ("num_heads", "num_layers", "num_decoder_layers", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
@@ -64,6 +70,15 @@ class HeadSpec(HeadConfig):
             raise SpecHeadsError(f"head.merge_lora: a {self.family} head trains no LoRA (only medusa2 does)")
         if self.family == "medusa2":
             self.validate_lora()
+
+    def validate_parallel(self) -> None:
+        if self.parallel_depths < 1:
+            raise SpecHeadsError(f"head.parallel_depths must be >= 1, got {self.parallel_depths}")
+        if not (0 < self.depth_min_rate <= 1 and 0 < self.depth_keep_rate <= 1):
+            raise SpecHeadsError(
+                f"need 0 < head.depth_keep_rate <= 1 and 0 < head.depth_min_rate <= 1, got "
+                f"{self.depth_keep_rate}, {self.depth_min_rate}"
+            )
 
     def validate_lora(self) -> None:
         if self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
@@ -101,7 +116,7 @@ class HeadSpec(HeadConfig):
 
 def default_layer_ids(family: str, num_layers: int) -> list[int]:
     """Our convention (residual stream entering layer k). Medusa/EAGLE-1/Hydra read the final state."""
-    if family == "eagle3":
+    if family in FUSED_FAMILIES:
         # EAGLE-3 / vLLM default aux layers: low, mid, high, always three (repeats on a shallow
         # target, as the engines build them), so the fc input is 3 x hidden for every target.
         return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]

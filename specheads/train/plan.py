@@ -28,7 +28,7 @@ import torch
 from ..config.train import TrainJobConfig
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead
-from ..heads.spec import HeadSpec
+from ..heads.spec import FUSED_FAMILIES, HeadSpec
 from ..target import TargetInfo, resolve_dtype
 from .arch import TargetArch, read_arch
 
@@ -133,19 +133,28 @@ def activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weigh
     if online:
         layers = info.num_layers if head.adapts_target else 1
         total += layers * layer_activations(info, n, weight_bytes, h, info.intermediate_size)
-    if head.draft_kind != "autoregressive":  # Medusa, Hydra: one block stack and LM head per head
+    if head.draft_kind not in ("autoregressive", "parallel_decoder"):  # Medusa, Hydra: a block stack per head
         per_head = n * v * (weight_bytes + 8) + spec.num_layers * 2 * n * h * weight_bytes
         return total + spec.num_heads * per_head
-    steps, vd = (spec.ttt_steps, spec.draft_vocab_size) if spec.family == "eagle3" else (1, v)
-    factor = 2 if spec.family == "eagle3" else 1
+    fused = spec.family in FUSED_FAMILIES
+    vd = spec.draft_vocab_size if fused else v
+    factor = 2 if fused else 1
     layers = sum(
         layer_activations(info, n, weight_bytes, h * factor if i == 0 else h, spec.intermediate_size)
         for i in range(spec.num_decoder_layers)
     )
-    fuse_in = (len(spec.layer_ids) if spec.family == "eagle3" else 2) * n * h * weight_bytes
+    fuse_in = (len(spec.layer_ids) if fused else 2) * n * h * weight_bytes
+    if head.draft_kind == "parallel_decoder":
+        # P-EAGLE: one forward over the packed depths (COD sampling's expected rows per position),
+        # its masked attention over the packed rows, and the gathered target distributions
+        rows = 1 + sum(max(spec.depth_keep_rate**d, spec.depth_min_rate) for d in range(1, spec.parallel_depths))
+        packed = int(rows * length)
+        scores = batch * info.num_attention_heads * packed * packed * SCORE_BYTES * spec.num_decoder_layers
+        return total + fuse_in + int(rows * (layers + 4 * n * vd * 4)) + scores + batch * packed * packed
+    steps = spec.ttt_steps if fused else 1
     scores = batch * info.num_attention_heads * length * length * SCORE_BYTES * spec.num_decoder_layers
     total += fuse_in + steps * (layers + 3 * n * vd * 4) + (steps - 1) * scores
-    if spec.family == "eagle3":
+    if fused:
         total += n * vd * 4  # the target's logits over the draft vocab
     return total
 

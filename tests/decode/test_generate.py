@@ -27,7 +27,7 @@ from specheads.kernels.linear_layout import (
 from specheads.target import FrozenTarget
 from specheads.tiny import tiny_target as build_tiny
 
-FAMILIES = ["medusa", "eagle", "eagle3", "hydra"]
+FAMILIES = ["medusa", "eagle", "eagle3", "hydra", "peagle"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -569,3 +569,96 @@ def test_real_target_hybrid_without_a_head_matches_greedy(smollm2_target):
     res = speculative_generate(tgt, drafter, prompt, cfg)
     assert res.output_ids == ref
     assert res.accepted_sources.get("text", 0) > 0 and res.tau > 1
+
+
+def accepts_one_child_too_many(tokens, layout, target_logits):
+    """A wrong greedy rule: after the right path, also takes the next node's first child."""
+    from specheads.decode.verify import Acceptance, greedy_accept
+
+    right = greedy_accept(tokens, layout, target_logits)
+    children = layout.children[right.path[-1]]
+    if not children:
+        return right
+    child = children[0]
+    return Acceptance((*right.path, child), int(target_logits[child].argmax()))
+
+
+def parallel_head_outputs(target, head, prompt):
+    """(policy name, output ids, accepted drafts) of the P-EAGLE head under each test tree."""
+    out = []
+    for name, policy in POLICIES.items():
+        res = speculative_generate(target, make_drafter(head, policy), prompt, SamplingConfig(max_new_tokens=32))
+        out.append((name, res.output_ids, sum(res.accepted_drafts)))
+    return out
+
+
+def test_a_parallel_head_drafts_every_depth_in_one_forward_and_stays_exact(target, heads, sequences, monkeypatch):
+    """P-EAGLE: one draft forward per step (not one per level), chains and trees accepted, the
+    output the target's own; a verifier that takes one node too many visibly breaks it."""
+    head = heads["peagle", "trained"]
+    prompt = sequences[1:2, :8]
+    ref = hf_greedy(target, prompt, 32)
+    calls = []
+    original = head.draft_step
+    monkeypatch.setattr(head, "draft_step", lambda *a, **k: calls.append(1) or original(*a, **k))
+    res = speculative_generate(target, make_drafter(head, POLICIES["wide"]), prompt, SamplingConfig(max_new_tokens=32))
+    assert len(calls) == res.target_forwards and res.output_ids == ref
+    monkeypatch.undo()
+    for name, output, accepted in parallel_head_outputs(target, head, prompt):
+        assert output == ref and accepted > 0, name
+    import specheads.decode.generate as generate
+
+    monkeypatch.setattr(generate, "greedy_accept", accepts_one_child_too_many)
+    assert any(output != ref for _, output, _ in parallel_head_outputs(target, head, prompt))
+
+
+def accepts_any_draft_in_support(tokens, layout, target_probs, draft_probs=None, generator=None, one_hot=None):
+    """A wrong sampling rule: a child the target could sample is always accepted."""
+    from specheads.decode.verify import Acceptance
+
+    node, path = 0, [0]
+    while True:
+        p = target_probs[node].float()
+        child = next((c for c in layout.children[node] if p[tokens[c]] > 0), None)
+        if child is None:
+            return Acceptance(tuple(path), int(torch.multinomial(p, 1, generator=generator)))
+        node = child
+        path.append(child)
+
+
+def parallel_head_samples(target, head, prompt, n, temperature, top_p):
+    """Counts of the first two sampled tokens over n runs and of the drafts accepted for the second."""
+    gen = torch.Generator().manual_seed(7)
+    drafter = make_drafter(head, static_tree([[0], [1], [2], [0, 0]]))
+    cfg = SamplingConfig(max_new_tokens=3, temperature=temperature, top_p=top_p)
+    counts, accepted = Counter(), Counter()
+    for _ in range(n):
+        res = speculative_generate(target, drafter, prompt, cfg, generator=gen)
+        counts[tuple(res.output_ids[:2])] += 1
+        accepted[res.accepted_drafts[0]] += 1
+    return counts, accepted
+
+
+def test_a_parallel_head_samples_the_target_distribution(target, heads, sequences, monkeypatch):
+    """Sampling with P-EAGLE drafts: the first two tokens follow the target's joint distribution
+    (the chi-square of the other families), with drafts both accepted and rejected; a rule that
+    accepts every draft in the target's support fails the same check."""
+    from specheads.sampling import sampling_probs
+
+    head = heads["peagle", "trained"]
+    prompt = sequences[1:2, :12]  # inside the text the head was fitted on: its drafts get accepted
+    temperature, top_p, n = 0.5, 0.9, 800
+    with torch.no_grad():
+        p1 = sampling_probs(target.model(prompt).logits[0, -1], temperature, top_p)
+        firsts = torch.arange(320)
+        batch = torch.cat([prompt.expand(320, -1), firsts[:, None]], dim=1)
+        p2 = sampling_probs(target.model(batch).logits[:, -1], temperature, top_p)
+    counts, accepted = parallel_head_samples(target, head, prompt, n, temperature, top_p)
+    assert n * 0.15 < accepted[0] < n * 0.85, accepted
+    assert_first_two_tokens_follow(counts, p1, p2, n)
+    import specheads.decode.generate as generate
+
+    monkeypatch.setattr(generate, "speculative_accept", accepts_any_draft_in_support)
+    counts, _ = parallel_head_samples(target, head, prompt, n, temperature, top_p)
+    with pytest.raises(AssertionError):
+        assert_first_two_tokens_follow(counts, p1, p2, n)

@@ -14,7 +14,7 @@ from specheads.heads.spec import HeadSpec, default_layer_ids
 from specheads.heads.vocab import vocab_from_counts
 from specheads.target import load_target
 
-FAMILIES = ["medusa", "eagle", "eagle3"]
+FAMILIES = ["medusa", "eagle", "eagle3", "peagle"]
 
 
 def make_head(family, target, batch, seed=0, **overrides):
