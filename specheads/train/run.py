@@ -20,9 +20,10 @@ from ..distill.builtin import ensure_builtin_data
 from ..distributed import Dist, main_rank_first, process_group, quiet_deepspeed
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead, build_head, warm_start
-from ..heads.io import WEIGHTS_NAME
+from ..heads.io import WEIGHTS_NAME, read_head_config
 from ..provenance import data_record, file_digest, portable_path, provenance
 from ..target import FLOAT_DTYPES, FrozenTarget, load_target
+from .checkpoint import Checkpoints
 from .metrics import MetricsLog, plot_metrics
 from .plan import check_fits, dry_run, shard_decision
 from .sharded_target import check_shardable, frozen_parts_gathered, load_sharded_target
@@ -95,14 +96,28 @@ def warm_started(cfg: TrainJobConfig, head: DraftHead, target: FrozenTarget) -> 
     if not cfg.train.init_from:
         return {}
     directory = Path(cfg.train.init_from)
-    source = warm_start(head, directory, target)
+    return init_from_record(directory, warm_start(head, directory, target).training_record)
+
+
+def init_from_record(directory: Path, training: dict | None) -> dict:
     return {
         "init_from": {
             "head": portable_path(directory),
             "weights_sha256": file_digest(directory / WEIGHTS_NAME),
-            "training": source.training_record or {},
+            "training": training or {},
         }
     }
+
+
+def init_from_reread(cfg: TrainJobConfig) -> dict:
+    """The init_from record of a run resumed from a checkpoint written before checkpoints kept it:
+    read again from the head directory if it is still there, else its path alone."""
+    if not cfg.train.init_from:
+        return {}
+    directory = Path(cfg.train.init_from)
+    if not (directory / WEIGHTS_NAME).is_file():
+        return {"init_from": {"head": portable_path(directory), "weights_sha256": None, "training": None}}
+    return init_from_record(directory, read_head_config(directory).get("training"))
 
 
 def training_record(
@@ -162,17 +177,23 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
     target = load_sharded_target(cfg.model, d) if shard else load_target(cfg.model, d.device)
     if shard and d.is_main:
         print(f"train: the frozen target is sharded over {d.world_size} ranks (ZeRO-3 inference)", file=sys.stderr)
+    # a resume takes every weight from its checkpoint, and the init_from record from there too: the
+    # head it started from is not read again (it may have been rewritten or deleted since)
+    resuming = Checkpoints(output_dir).latest() is not None
     with frozen_parts_gathered(target):  # a head copies from the target's embedding / LM head when built
         head, source = head_and_states(cfg, target, d)
-        init = warm_started(cfg, head, target)
+        init = {} if resuming else warm_started(cfg, head, target)
     trainer = Trainer(cfg, head, source, d, output_dir)
+    trainer.init_record = init
     resumed = trainer.resume()
+    if trainer.init_record is None:
+        trainer.init_record = init_from_reread(cfg)
     if resumed == 0:
         torch.manual_seed(cfg.seed + d.rank)  # a noise stream per rank (a resumed run restores its own)
     elif d.is_main:
         print(f"resuming from step {resumed} ({trainer.checkpoints.latest()})", file=sys.stderr)
     log = MetricsLog(output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed)
-    origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code, **init}
+    origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code, **trainer.init_record}
     trainer.origin = code
     trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, origin, t.segments())
     try:

@@ -170,6 +170,10 @@ class Trainer:
         self.origin: dict[str, Any] = {}
         self.earlier_segments: list[dict[str, Any]] = []
         self.resumed_at = 0
+        # what train.init_from started this run from ({} for none): set by train(cfg) at the first
+        # start and kept in every checkpoint, since a resume reads its weights from the checkpoint;
+        # None after resuming a checkpoint written before checkpoints kept it
+        self.init_record: dict[str, Any] | None = {}
         # the training record a head directory written at a checkpoint carries (train.save_heads);
         # set by train(cfg), which owns the run's provenance
         self.head_record: Callable[[Trainer], dict[str, Any]] | None = None
@@ -222,6 +226,7 @@ class Trainer:
             )
         self.step = int(state["step"])
         self.last_eval = state.get("last_eval", {})
+        self.init_record = state.get("init_record")
         # a checkpoint written before checkpoints named their segments: its steps' code is unknown
         self.earlier_segments = state.get("segments") or [{"steps": [0, self.step], "commit": None, "command": None}]
         self.resumed_at = self.step
@@ -254,6 +259,7 @@ class Trainer:
                 "fingerprint": self.fingerprint(),
                 "last_eval": self.last_eval,
                 "segments": self.segments(),
+                "init_record": self.init_record,
             },
         )
 

@@ -81,3 +81,29 @@ def test_init_from_refuses_another_family_other_tensors_or_a_target_adapter_in_o
             run.train(job)
     with pytest.raises(SpecHeadsError, match="not a head directory"):
         run.train(tiny_job(data, tmp_path / "d", max_steps=1, init_from=str(tmp_path)))
+
+
+def test_a_resumed_continued_run_keeps_the_init_from_record_of_its_first_start(tmp_path):
+    """A resume takes every weight from its checkpoint, so the head it continued is not read again:
+    rewritten in between, the record still names what the run started from; deleted, nothing fails."""
+    import shutil
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=16)
+    source = tmp_path / "source"
+    shutil.copytree(run.train(tiny_job(data, tmp_path / "first", max_steps=2)), source)
+    out = tmp_path / "later"
+    first_start = run.train(tiny_job(data, out, max_steps=1, save_every=1, init_from=str(source)))
+    record = json.loads((first_start / "config.json").read_text())["training"]["init_from"]
+    assert record["weights_sha256"] == provenance.file_digest(source / "model.safetensors")
+
+    other = run.train(tiny_job(data, tmp_path / "other", max_steps=1))
+    shutil.rmtree(source)
+    shutil.copytree(other, source)  # the same path now holds another head
+    resumed = run.train(tiny_job(data, out, max_steps=2, save_every=1, init_from=str(source)))
+    assert json.loads((resumed / "config.json").read_text())["training"]["init_from"] == record
+    shutil.rmtree(source)
+    resumed = run.train(tiny_job(data, out, max_steps=3, save_every=1, init_from=str(source)))
+    assert json.loads((resumed / "config.json").read_text())["training"]["init_from"] == record
+    # a checkpoint from before checkpoints kept the record: read again if there, else its path alone
+    job = tiny_job(data, out, init_from=str(source))
+    assert run.init_from_reread(job)["init_from"] == {**record, "weights_sha256": None, "training": None}
