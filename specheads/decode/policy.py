@@ -56,14 +56,16 @@ def check_depth(head, policy: TreePolicy) -> None:
 
 def fallback_policy(head, tree: TreeConfig) -> TreePolicy:
     """A head without a stored tree: its family's fallback tree, cut to the depth the head can
-    draft and completed by the top-1 chain to that depth; else a dynamic tree."""
+    draft and completed by the top-1 chain to that depth; else a dynamic tree. Either is gated by
+    tree.min_path_prob as any other tree is."""
+    gate = tree.min_path_prob or 0.0
     if head.fallback_tree is None:
-        return DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, tree.min_path_prob or 0.0)
+        return DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, gate)
     limit = head.max_draft_depth(head.spec)
     paths = {tuple(p) for p in head.fallback_tree if limit is None or len(p) <= limit}
     if limit is not None:
         paths |= {tuple(p) for p in chain_paths(limit)}
-    return static_tree(sorted(paths))
+    return static_tree(sorted(paths), gate)
 
 
 def stored_dynamic(head) -> dict | None:

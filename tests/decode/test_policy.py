@@ -105,3 +105,15 @@ def test_hybrid_policies(tiny_target):
     with pytest.raises(SpecHeadsError, match="trigger"):
         HybridPolicy(None, 4, 2, 6, 3)
     assert "static tree (2 nodes" in describe_policy(stored)
+
+
+@pytest.mark.parametrize("family", ["medusa", "hydra"])
+def test_an_explicit_min_path_prob_gates_the_fallback_tree(tiny_target, family):
+    """A head with no stored tree drafts its family's fallback tree: tree.min_path_prob gates it as
+    it gates every other tree, and the description says so."""
+    head = build_head(HeadConfig(family=family, num_heads=3), tiny_target)
+    assert not head.default_tree
+    policy = tree_policy_for(head, TreeConfig(kind="default", min_path_prob=0.05))
+    assert isinstance(policy, StaticTree) and policy.min_path_prob == 0.05
+    assert "p >= 0.05" in describe_policy(policy)
+    assert tree_policy_for(head, TreeConfig(kind="default")).min_path_prob == 0.0
