@@ -178,13 +178,39 @@ def test_text_continuations_agree_with_a_plain_search(seed):
     check_continuations(text_continuations, seed)
 
 
-def test_the_continuation_check_fails_on_shortest_ngram_first():
-    def shortest_first(seq, max_ngram, budget, max_len, min_ngram):
-        chains = []
-        for n in range(1, max_ngram + 1):  # wrong order: the weakest matches take the budget
-            chains += text_continuations(seq, n, budget, max_len) if n == 1 else []
-        return chains
+def spent_in_order(chains, budget):
+    """The chains' prefixes taken in the given order while the trie of them has at most `budget` nodes."""
+    trie, kept = set(), []
+    for chain in chains:
+        prefix = []
+        for t in chain:
+            if (*prefix, t) not in trie:
+                if len(trie) == budget:
+                    break
+                trie.add((*prefix, t))
+            prefix.append(t)
+        if prefix:
+            kept.append(prefix)
+    return kept
 
+
+def ngram_order(lengths):
+    """text_continuations with the n-gram lengths tried in `lengths(min_ngram, max_ngram)` order."""
+
+    def find(seq, max_ngram, budget, max_len, min_ngram):
+        unbounded = len(seq) * max_len + 1
+        chains = [c for n in lengths(min_ngram, max_ngram) for c in text_continuations(seq, n, unbounded, max_len, n)]
+        return spent_in_order(chains, budget)
+
+    return find
+
+
+def test_the_continuation_check_fails_on_shortest_ngram_first():
+    """Every n-gram length is searched, shortest first, so the weakest matches take the budget; the
+    same search longest first passes (the variant differs in its order only)."""
+    longest_first = ngram_order(lambda lo, hi: range(hi, lo - 1, -1))
+    shortest_first = ngram_order(lambda lo, hi: range(lo, hi + 1))
+    assert not fails_for_some_seed(check_continuations, longest_first, range(30))
     assert fails_for_some_seed(check_continuations, shortest_first, range(30))
 
 
@@ -239,11 +265,15 @@ def gated_growth_by_hand(paths, probs_by_depth, gate):
     return [p for p in kept if len(p) <= depth]
 
 
-@pytest.mark.parametrize("gate", [0.0, 0.3, 0.45, 0.6, 0.99])
-def test_a_gated_static_tree_stops_where_no_path_is_likely_enough(gate):
+GATES = [0.0, 0.3, 0.45, 0.6, 0.99]
+
+
+def check_gated_growth(grow, gate):
+    """grow (grow_tree or a variant) keeps the levels the hand rendering of the gate keeps, as the
+    ungated tree cut there."""
     paths = [[0], [1], [0, 0], [1, 0], [0, 0, 0]]
     probs = {0: [0.6, 0.3, 0.05, 0.05], 1: [0.1, 0.8, 0.05, 0.05], 2: [0.25, 0.25, 0.25, 0.25]}
-    tokens, layout = grow_tree(
+    tokens, layout = grow(
         7, fixed_children(probs), lambda ids: ids + 100, static_tree(paths, min_path_prob=gate), max_depth=9
     )
     full_tokens, full_layout = grow_tree(7, fixed_children(probs), lambda ids: ids + 100, static_tree(paths), 9)
@@ -252,8 +282,26 @@ def test_a_gated_static_tree_stops_where_no_path_is_likely_enough(gate):
     assert (layout == full_layout) == (len(kept) == len(paths))
 
 
+@pytest.mark.parametrize("gate", GATES)
+def test_a_gated_static_tree_stops_where_no_path_is_likely_enough(gate):
+    check_gated_growth(grow_tree, gate)
+
+
+class LastStepScores(DraftTable):
+    """A draft table that keeps each node's last step's log-probability instead of its path's."""
+
+    def add(self, token, parent, score):
+        return super().add(token, parent, score - (self.scores[parent] if parent >= 0 else 0.0))
+
+
 def test_the_gate_check_fails_when_the_gate_reads_one_probability_only():
-    """The hand rendering tells a gate on the path probability from one on the last step's."""
+    """grow_tree gating on the last step's probability (its table keeps no path scores) fails the
+    check, and the hand rendering tells the two gates apart."""
+
+    def last_step_gate(*args, **kwargs):
+        return grow_tree(*args, **kwargs, table=LastStepScores())
+
+    assert fails_for_some_seed(check_gated_growth, last_step_gate, GATES)
     paths = [[0], [0, 0], [0, 0, 0]]
     probs = {0: [0.6, 0.4, 0, 0], 1: [0.7, 0.3, 0, 0], 2: [0.5, 0.5, 0, 0]}
     assert gated_growth_by_hand(paths, probs, 0.5) == [(0,), (0, 0)]  # 0.6 * 0.7 = 0.42 < 0.5 <= 0.7

@@ -10,7 +10,15 @@ from conftest import POLICIES, assert_first_two_tokens_follow, greedy_sequences,
 
 from specheads.bench.inputs import eos_token_ids
 from specheads.decode.baselines import PlainDrafter
-from specheads.decode.drafters import EagleDrafter, HybridDrafter, grow_tree, make_drafter, text_continuations
+from specheads.decode.drafters import (
+    EagleDrafter,
+    HybridDrafter,
+    MedusaDrafter,
+    SequentialDrafter,
+    grow_tree,
+    make_drafter,
+    text_continuations,
+)
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
 from specheads.decode.policy import DynamicTreeSpec, HybridPolicy
 from specheads.decode.tree import TreeLayout, static_tree
@@ -512,7 +520,8 @@ def hydra_prefix_head(target):
 def test_text_alone_steps_skip_the_head_and_keep_its_state(family, target, heads, sequences):
     """A step that drafts the text's repeat alone skips the head; the positions it accepts reach
     the head at its next draft, so every later tree equals the one of a head fed at every step
-    (the plain way), and the output is the target's own greedy output, fp32."""
+    (the plain way), and the output is the target's own greedy output, fp32. Each family's wrong
+    variant fails this comparison (test_the_text_alone_check_fails_for_a_drafter_that_loses_a_skipped_step)."""
     head = hydra_prefix_head(target) if family == "hydra-prefix" else heads[family, "trained"]
     alone_steps = head_accepted = 0
     for seed in range(3):
@@ -532,14 +541,49 @@ def test_text_alone_steps_skip_the_head_and_keep_its_state(family, target, heads
         assert head_accepted > 0  # and the head drafted, and was accepted, around them
 
 
-def test_the_text_alone_check_fails_when_skipped_positions_are_dropped(target, heads, sequences, monkeypatch):
-    """The same comparison with an EAGLE drafter that forgets the positions of a skipped step."""
+def forgets_a_skipped_step(family, monkeypatch):
+    """A wrong drafter for `family` that the comparison above must catch: an EAGLE-style drafter
+    (and a Hydra prefix layer) that drops the positions a skipped step left queued; a drafter that
+    reads only the last state (Medusa, Hydra without a prefix layer: their trees are a function of
+    it, so skipping their draft changes nothing by construction) that takes in a step's states only
+    after steps it drafted itself."""
+    if family in ("eagle", "eagle3", "peagle"):
 
-    def forgetful(self, states, tokens, bonus):
-        ids = torch.tensor([list(tokens[1:]) + [bonus]], dtype=torch.long, device=self.cache_device)
-        self.pending = (ids, self._features(states))  # overwrites what the skipped step left
+        def forgetful(self, states, tokens, bonus):
+            ids = torch.tensor([list(tokens[1:]) + [bonus]], dtype=torch.long, device=self.cache_device)
+            self.pending = (ids, self._features(states))  # overwrites what the skipped step left
 
-    monkeypatch.setattr(EagleDrafter, "advance", forgetful)
+        monkeypatch.setattr(EagleDrafter, "advance", forgetful)
+        return
+    if family == "hydra-prefix":
+        monkeypatch.setattr(
+            SequentialDrafter, "advance", lambda self, states, tokens, bonus: setattr(self, "pending", states["final"])
+        )
+        return
+    cls = MedusaDrafter if family == "medusa" else SequentialDrafter
+    draft, advance = cls.draft, cls.advance
+
+    def drafted(self, *args):
+        self.drafted = True
+        return draft(self, *args)
+
+    def after_own_drafts(self, states, tokens, bonus):
+        if getattr(self, "drafted", True):
+            advance(self, states, tokens, bonus)
+        self.drafted = False
+
+    monkeypatch.setattr(cls, "draft", drafted)
+    monkeypatch.setattr(cls, "advance", after_own_drafts)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "hydra-prefix"])
+def test_the_text_alone_check_fails_for_a_drafter_that_loses_a_skipped_step(
+    family, target, heads, sequences, monkeypatch
+):
+    """The comparison of test_text_alone_steps_skip_the_head_and_keep_its_state, run with a drafter
+    of each family that loses what a skipped step should have passed on: the trees differ."""
+    head = hydra_prefix_head(target) if family == "hydra-prefix" else heads[family, "trained"]
+    forgets_a_skipped_step(family, monkeypatch)
     differ = 0
     for seed in range(3):
         rng = random.Random(seed)
@@ -548,7 +592,7 @@ def test_the_text_alone_check_fails_when_skipped_positions_are_dropped(target, h
         answer = [t if rng.random() < 0.8 else rng.randrange(320) for t in ref]
         policy = HybridPolicy(None, ngram_nodes=2, ngram_max=2, text_alone=6)
         planted = prompt[0].tolist() + answer
-        (skipping, _), (fed, _) = text_alone_runs(target, heads["eagle", "trained"], prompt, planted, policy)
+        (skipping, _), (fed, _) = text_alone_runs(target, head, prompt, planted, policy)
         differ += skipping.trees != fed.trees
     assert differ > 0
 
