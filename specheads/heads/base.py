@@ -40,6 +40,10 @@ class DraftHead(nn.Module):
     # Whether the head trains an adapter of the target with itself (Medusa-2's LoRA): its loss then
     # runs the target itself, and the adapted target is the one the head drafts for.
     adapts_target: ClassVar[bool] = False
+    # Families whose finished heads this family can start from (train.init_from): their tensors
+    # are a subset of ours; `own_tensors` (top-level names) are the ones that then start fresh.
+    grows_from: ClassVar[tuple[str, ...]] = ()
+    own_tensors: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
         super().__init__()

@@ -208,7 +208,9 @@ def warm_start(head: DraftHead, directory: str | os.PathLike, target: FrozenTarg
     and return the loaded source head, whose record the new head keeps.
 
     The source goes through load_head, so a corrupt file or another target is refused as there. It
-    must be the same family with tensors of the same shapes: an EAGLE-3 head's draft vocabulary
+    must be the same family (or one the head grows from, `DraftHead.grows_from`: a P-EAGLE head
+    starts from an EAGLE-3 head, its mask feature fresh) with tensors of the same shapes: an
+    EAGLE-3 head's draft vocabulary
     (d2t / t2d) comes with its weights, since its LM head's rows belong to those token ids. A head
     that adapts the target (Medusa-2) is refused: its saved LoRA is folded into the target when
     loaded, so there is no adapter left to continue.
@@ -216,20 +218,22 @@ def warm_start(head: DraftHead, directory: str | os.PathLike, target: FrozenTarg
     if head.adapts_target:  # its LoRA is folded into the target on load, not weights to continue
         raise SpecHeadsError(f"train.init_from cannot continue a {head.family} head (its LoRA lives in the target)")
     source = load_head(directory, target)
-    if source.family != head.family:
+    grows = source.family in head.grows_from  # P-EAGLE from EAGLE-3: its own tensors start fresh
+    if source.family != head.family and not grows:
         raise SpecHeadsError(f"train.init_from={directory} is a {source.family} head; this run trains {head.family}")
     theirs, ours = source.state_dict(), head.state_dict()
-    missing, unexpected = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
+    fresh = {k for k in ours if k.split(".")[0] in head.own_tensors} if grows else set()
+    missing, unexpected = sorted(ours.keys() - theirs.keys() - fresh), sorted(theirs.keys() - ours.keys())
     if missing or unexpected:
         raise SpecHeadsError(
             f"train.init_from={directory} lacks {missing[:5]} and has {unexpected[:5]} that this run's head "
             "does not; set head.* as its config.json has them"
         )
     for name, tensor in ours.items():
-        if theirs[name].shape != tensor.shape:
+        if name not in fresh and theirs[name].shape != tensor.shape:
             raise SpecHeadsError(
                 f"train.init_from={directory}: {name} is {tuple(theirs[name].shape)} there and "
                 f"{tuple(tensor.shape)} here; set head.* as its config.json has them"
             )
-    head.load_state_dict(theirs)
+    head.load_state_dict(theirs, strict=not fresh)
     return source

@@ -67,6 +67,9 @@ class PEagleHead(Eagle3Head):
     draft_kind = "parallel_decoder"
     # the K distributions are independent of the drafted tokens: Medusa's tree suits them
     fallback_tree = MedusaHead.fallback_tree
+    # an EAGLE-3 head is a P-EAGLE head's first position: train.init_from may start from one
+    grows_from = ("eagle3",)
+    own_tensors = ("mask_hidden", "embed_tokens")
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
         super().__init__(spec, info)

@@ -65,6 +65,29 @@ def test_init_from_starts_a_run_from_an_earlier_heads_weights_and_records_it(tmp
     assert "init_from" not in json.loads((fresh / "config.json").read_text())["training"]
 
 
+def test_a_parallel_head_starts_from_an_eagle3_head_with_its_own_tensors_fresh(tmp_path):
+    """P-EAGLE's first position is an EAGLE-3 draft: a peagle run may start from an eagle3 head
+    (every shared tensor copied, mask_hidden fresh); the other way round, or with another layer
+    count, is refused in one line."""
+    from safetensors.torch import load_file
+
+    data = write_conversations(tmp_path / "chats.jsonl", n=16)
+    first = run.train(tiny_job(data, tmp_path / "first", max_steps=2))
+    job = tiny_job(data, tmp_path / "parallel", max_steps=1, lr=0.0, init_from=str(first))
+    job.head = HeadConfig(family="peagle")
+    parallel = run.train(job)
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(parallel / "model.safetensors"))
+    assert set(b) - set(a) == {"mask_hidden"} and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((parallel / "config.json").read_text())["training"]["init_from"]["training"]["steps"] == 2
+    back = tiny_job(data, tmp_path / "back", max_steps=1, init_from=str(parallel))
+    with pytest.raises(SpecHeadsError, match="is a peagle head; this run trains eagle3"):
+        run.train(back)
+    deeper = tiny_job(data, tmp_path / "deeper", max_steps=1, init_from=str(first))
+    deeper.head = HeadConfig(family="peagle", num_decoder_layers=2)
+    with pytest.raises(SpecHeadsError, match=r"lacks \['extra_input_norms.0.weight'"):
+        run.train(deeper)
+
+
 def test_init_from_refuses_another_family_other_tensors_or_a_target_adapter_in_one_line(tmp_path):
     data = write_conversations(tmp_path / "chats.jsonl", n=16)
     first = run.train(tiny_job(data, tmp_path / "first", max_steps=1))
