@@ -194,11 +194,15 @@ class EagleDrafter:
         return self.head.device
 
     def rewind(self, n: int) -> None:
-        """Forget the last n fed entries and queue them again (to time or repeat a drafting step)."""
+        """Forget the last n fed entries and queue them again (to time or repeat a drafting step),
+        before what a step drafted without this head (HybridDrafter) left queued since."""
         ids, feats = self.last_fed
         n = min(n, ids.shape[1])
         self.cache.crop(self.cache.length - n)
-        self.pending = (ids[:, -n:], feats[:, -n:])
+        ids, feats = ids[:, -n:], feats[:, -n:]
+        if self.pending is not None:
+            ids, feats = torch.cat([ids, self.pending[0]], dim=1), torch.cat([feats, self.pending[1]], dim=1)
+        self.pending = (ids, feats)
 
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the accepted tokens; returns the root's (hidden_out [Hd], draft log-probs [Vd])."""
@@ -322,11 +326,13 @@ class SequentialDrafter:
         self.pending = final if self.pending is None else torch.cat([self.pending, final], dim=1)
 
     def rewind(self, n: int) -> None:
-        """Queue the last n fed positions again (the prefix layer's cache forgets them)."""
+        """Queue the last n fed positions again (the prefix layer's cache forgets them), before what
+        a step drafted without this head (HybridDrafter) left queued since."""
         n = min(n, self.last_fed.shape[1])
         if self.cache is not None:
             self.cache.crop(self.cache.length - n)
-        self.pending = self.last_fed[:, -n:]
+        again = self.last_fed[:, -n:]
+        self.pending = again if self.pending is None else torch.cat([again, self.pending], dim=1)
 
     def _catch_up(self) -> torch.Tensor:
         if self.pending is not None:

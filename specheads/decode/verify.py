@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import sampling_probs
-from .tree import TreeLayout
+from .tree import FROM_TEXT, TreeLayout
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ def speculative_accept(
     that is the parent's draft distribution with the earlier siblings removed and renormalised).
     None means every draft is deterministic (top-k), i.e. a one-hot proposal. one_hot: per node,
     True where the proposal is one-hot at the node's token whatever draft_probs holds there: the
-    text's continuations of a hybrid tree (tree.merge_chains) beside a head's sampled children.
+    text's continuations of a hybrid tree (tree.merge_chains) beside a head's sampled children;
+    one_hot_nodes(sources) gives it (a node both drafters proposed is a head draw, not one-hot).
 
     At a node with target distribution p, each child x (proposal q) in turn is accepted with
     probability min(1, p(x) / q(x)); on rejection p becomes norm(max(p - q, 0)). If every child
@@ -121,6 +122,14 @@ def speculative_accept(
         if not moved:
             bonus = torch.multinomial(p, 1, generator=generator)
             return Acceptance(tuple(path), int(bonus))
+
+
+def one_hot_nodes(sources: Sequence[int]) -> list[bool]:
+    """speculative_accept's `one_hot` for a hybrid tree from its sources (tree.merge_chains): the
+    text's own nodes only. A node both drafters proposed is a head child the text's chain passed
+    through, so its token was the head's draw: given as one-hot, it would be accepted with p(x)
+    instead of min(1, p(x)/q(x)) and leave the wrong residual, and sampling would not be exact."""
+    return [s == FROM_TEXT for s in sources]
 
 
 def typical_accept(

@@ -369,3 +369,40 @@ def test_tree_drafts_equal_each_path_drafted_alone(family, tiny_target):
             path = [tokens[n] for n in layout.path_to(node)[1:]]
             expected = head.draft_to_target(torch.topk(alone(path), 2).indices).tolist()
             assert [tokens[c] for c in layout.children[node]] == expected, (node, path)
+
+
+@pytest.mark.parametrize("family", ["eagle", "peagle", "hydra-prefix"])
+def test_rewind_after_a_skipped_step_keeps_what_that_step_queued(family, tiny_target, sequences):
+    """rewind(n) queues the last n fed positions again before the ones a step drafted without the
+    head (HybridDrafter's text-alone step) left queued, not over them: the next tree and cache are
+    those of a drafter never rewound."""
+    from conftest import quick_head
+
+    text = sequences[2:3, :20]
+    ids = text[0].tolist()
+    trees = []
+    for rewind in (False, True):
+        if family == "hydra-prefix":
+            torch.manual_seed(0)
+            head = nudged(build_head(HeadConfig(family="hydra", num_heads=3, hydra_prefix_layer=True), tiny_target))
+        else:
+            head = quick_head(tiny_target, family)
+        drafter = make_drafter(head, POLICIES["wide"])
+        found = tiny_target.states(text, layer_ids=drafter.layer_ids, final=drafter.reads_final)
+        states = {**found.hidden, **({"final": found.final} if found.final is not None else {})}
+
+        def cut(a, b, states=states):
+            return {k: v[:, a:b] for k, v in states.items()}
+
+        with torch.no_grad():
+            drafter.start(text[:, :8], cut(0, 8), ids[8])
+            drafter.draft(ids[8], 8, 3)
+            drafter.advance(cut(8, 11), ids[8:11], ids[11])
+            drafter.draft(ids[11], 11, 3)
+            drafter.advance(cut(11, 13), ids[11:13], ids[13])
+            drafter.advance(cut(13, 16), ids[13:16], ids[16])  # a step drafted without the head
+            if rewind:
+                drafter.rewind(2)
+            trees.append(drafter.draft(ids[16], 16, 3))
+        assert drafter.cache.length == 16
+    assert trees[0] == trees[1]

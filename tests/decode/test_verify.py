@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from specheads.decode.tree import FROM_HEAD, FROM_TEXT, TreeLayout, merge_chains, static_tree
-from specheads.decode.verify import greedy_accept, speculative_accept, typical_accept
+from specheads.decode.verify import greedy_accept, one_hot_nodes, speculative_accept, typical_accept
 from specheads.sampling import sampling_probs
 
 V = 6  # synthetic vocabulary
@@ -267,13 +267,14 @@ def test_the_opt_in_check_fails_when_the_default_picks_typical(monkeypatch):
 HEAD_TREE = static_tree([[0], [1], [0, 0]]).layout
 
 
-def hybrid_tree(context: tuple, rng: random.Random, text_like_head: bool):
+def hybrid_tree(context: tuple, rng: random.Random, rule: str):
     """A hybrid tree: the head's children sampled without replacement from the draft, then the
     text's continuations (a fixed function of the context: here the target's own top ranks, so
-    that they are often accepted) merged in by merge_chains. Returns tokens, layout, sources and
-    the proposal rows: the head's nodes get their draft distribution; the text's are one-hot, or
-    with text_like_head (a broken rule) the draft's distribution at their parent, as if the head
-    had proposed them."""
+    that they are often accepted) merged in by merge_chains. Returns tokens, layout, sources, the
+    proposal rows and one_hot: the head's nodes get their draft distribution and the text's are
+    one-hot (rule "exact", one_hot_nodes), or, broken rules, with "text_like_head" the text's
+    nodes get the draft's distribution at their parent, as if the head had proposed them, and with
+    "both_as_text" a node both drafters proposed is one-hot, as if the text had."""
     tokens, qrows = [context[-1]], [[0.0] * V]
     for i in range(1, HEAD_TREE.size):
         parent = HEAD_TREE.parents[i]
@@ -289,7 +290,11 @@ def hybrid_tree(context: tuple, rng: random.Random, text_like_head: bool):
     first = top[0]
     chains = [[first, int(probs(context + (first,), 1.0, 1.0).argmax())], [top[2]]]
     merged, layout, sources = merge_chains(tokens, HEAD_TREE, chains)
-    one_hot = [bool(s == FROM_TEXT) for s in sources]
+    one_hot = {
+        "exact": one_hot_nodes(sources),
+        "text_like_head": None,
+        "both_as_text": [bool(s & FROM_TEXT) for s in sources],
+    }[rule]
     for i in range(len(tokens), len(merged)):
         q = list(draft_q(context + tuple(merged[n] for n in layout.path_to(layout.parents[i])[1:])))
         for s in layout.children[layout.parents[i]]:
@@ -297,14 +302,14 @@ def hybrid_tree(context: tuple, rng: random.Random, text_like_head: bool):
                 q[merged[s]] = 0.0
         total = sum(q)
         qrows.append([x / total for x in q])
-    return merged, layout, sources, torch.tensor(qrows), (None if text_like_head else one_hot)
+    return merged, layout, sources, torch.tensor(qrows), one_hot
 
 
-def sample_two_tokens_hybrid(gen, rng, text_like_head, through):
-    """Like sample_two_tokens, over hybrid trees; counts draws through accepted text / head nodes."""
+def sample_two_tokens_hybrid(gen, rng, rule, through):
+    """Like sample_two_tokens, over hybrid trees; counts draws through accepted text / head / both nodes."""
     context, out = (0,), []
     while len(out) < 2:
-        tokens, layout, sources, q, one_hot = hybrid_tree(context, rng, text_like_head)
+        tokens, layout, sources, q, one_hot = hybrid_tree(context, rng, rule)
         p = torch.stack(
             [probs(context + tuple(tokens[n] for n in layout.path_to(i)[1:]), 1.0, 1.0) for i in range(layout.size)]
         )
@@ -312,29 +317,41 @@ def sample_two_tokens_hybrid(gen, rng, text_like_head, through):
         if not out:
             through["text"] += any(sources[n] == FROM_TEXT for n in acc.path[1:])
             through["head"] += any(sources[n] & FROM_HEAD for n in acc.path[1:])
+            through["both"] += any(sources[n] == FROM_HEAD | FROM_TEXT for n in acc.path[1:])
         new = [tokens[i] for i in acc.path[1:]] + [acc.bonus]
         out += new
         context = context + tuple(new)
     return tuple(out[:2])
 
 
-def hybrid_two_token_p_value(text_like_head: bool, n: int = 10_000) -> tuple[float, Counter]:
+def hybrid_two_token_p_value(rule: str, n: int = 10_000) -> tuple[float, Counter]:
     gen = torch.Generator().manual_seed(4321)
     rng = random.Random(5)
     counts, through = Counter(), Counter()
     for _ in range(n):
-        counts[sample_two_tokens_hybrid(gen, rng, text_like_head, through)] += 1
+        counts[sample_two_tokens_hybrid(gen, rng, rule, through)] += 1
     return chi_square_p(counts, exact_two_token_distribution(1.0, 1.0), n), through
 
 
 def test_mixed_head_and_text_siblings_follow_the_target_distribution():
     """Sampled head children beside the text's one-hot continuations: still exact."""
-    p_value, through = hybrid_two_token_p_value(text_like_head=False)
-    assert through["text"] > 0 and through["head"] > 0, through  # both kinds of node were accepted
+    p_value, through = hybrid_two_token_p_value("exact")
+    assert through["text"] > 0 and through["head"] > 0 and through["both"] > 0, through  # every kind accepted
     assert p_value > 0.01
 
 
 def test_the_mixed_check_fails_when_a_text_node_is_treated_like_a_head_node():
     """The check has power: the text's nodes given the head's proposal (p/q, residual p - q)."""
-    p_value, through = hybrid_two_token_p_value(text_like_head=True)
+    p_value, through = hybrid_two_token_p_value("text_like_head")
     assert through["text"] > 0 and p_value < 0.01
+
+
+def test_the_mixed_check_fails_when_a_node_of_both_drafters_is_treated_as_one_hot():
+    """And the other way round: a head draw the text's chain passed through, given as one-hot."""
+    p_value, through = hybrid_two_token_p_value("both_as_text")
+    assert through["both"] > 0 and p_value < 0.01
+
+
+def test_one_hot_nodes_are_the_texts_own():
+    both = FROM_HEAD | FROM_TEXT
+    assert one_hot_nodes((0, FROM_HEAD, FROM_TEXT, both)) == [False, False, True, False]
