@@ -1,9 +1,10 @@
 """Who writes the target's answers: the target loaded here (`hf`) or a server serving it (`server`).
 
 Both answer a batch of conversations with `answer(conversations, seed, desc)` ->
-[Answer(text, finished, tokens)], greedy by default, so regeneration (specheads.distill.regenerate)
-is the same loop whichever writes. Only `hf` can write prompts (Magpie) and follow-up user turns:
-a chat server answers conversations, it does not continue a raw user-turn prefix.
+[Answer(text, finished, tokens)] (None where a server refused that request), greedy by default,
+so regeneration (specheads.distill.regenerate) is the same loop whichever writes. Only `hf` can
+write prompts (Magpie) and follow-up user turns: a chat server answers conversations, it does not
+continue a raw user-turn prefix.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class RemoteBackend:
         served = self.served
         return {"backend": self.name, "server": {"model": served.model, "engine": served.engine, "check": served.check}}
 
-    def answer(self, conversations: list[list[dict]], seed: int, desc: str | None = None) -> list[Answer]:
-        return [Answer(*reply) for reply in self.server.answer(conversations, seed, desc)]
+    def answer(self, conversations: list[list[dict]], seed: int, desc: str | None = None) -> list[Answer | None]:
+        """None for a conversation the server refused (ServerBackend._one)."""
+        return [None if reply is None else Answer(*reply) for reply in self.server.answer(conversations, seed, desc)]
 
 
 def make_backend(target, cfg: DistillConfig):

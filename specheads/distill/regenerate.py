@@ -72,17 +72,21 @@ def converse(
 ) -> tuple[list[dict], dict]:
     """Answer each prompt; for turns > 1 the next user turn is the source's own (a data set's later
     user turn) or, where the source has none and the target is loaded here, one the target writes.
-    Each user turn is answered given the target's own earlier answers. Returns the rows and counts
-    (answers, those cut off by max_new_tokens, tokens written)."""
+    Each user turn is answered given the target's own earlier answers. A turn the server refuses
+    (over its context) ends its conversation before that turn, and a conversation refused at its
+    first turn is dropped. Returns the rows and counts (answers, those cut off by max_new_tokens,
+    tokens written, turns refused, source follow-ups over distill.max_prompt_tokens)."""
     rows = [
         {"category": p["category"], "messages": [{"role": "user", "content": p["prompt"]}], "finished": True}
         for p in prompts
     ]
-    stats = {"answers": 0, "cut_off": 0, "tokens": 0}
+    stats = {"answers": 0, "cut_off": 0, "tokens": 0, "refused_turns": 0, "follow_ups_too_long": 0}
     active = list(range(len(rows)))
     for turn in range(cfg.turns):
         if turn > 0:
-            active = _next_user_turns(target, backend, prompts, rows, active, turn, cfg, prompt_filter, seed, desc)
+            active = _next_user_turns(
+                target, backend, prompts, rows, active, turn, cfg, prompt_filter, seed, desc, stats
+            )
             if not active:
                 break
         replies = backend.answer(
@@ -90,16 +94,23 @@ def converse(
             seed=_seed(seed, "answer", turn),
             desc=f"{desc} answers turn {turn + 1}",
         )
+        answered = []
         for i, reply in zip(active, replies):
+            if reply is None:
+                rows[i]["messages"].pop()  # the user turn it was asked
+                stats["refused_turns"] += 1
+                continue
             rows[i]["messages"].append({"role": "assistant", "content": reply.text})
             rows[i]["finished"] = rows[i]["finished"] and reply.finished
             stats["answers"] += 1
             stats["cut_off"] += int(not reply.finished)
             stats["tokens"] += reply.tokens
-    return rows, stats
+            answered.append(i)
+        active = answered
+    return [r for r in rows if r["messages"]], stats
 
 
-def _next_user_turns(target, backend, prompts, rows, active, turn, cfg, prompt_filter, seed, desc) -> list[int]:
+def _next_user_turns(target, backend, prompts, rows, active, turn, cfg, prompt_filter, seed, desc, stats) -> list[int]:
     """Append turn `turn`'s user message where there is one; the rows that go on."""
     from_source = [i for i in active if "follow_ups" in prompts[i] and len(prompts[i]["follow_ups"]) >= turn]
     written = [i for i in active if "follow_ups" not in prompts[i] or not prompts[i]["follow_ups"]]
@@ -108,9 +119,14 @@ def _next_user_turns(target, backend, prompts, rows, active, turn, cfg, prompt_f
         text = prompts[i]["follow_ups"][turn - 1]
         # Real later turns ("continue", "thanks") repeat across conversations: no dedup, but
         # nothing empty and nothing from an evaluation set.
-        if text.strip() and not (prompt_filter.index and prompt_filter.index.matches(text)):
-            rows[i]["messages"].append({"role": "user", "content": text})
-            going_on.append(i)
+        if not text.strip() or (prompt_filter.index and prompt_filter.index.matches(text)):
+            continue
+        # as long as a first prompt may be (a pasted document would overrun a server's context)
+        if len(target.tokenizer(text, add_special_tokens=False)["input_ids"]) > cfg.max_prompt_tokens:
+            stats["follow_ups_too_long"] += 1
+            continue
+        rows[i]["messages"].append({"role": "user", "content": text})
+        going_on.append(i)
     if written and backend.name == "hf":
         follow = follow_up_prompts(
             target,
@@ -251,7 +267,8 @@ def run_distillation(target, cfg: DistillConfig, seed: int = 0, target_path: str
         f"({time.time() - start:.0f} s this run); rejected prompts: {_nonzero(rejected_total)}; "
         f"decontamination dropped {rejected_total.get('contaminated', 0)}; {generation['answers']} answers, "
         f"{generation['cut_off_share']:.1%} cut off at {cfg.max_new_tokens} tokens, "
-        f"{generation['tokens_per_s']} tokens/s"
+        f"{generation['tokens_per_s']} tokens/s; turns skipped: {generation['refused_turns']} refused by the "
+        f"server, {generation['follow_ups_too_long']} follow-ups over {cfg.max_prompt_tokens} tokens"
     )
     return out
 
@@ -264,6 +281,8 @@ def _generation_totals(shards) -> dict:
     seconds = sum(e.get("seconds", 0.0) for e in shards)
     return {
         "answers": answers,
+        "refused_turns": sum(e.get("refused_turns", 0) for e in shards),
+        "follow_ups_too_long": sum(e.get("follow_ups_too_long", 0) for e in shards),
         "cut_off": sum(e.get("cut_off", 0) for e in shards),
         "cut_off_share": round(sum(e.get("cut_off", 0) for e in shards) / max(answers, 1), 4),
         "tokens": tokens,

@@ -30,6 +30,10 @@ PROBE = [
     },
 ]
 
+# HTTP statuses that refuse one request for what it asks (vLLM and SGLang answer 400 to a prompt and
+# max_tokens over the served context), not the server failing: that conversation is skipped
+REFUSED = (400, 413, 422)
+
 
 @dataclass
 class ServedModel:
@@ -172,7 +176,9 @@ class ServerBackend:
 
     # -- answering ------------------------------------------------------------------------------
 
-    def _one(self, messages: list[dict], seed: int) -> tuple[str, bool, int]:
+    def _one(self, messages: list[dict], seed: int) -> tuple[str, bool, int] | None:
+        """One answer, or None where the server refuses this request itself (REFUSED: a prompt over its
+        context, say): that conversation is skipped, not the run. Any other failure ends the run."""
         import openai
 
         try:
@@ -185,6 +191,8 @@ class ServerBackend:
                 seed=seed,
             )
         except openai.OpenAIError as err:
+            if isinstance(err, openai.APIStatusError) and err.status_code in REFUSED:
+                return None
             raise SpecHeadsError(f"the server at {self.cfg.url} failed a request: {_why(err)}") from None
         choice = reply.choices[0]
         tokens = int(getattr(reply.usage, "completion_tokens", 0) or 0)
@@ -195,7 +203,7 @@ class ServerBackend:
 
     def answer(
         self, conversations: list[list[dict]], seed: int, desc: str | None = None
-    ) -> list[tuple[str, bool, int]]:
+    ) -> list[tuple[str, bool, int] | None]:
         if self.served is None:
             raise RuntimeError("ServerBackend.connect() must run before answer()")
         results: list[tuple[str, bool, int] | None] = [None] * len(conversations)
@@ -217,4 +225,4 @@ class ServerBackend:
                 bar.close()
                 raise failed.exception()
         bar.close()
-        return [r for r in results if r is not None]
+        return results

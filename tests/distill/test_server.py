@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 class FakeServer:
     """/v1/models, /tokenize and /v1/chat/completions over the tiny target, with failure knobs."""
 
-    def __init__(self, target, cfg: DistillConfig, models=("tiny",), tokenize=True, fail_at=None, shift=0):
+    def __init__(
+        self, target, cfg: DistillConfig, models=("tiny",), tokenize=True, fail_at=None, shift=0, max_context=None
+    ):
         self.target, self.models, self.tokenize, self.fail_at, self.shift = (
             target,
             list(models),
@@ -37,6 +39,7 @@ class FakeServer:
             fail_at,
             shift,
         )
+        self.max_context = max_context  # vLLM's 400 for a prompt and max_tokens over the served context
         self.backend = HFBackend(target, replace(cfg, batch_size=1))
         self.requests = 0
         self.lock = threading.Lock()
@@ -84,11 +87,15 @@ class FakeServer:
                 return 500, {"error": {"message": "engine died", "type": "InternalServerError"}}
             if body["model"] not in self.models:
                 return 404, {"error": {"message": f"model {body['model']} not found"}}
+            asked = len(self.prompt_ids(body["messages"])) + body["max_tokens"]
+            if self.max_context is not None and asked > self.max_context:
+                message = (
+                    f"This model's maximum context length is {self.max_context} tokens. However, you requested {asked}"
+                )
+                return 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}}
             backend = replace(self.backend.cfg, max_new_tokens=body["max_tokens"])
             [answer] = HFBackend(self.target, backend).answer([body["messages"]], seed=0)
-        tok = self.target.tokenizer
-        prompt = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
-        prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+        prompt = self.prompt_ids(body["messages"])
         return 200, {
             "id": "x",
             "object": "chat.completion",
@@ -107,6 +114,10 @@ class FakeServer:
                 "total_tokens": len(prompt) + answer.tokens,
             },
         }
+
+    def prompt_ids(self, messages):
+        prompt = self.target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
 
     def close(self):
         self.httpd.shutdown()
@@ -192,6 +203,36 @@ def test_http_error_mid_run_keeps_whole_shards_and_a_rerun_resumes(tiny_target, 
     healthy = server()
     assert shard_rows(run_distillation(tiny_target, server_cfg(cfg(tmp_path, "out"), healthy.url))) == ref
     assert healthy.requests == 2  # only the missing shard was asked for
+
+
+def test_an_over_long_or_refused_turn_is_skipped_and_counted_not_fatal(tiny_target, tmp_path, server):
+    """A follow-up turn over distill.max_prompt_tokens is not sent; a turn the server refuses (HTTP 400:
+    over its context) ends its conversation before that turn, and a conversation refused at its first
+    turn is dropped; each is counted, and the run goes on to the end."""
+    from conftest import write_jsonl
+
+    questions = [
+        {"question_id": 0, "category": "c", "turns": ["What is rain?", "Say more."]},
+        {"question_id": 1, "category": "c", "turns": ["Name a color.", "more " * 60]},  # a long follow-up
+        {"question_id": 2, "category": "c", "turns": ["tell " * 40, "Why?"]},  # a long first prompt
+        {"question_id": 3, "category": "c", "turns": ["Why?", "Then?"]},
+    ]
+    prompts = write_jsonl(tmp_path / "turns.jsonl", questions)
+    base = replace(cfg(tmp_path, "unused"), prompts=str(prompts), turns=2, max_prompt_tokens=1000)
+    limited = server(max_context=150)
+    out = run_distillation(tiny_target, server_cfg(replace(base, output=str(tmp_path / "a")), limited.url))
+    rows = {r["messages"][0]["content"]: r["messages"] for r in shard_rows(out)}
+    assert set(rows) == {"What is rain?", "Name a color.", "Why?"}  # the long first prompt was refused
+    assert [len(rows[p]) for p in ("What is rain?", "Name a color.", "Why?")] == [4, 2, 4]
+    generation = json.loads((out / "manifest.json").read_text())["generation"]
+    assert generation["refused_turns"] == 2 and generation["follow_ups_too_long"] == 0
+    # the same follow-up over max_prompt_tokens is not sent at all
+    short = replace(base, output=str(tmp_path / "b"), max_prompt_tokens=100)
+    out = run_distillation(tiny_target, server_cfg(short, server().url))
+    rows = {r["messages"][0]["content"]: r["messages"] for r in shard_rows(out)}
+    assert len(rows["Name a color."]) == 2 and len(rows["What is rain?"]) == 4
+    generation = json.loads((out / "manifest.json").read_text())["generation"]
+    assert generation["follow_ups_too_long"] == 1 and generation["refused_turns"] == 0
 
 
 def test_a_server_serving_another_model_is_refused(tiny_target, tmp_path, server):
