@@ -80,7 +80,15 @@ class RemoteBackend:
 
     def describe(self) -> dict:
         served = self.served
-        return {"backend": self.name, "server": {"model": served.model, "engine": served.engine, "check": served.check}}
+        return {
+            "backend": self.name,
+            "server": {
+                "model": served.model,
+                "engine": served.engine,
+                "check": served.check,
+                "sampling": self.server.sampling(),
+            },
+        }
 
     def answer(self, conversations: list[list[dict]], seed: int, desc: str | None = None) -> list[Answer | None]:
         """None for a conversation the server refused (ServerBackend._one)."""

@@ -176,6 +176,19 @@ class ServerBackend:
 
     # -- answering ------------------------------------------------------------------------------
 
+    def openai_sampling(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+    def engine_sampling(self) -> dict:
+        """The engines' own fields (vLLM, SGLang, llama.cpp): -1 / 0 / 1 switch each off."""
+        return {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+    def sampling(self) -> dict:
+        """Every sampling field a request sets. vLLM fills the ones it leaves out from the served
+        model's generation_config.json (`--generation-config auto`: Qwen2.5-Instruct's repetition
+        penalty 1.05, top_k 20, ...), so none is left out: the answers are the target's own."""
+        return {**self.openai_sampling(), **self.engine_sampling()}
+
     def _one(self, messages: list[dict], seed: int) -> tuple[str, bool, int] | None:
         """One answer, or None where the server refuses this request itself (REFUSED: a prompt over its
         context, say): that conversation is skipped, not the run. Any other failure ends the run."""
@@ -186,9 +199,9 @@ class ServerBackend:
                 model=self.served.model,
                 messages=[{"role": m["role"], "content": m["content"]} for m in messages],
                 max_tokens=self.max_new_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
                 seed=seed,
+                **self.openai_sampling(),
+                extra_body=self.engine_sampling(),
             )
         except openai.OpenAIError as err:
             if isinstance(err, openai.APIStatusError) and err.status_code in REFUSED:

@@ -42,6 +42,7 @@ class FakeServer:
         self.max_context = max_context  # vLLM's 400 for a prompt and max_tokens over the served context
         self.backend = HFBackend(target, replace(cfg, batch_size=1))
         self.requests = 0
+        self.bodies = []
         self.lock = threading.Lock()
         server = self
 
@@ -83,6 +84,7 @@ class FakeServer:
     def complete(self, body):
         with self.lock:
             self.requests += 1
+            self.bodies.append(body)
             if self.fail_at is not None and self.requests >= self.fail_at:
                 return 500, {"error": {"message": "engine died", "type": "InternalServerError"}}
             if body["model"] not in self.models:
@@ -175,6 +177,26 @@ def test_server_answers_equal_the_loaded_targets(tiny_target, tmp_path, server):
     generation = json.loads((out / "manifest.json").read_text())["generation"]
     assert generation["answers"] == 4 and generation["tokens"] > 0
     assert generation["cut_off"] == sum(not r["finished"] for r in ref)
+
+
+def test_every_greedy_sampling_field_is_pinned_and_recorded(tiny_target, tmp_path, server):
+    """vLLM fills the fields a request leaves out from the served model's generation_config.json
+    (a repetition penalty, top_k, ...): greedy answers would not be the target's. Every request
+    names them all, and the metadata records what was sent."""
+    fake = server()
+    out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "srv"), fake.url))
+    pinned = {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
+    assert fake.bodies and all({k: b.get(k) for k in pinned} == pinned for b in fake.bodies)
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["server"]["sampling"] == pinned
 
 
 def test_unreachable_server_is_one_line_and_writes_nothing(tiny_target, tmp_path):
@@ -313,7 +335,8 @@ def test_distill_cli_unreachable_server_is_one_line(tmp_path):
 
 @pytest.mark.engines
 def test_a_real_vllm_server_writes_the_data(tmp_path):
-    """The embedded target served by vLLM's CPU build (make serve's script) answers a few prompts."""
+    """The embedded target served by vLLM's CPU build (make serve's script) answers a few prompts,
+    each as the target loaded here answers it (fp32 greedy on both sides)."""
     vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
     if not vllm_python.is_file():
         pytest.skip(".venv-vllm is missing: make .venv-vllm/.installed")
@@ -347,5 +370,23 @@ def test_a_real_vllm_server_writes_the_data(tmp_path):
         assert len(rows) == 3 and all(r["messages"][-1]["content"].strip() for r in rows)
         meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
         assert meta["server"]["check"].startswith("tokenize") and meta["server"]["engine"]
+        # the same prompts answered by the target loaded here: the server's answers are its own
+        hf = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "distill.py"),
+                f"distill.prompts={prompts}",
+                "distill.max_new_tokens=32",
+                "distill.num_prompts=null",
+                f"distill.output={tmp_path / 'hf'}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=tmp_path,
+        )
+        assert hf.returncode == 0, hf.stderr[-2000:]
+        assert [r["messages"] for r in rows] == [r["messages"] for r in shard_rows(tmp_path / "hf")]
     finally:
         subprocess.run([*serve, "stop"], capture_output=True, text=True, env=env)
