@@ -5,7 +5,8 @@ requests stay in flight, which is how regeneration keeps a serving engine's batc
 client is the `openai` package. Before the first answer the server must show that it serves the
 target `model=` names: a served model's name can be anything, so the check compares what can be
 compared: the chat-templated encoding of a probe conversation through the server's /tokenize
-endpoint (vLLM, SGLang) or, where there is none, the prompt's token count the server reports.
+endpoint (vLLM, SGLang) or, where there is none (or it does not read messages: llama.cpp's), the
+prompt's token count the server reports.
 """
 
 from __future__ import annotations
@@ -142,8 +143,10 @@ class ServerBackend:
             )
         except httpx.HTTPError as err:
             raise SpecHeadsError(f"distill.server.url={self.cfg.url}: cannot connect ({err})") from None
-        if r.status_code == 200 and isinstance(r.json().get("tokens"), list):
-            remote = [int(t) for t in r.json()["tokens"]]
+        # llama.cpp's /tokenize reads "content" only and answers this body with no token: no answer
+        tokens = r.json().get("tokens") if r.status_code == 200 else None
+        if isinstance(tokens, list) and tokens:
+            remote = [int(t) for t in tokens]
             if remote != local:
                 at = next((i for i, (a, b) in enumerate(zip(remote, local)) if a != b), min(len(remote), len(local)))
                 raise SpecHeadsError(

@@ -67,6 +67,8 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize" and server.tokenize == "llama.cpp" and "content" not in body:
+                    return self.reply(200, {"tokens": []})  # llama.cpp's server reads "content" only
                 if self.path == "/tokenize" and server.tokenize:
                     ids = server.target.tokenizer.apply_chat_template(
                         body["messages"], add_generation_prompt=True, tokenize=True
@@ -270,6 +272,17 @@ def test_a_server_serving_another_model_is_refused(tiny_target, tmp_path, server
     same = server(tokenize=False)
     out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "c"), same.url))
     assert json.loads((out / "metadata.json").read_text())["server"]["check"].startswith("prompt_tokens")
+
+
+def test_llama_cpp_serving_the_target_is_accepted(tiny_target, tmp_path, server):
+    """llama.cpp's /tokenize answers a body without "content" with an empty token list: that is no
+    answer about the chat template, not another tokenizer; the prompt's token count is compared."""
+    llama = server(tokenize="llama.cpp")
+    out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "a"), llama.url))
+    assert json.loads((out / "metadata.json").read_text())["server"]["check"].startswith("prompt_tokens")
+    other = server(tokenize="llama.cpp", shift=2)
+    with pytest.raises(SpecHeadsError, match="counts .* prompt tokens in a probe"):
+        run_distillation(tiny_target, server_cfg(cfg(tmp_path, "b"), other.url))
 
 
 def test_picking_the_served_model(tiny_target, tmp_path, server):
