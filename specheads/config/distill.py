@@ -58,6 +58,15 @@ class ServerConfig:
     timeout: float = 600.0  # seconds for one request
     retries: int = 2  # retries of a failed connection or a 5xx/429 answer, then the run stops
     api_key: str | None = None  # null = $OPENAI_API_KEY, else none
+    # How the served model is shown to be the target. Its tokenizer and chat template are always
+    # compared (a probe through /tokenize, else the prompt's token count), but a family shares them
+    # (Qwen2.5-0.5B passes for -7B). "logprobs": the target is also loaded here (model=, on the CPU)
+    # and the server's top next-token log-probabilities on a short probe must match its own (the top
+    # token agrees, values within 0.5 nats: fp32 here vs bf16/quantized there); a server that returns
+    # none is refused. "auto": logprobs where the target can be loaded here (the embedded target, or
+    # weight files under a quarter of this machine's memory), else "tokenizer" with a warning on
+    # stderr. "tokenizer": the tokenizer check alone. The metadata's server.check says which ran.
+    identity: str = "auto"
 
 
 @dataclass

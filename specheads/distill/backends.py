@@ -9,6 +9,7 @@ continue a raw user-turn prefix.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,6 +20,7 @@ from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 from ..target import TargetInfo, target_source
 from .generation import generate
+from .identity import weights_for_check
 from .prompts import end_of_turn_ids, pad_token_id
 from .server import ServerBackend
 
@@ -75,20 +77,37 @@ class RemoteBackend:
 
     def __init__(self, target, cfg: DistillConfig):
         self.server = ServerBackend(cfg.server, target.tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
-        self.served = self.server.connect(target.info.name)
-        print(f"server: {self.served.url} serves {self.served.model!r}; identity checked by {self.served.check}")
+        self.identity = cfg.server.identity
+        weights, self.not_compared = None, None
+        if self.identity != "tokenizer":
+            weights, self.not_compared = weights_for_check(target, self.identity)
+            if weights is None:
+                print(
+                    f"warning: distill.server.identity=auto: the served model's weights are not compared with "
+                    f"the target's, only its tokenizer and chat template ({self.not_compared}); "
+                    "distill.server.identity=logprobs loads it anyway",
+                    file=sys.stderr,
+                )
+        self.served = self.server.connect(target.info.name, weights)
+        del weights  # loaded for the check only, where the target had none here
+        served = self.served
+        print(f"server: {served.url} serves {served.model!r}; identity checked by {served.describe_check()}")
 
     def describe(self) -> dict:
         served = self.served
-        return {
-            "backend": self.name,
-            "server": {
-                "model": served.model,
-                "engine": served.engine,
-                "check": served.check,
-                "sampling": self.server.sampling(),
-            },
+        server = {
+            "model": served.model,
+            "engine": served.engine,
+            # "logprobs": the weights were compared; "tokenizer": only the tokenizer and chat template
+            "check": served.check,
+            "identity": self.identity,
+            "tokenizer_check": served.tokenizer_check,
         }
+        if served.logprobs is not None:
+            server["logprobs"] = served.logprobs
+        if self.not_compared is not None:
+            server["weights_not_compared"] = self.not_compared
+        return {"backend": self.name, "server": {**server, "sampling": self.server.sampling()}}
 
     def answer(self, conversations: list[list[dict]], seed: int, desc: str | None = None) -> list[Answer | None]:
         """None for a conversation the server refused (ServerBackend._one)."""
@@ -111,6 +130,7 @@ class TokenizerTarget:
     tokenizer: object
     info: TargetInfo
     model: None = None
+    source: ModelConfig | None = None  # where the weights are, for distill.server.identity=logprobs
 
 
 def load_tokenizer_target(cfg: ModelConfig) -> TokenizerTarget:
@@ -123,4 +143,5 @@ def load_tokenizer_target(cfg: ModelConfig) -> TokenizerTarget:
         raise SpecHeadsError(f"cannot load the tokenizer of target {cfg.path!r}: {first}") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return TokenizerTarget(tokenizer, TargetInfo.from_hf_config(config, name=cfg.name, revision=cfg.revision))
+    info = TargetInfo.from_hf_config(config, name=cfg.name, revision=cfg.revision)
+    return TokenizerTarget(tokenizer, info, source=cfg)

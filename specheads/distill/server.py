@@ -6,7 +6,10 @@ client is the `openai` package. Before the first answer the server must show tha
 target `model=` names: a served model's name can be anything, so the check compares what can be
 compared: the chat-templated encoding of a probe conversation through the server's /tokenize
 endpoint (vLLM, SGLang) or, where there is none (or it does not read messages: llama.cpp's), the
-prompt's token count the server reports.
+prompt's token count the server reports. That tells a tokenizer apart, not a model of the same
+family (Qwen2.5-0.5B for -7B): with `distill.server.identity` logprobs (or auto, where the target
+fits here) the server's next-token log-probabilities on a probe are compared with the target's own
+loaded here (specheads.distill.identity).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..config.distill import ServerConfig
 from ..errors import SpecHeadsError
+from . import identity as ident
 
 # Mixed scripts, digits, code and whitespace: tokenizers that differ anywhere tend to differ here.
 PROBE = [
@@ -42,8 +46,19 @@ class ServedModel:
 
     url: str
     model: str
-    check: str  # how the identity was checked
+    check: str  # "logprobs" (the weights were compared) or "tokenizer" (the tokenizer only)
+    tokenizer_check: str  # how the tokenizer and chat template were compared
     engine: str | None = None  # the server's /version, where it has one
+    logprobs: dict | None = None  # the weights' comparison, where it ran
+
+    def describe_check(self) -> str:
+        if self.logprobs is None:
+            return f"tokenizer ({self.tokenizer_check})"
+        lp = self.logprobs
+        return (
+            f"logprobs (top {lp['compared']} next-token log-probabilities within {lp['max_abs_diff']:.2g} "
+            f"<= {lp['tolerance']} of the target's) and {self.tokenizer_check}"
+        )
 
 
 def _client(cfg: ServerConfig):
@@ -92,6 +107,10 @@ class ServerBackend:
             raise SpecHeadsError(f"distill.server.url must be an http(s) URL, got {cfg.url!r}")
         if cfg.concurrency < 1:
             raise SpecHeadsError("distill.server.concurrency must be >= 1")
+        if cfg.identity not in ident.IDENTITY_CHECKS:
+            raise SpecHeadsError(
+                f"unknown distill.server.identity={cfg.identity!r}; use one of {list(ident.IDENTITY_CHECKS)}"
+            )
         self.cfg, self.tokenizer = cfg, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.client = _client(cfg)
@@ -101,8 +120,10 @@ class ServerBackend:
 
     # -- identity -------------------------------------------------------------------------------
 
-    def connect(self, target_name: str) -> ServedModel:
-        """Pick the served model and check that it is the target; one line and no request otherwise."""
+    def connect(self, target_name: str, weights=None) -> ServedModel:
+        """Pick the served model and check that it is the target; one line and no request otherwise.
+        With `weights` (a target loaded here) the served model's log-probabilities are compared with
+        its own too; without, the tokenizer and chat template only."""
         import openai
 
         try:
@@ -122,8 +143,10 @@ class ServerBackend:
                 f"the server at {self.cfg.url} serves {len(served)} models {served}: "
                 "pick one with distill.server.model="
             )
-        check = self._check_identity(model, target_name)
-        self.served = ServedModel(self.cfg.url, model, check, self._engine_version())
+        tokenizer_check = self._check_identity(model, target_name)
+        logprobs = self._check_logprobs(model, target_name, weights) if weights is not None else None
+        check = "tokenizer" if logprobs is None else "logprobs"
+        self.served = ServedModel(self.cfg.url, model, check, tokenizer_check, self._engine_version(), logprobs)
         return self.served
 
     def _local_probe_ids(self) -> list[int]:
@@ -167,6 +190,75 @@ class ServerBackend:
                 f"{mismatch}: it counts {counted} prompt tokens in a probe where the target has {len(local)}"
             )
         return f"prompt_tokens: the probe counts {counted} tokens on both sides (the server has no /tokenize)"
+
+    def _check_logprobs(self, model: str, target_name: str, weights) -> dict:
+        """The served model's top log-probabilities for the token after a short chat-templated probe,
+        against the target's own forward here: the top token must agree and the values be within
+        identity.LOGPROB_TOLERANCE, else one line naming both."""
+        import openai
+
+        ids = ident.probe_ids(self.tokenizer)
+        fix = "set distill.server.identity=tokenizer to check its tokenizer and chat template only"
+        request = dict(model=model, max_tokens=1, logprobs=ident.TOP_LOGPROBS, **self.openai_sampling())
+        request["temperature"] = 0.0
+        # return_tokens_as_token_ids: vLLM names the tokens "token_id:N" (a text can be several
+        # tokens'); n_probs: llama.cpp's name for the count. Servers ignore what they do not know.
+        extra = {**self.engine_sampling(), "return_tokens_as_token_ids": True, "n_probs": ident.TOP_LOGPROBS}
+        prompt_as = "token ids"
+        try:
+            reply = self.client.completions.create(prompt=ids, extra_body=extra, **request)
+        except openai.APIStatusError as err:
+            if err.status_code not in REFUSED:
+                raise SpecHeadsError(
+                    f"the server at {self.cfg.url} answered no log-probabilities for the identity probe "
+                    f"({_why(err)}): {fix}"
+                ) from None
+            reply, prompt_as = None, "text"  # no token-id prompts here: the text, tokenized there
+        except openai.OpenAIError as err:
+            raise SpecHeadsError(f"distill.server.url={self.cfg.url}: {_why(err)}") from None
+        if reply is None:
+            try:
+                reply = self.client.completions.create(
+                    prompt=ident.probe_text(self.tokenizer), extra_body=extra, **request
+                )
+            except openai.OpenAIError as err:
+                raise SpecHeadsError(
+                    f"the server at {self.cfg.url} answered no log-probabilities for the identity probe "
+                    f"({_why(err)}): {fix}"
+                ) from None
+            counted = getattr(reply.usage, "prompt_tokens", None)
+            if counted is not None and counted != len(ids):
+                raise SpecHeadsError(
+                    f"the server at {self.cfg.url} takes no token ids and tokenizes the identity probe's text "
+                    f"into {counted} tokens where the target has {len(ids)}: its log-probabilities cannot be "
+                    f"compared; {fix}"
+                )
+        choice = reply.choices[0].model_dump() if reply.choices else {}
+        served = ident.parse_top_logprobs(choice)
+        if served is None:
+            raise SpecHeadsError(f"the server at {self.cfg.url} returned no log-probabilities for {model!r}: {fix}")
+        result = ident.compare(ident.local_logprobs(weights, ids), served, self.tokenizer)
+        tol = ident.LOGPROB_TOLERANCE
+        if not result["agree"] or result["max_abs_diff"] > tol:
+            how = (
+                f"its next token is {result['served_top']!r} where the target's is {result['target_top']!r}, and "
+                if not result["agree"]
+                else ""
+            ) + (
+                f"its top {result['compared']} log-probabilities differ from the target's by up to "
+                f"{result['max_abs_diff']:.3f} (tolerance {tol})"
+            )
+            raise SpecHeadsError(
+                f"the server at {self.cfg.url} serves {model!r}, which is not the target model={target_name}: "
+                f"on an identity probe {how}, so its weights are others"
+            )
+        return {
+            "max_abs_diff": result["max_abs_diff"],
+            "tolerance": tol,
+            "compared": result["compared"],
+            "probe_tokens": len(ids),
+            "prompt_as": prompt_as,
+        }
 
     def _engine_version(self) -> str | None:
         import httpx

@@ -1,8 +1,10 @@
 """distill.backend=server against a local OpenAI-compatible server (loopback only).
 
 The server here answers with the tiny target's own greedy loop, so a distillation through it must
-equal one through distill.backend=hf row for row; it can also fail on request, serve other
-models, or lack /tokenize. The real vLLM server is exercised by the `engines` test at the end.
+equal one through distill.backend=hf row for row; its /v1/completions returns the identity probe's
+next-token log-probabilities of the weights it serves (the target's, or another seed's); it can also
+fail on request, serve other models, lack /tokenize or log-probabilities. The real vLLM server is
+exercised by the `engines` test at the end.
 """
 
 import json
@@ -16,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import write_questions
 
 from specheads.config.distill import DistillConfig, ServerConfig
@@ -27,10 +30,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeServer:
-    """/v1/models, /tokenize and /v1/chat/completions over the tiny target, with failure knobs."""
+    """/v1/models, /tokenize, /v1/chat/completions and /v1/completions (the identity probe's next-token
+    log-probabilities, as vLLM returns them, or as llama.cpp does) over a tiny target, with failure knobs."""
 
     def __init__(
-        self, target, cfg: DistillConfig, models=("tiny",), tokenize=True, fail_at=None, shift=0, max_context=None
+        self,
+        target,
+        cfg: DistillConfig,
+        models=("tiny",),
+        tokenize=True,
+        fail_at=None,
+        shift=0,
+        max_context=None,
+        logprobs=True,
+        token_prompts=True,
     ):
         self.target, self.models, self.tokenize, self.fail_at, self.shift = (
             target,
@@ -40,8 +53,11 @@ class FakeServer:
             shift,
         )
         self.max_context = max_context  # vLLM's 400 for a prompt and max_tokens over the served context
+        self.logprobs = logprobs  # False: a server that answers completions without log-probabilities
+        self.token_prompts = token_prompts  # False: a server that takes text prompts only
         self.backend = HFBackend(target, replace(cfg, batch_size=1))
         self.requests = 0
+        self.probes = []
         self.bodies = []
         self.lock = threading.Lock()
         server = self
@@ -77,6 +93,8 @@ class FakeServer:
                     return self.reply(200, {"tokens": [t + server.shift for t in ids], "count": len(ids)})
                 if self.path == "/v1/chat/completions":
                     return self.reply(*server.complete(body))
+                if self.path == "/v1/completions":
+                    return self.reply(*server.next_token(body))
                 self.reply(404, {"error": {"message": "not found"}})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -119,6 +137,54 @@ class FakeServer:
             },
         }
 
+    def next_token(self, body):
+        """A completion of max_tokens=1 with the top `logprobs` log-probabilities of the served weights."""
+        tokenizer = self.target.tokenizer
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and not self.token_prompts:
+            return 400, {"error": {"message": "prompt must be a string", "type": "BadRequestError", "code": 400}}
+        ids = prompt if isinstance(prompt, list) else tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        with self.lock:
+            self.probes.append(body)
+            with torch.no_grad():
+                logits = self.target.model(input_ids=torch.tensor([ids])).logits[0, -1]
+        top = torch.topk(torch.log_softmax(logits.float(), -1), int(body.get("logprobs") or 1))
+        pairs = [(int(i), float(v)) for i, v in zip(top.indices, top.values)]
+
+        def name(i):  # vLLM: the token's text, or "token_id:N" when asked
+            return f"token_id:{i}" if body.get("return_tokens_as_token_ids") else tokenizer.decode([i])
+
+        if not self.logprobs or body.get("logprobs") is None:
+            logprobs = None
+        elif self.tokenize == "llama.cpp":
+            logprobs = {
+                "content": [
+                    {
+                        "id": pairs[0][0],
+                        "token": tokenizer.decode([pairs[0][0]]),
+                        "logprob": pairs[0][1],
+                        "top_logprobs": [{"id": i, "token": tokenizer.decode([i]), "logprob": v} for i, v in pairs],
+                    }
+                ]
+            }
+        else:
+            logprobs = {
+                "tokens": [name(pairs[0][0])],
+                "token_logprobs": [pairs[0][1]],
+                "top_logprobs": [{name(i): v for i, v in pairs}],
+                "text_offset": [0],
+            }
+        choice = {"index": 0, "text": tokenizer.decode([pairs[0][0]]), "logprobs": logprobs, "finish_reason": "length"}
+        usage = {"prompt_tokens": len(ids) + self.shift, "completion_tokens": 1, "total_tokens": len(ids) + 1}
+        return 200, {
+            "id": "c",
+            "object": "text_completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [choice],
+            "usage": usage,
+        }
+
     def prompt_ids(self, messages):
         prompt = self.target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
@@ -157,8 +223,8 @@ def server_cfg(base: DistillConfig, url, **kw):
 def server(tiny_target, tmp_path):
     servers = []
 
-    def start(**kw):
-        s = FakeServer(tiny_target, cfg(tmp_path, "unused"), **kw)
+    def start(served=None, **kw):
+        s = FakeServer(served or tiny_target, cfg(tmp_path, "unused"), **kw)
         servers.append(s)
         return s
 
@@ -175,7 +241,12 @@ def test_server_answers_equal_the_loaded_targets(tiny_target, tmp_path, server):
     assert fake.requests == 4
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["backend"] == "server" and meta["server"]["model"] == "tiny"
-    assert meta["server"]["check"].startswith("tokenize")
+    # the target is loaded here (identity=auto): its weights were compared, and its tokenizer
+    assert meta["server"]["check"] == "logprobs" and meta["server"]["identity"] == "auto"
+    assert meta["server"]["logprobs"]["max_abs_diff"] <= 1e-6 and meta["server"]["logprobs"]["compared"] == 5
+    assert meta["server"]["tokenizer_check"].startswith("tokenize")
+    assert len(fake.probes) == 1 and fake.probes[0]["max_tokens"] == 1 and fake.probes[0]["temperature"] == 0.0
+    assert isinstance(fake.probes[0]["prompt"], list)  # the probe's token ids, as the target reads them
     generation = json.loads((out / "manifest.json").read_text())["generation"]
     assert generation["answers"] == 4 and generation["tokens"] > 0
     assert generation["cut_off"] == sum(not r["finished"] for r in ref)
@@ -271,7 +342,83 @@ def test_a_server_serving_another_model_is_refused(tiny_target, tmp_path, server
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     same = server(tokenize=False)
     out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "c"), same.url))
-    assert json.loads((out / "metadata.json").read_text())["server"]["check"].startswith("prompt_tokens")
+    assert json.loads((out / "metadata.json").read_text())["server"]["tokenizer_check"].startswith("prompt_tokens")
+
+
+def other_seed(tiny_target):
+    """The tiny target's architecture and tokenizer with other weights: another model of the same family."""
+    from specheads.target import FrozenTarget
+    from specheads.tiny import tiny_target as build
+
+    model, tokenizer = build("llama", seed=1)
+    return FrozenTarget(model, tokenizer, name="tiny-random-seed1")
+
+
+def test_a_server_serving_the_same_family_with_other_weights_is_refused(tiny_target, tmp_path, server):
+    """Same tokenizer and chat template, other weights: the tokenizer check alone accepts it (and the
+    code before identity=logprobs did, saying the identity was checked); the log-probabilities of the
+    identity probe refuse it in one line naming both."""
+    other = server(served=other_seed(tiny_target))
+    with pytest.raises(SpecHeadsError, match=r"serves 'tiny', which is not the target model=tiny-random: ") as err:
+        run_distillation(tiny_target, server_cfg(cfg(tmp_path, "a"), other.url))
+    assert "\n" not in str(err.value) and "identity probe" in str(err.value)
+    assert other.requests == 0 and not (tmp_path / "a").exists()
+    # identity=logprobs says the same; identity=tokenizer accepts it and records that only the tokenizer was checked
+    with pytest.raises(SpecHeadsError, match="not the target model=tiny-random"):
+        run_distillation(tiny_target, server_cfg(cfg(tmp_path, "b"), other.url, identity="logprobs"))
+    out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "c"), other.url, identity="tokenizer"))
+    meta = json.loads((out / "metadata.json").read_text())["server"]
+    assert meta["check"] == "tokenizer" and "logprobs" not in meta and meta["identity"] == "tokenizer"
+
+
+def test_a_server_without_logprobs_is_refused_under_identity_logprobs(tiny_target, tmp_path, server):
+    silent = server(logprobs=False)
+    for identity in ("logprobs", "auto"):  # auto: the tiny target is loaded here, so logprobs
+        with pytest.raises(SpecHeadsError, match="returned no log-probabilities .*identity=tokenizer") as err:
+            run_distillation(tiny_target, server_cfg(cfg(tmp_path, identity), silent.url, identity=identity))
+        assert "\n" not in str(err.value)
+    assert silent.requests == 0
+    out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "tok"), silent.url, identity="tokenizer"))
+    assert json.loads((out / "metadata.json").read_text())["server"]["check"] == "tokenizer"
+    with pytest.raises(SpecHeadsError, match="unknown distill.server.identity='weights'"):
+        run_distillation(tiny_target, server_cfg(cfg(tmp_path, "x"), silent.url, identity="weights"))
+
+
+def test_a_server_taking_text_prompts_only_is_probed_with_the_text(tiny_target, tmp_path, server):
+    text_only = server(token_prompts=False)
+    out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "a"), text_only.url, identity="logprobs"))
+    meta = json.loads((out / "metadata.json").read_text())["server"]
+    assert meta["check"] == "logprobs" and meta["logprobs"]["prompt_as"] == "text"
+    assert [isinstance(b["prompt"], str) for b in text_only.probes] == [True]
+
+
+def test_auto_loads_a_target_that_fits_and_warns_when_it_does_not(tiny_target, tmp_path, server, monkeypatch, capsys):
+    """A server run reads only the target's tokenizer (distill.py); identity=auto loads its weights for
+    the comparison when their files total under a quarter of this machine's memory, else checks the
+    tokenizer only and says so in one line on stderr."""
+    from specheads.config.model import ModelConfig
+    from specheads.distill import identity
+    from specheads.distill.backends import load_tokenizer_target
+
+    saved = tmp_path / "target"
+    tiny_target.model.save_pretrained(saved)
+    tiny_target.tokenizer.save_pretrained(saved)
+    target = load_tokenizer_target(ModelConfig(name="tiny-random", path=str(saved)))
+    assert target.model is None
+    size, _ = identity.weight_bytes(target.source)
+    assert size == sum(p.stat().st_size for p in saved.glob("*.safetensors"))
+    fake = server()
+    out = run_distillation(target, server_cfg(cfg(tmp_path, "fits"), fake.url))
+    meta = json.loads((out / "metadata.json").read_text())["server"]
+    assert meta["check"] == "logprobs" and meta["logprobs"]["max_abs_diff"] <= 1e-5
+    capsys.readouterr()
+    monkeypatch.setattr(identity, "machine_ram", lambda: 4 * size)  # a quarter of it is not more than the weights
+    out = run_distillation(target, server_cfg(cfg(tmp_path, "large"), fake.url))
+    warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "not compared" in warning[0] and "quarter of this machine" in warning[0]
+    meta = json.loads((out / "metadata.json").read_text())["server"]
+    assert meta["check"] == "tokenizer" and "logprobs" not in meta and "quarter" in meta["weights_not_compared"]
+    assert len(fake.probes) == 1  # the log-probabilities were asked for in the first run only
 
 
 def test_llama_cpp_serving_the_target_is_accepted(tiny_target, tmp_path, server):
@@ -279,7 +426,9 @@ def test_llama_cpp_serving_the_target_is_accepted(tiny_target, tmp_path, server)
     answer about the chat template, not another tokenizer; the prompt's token count is compared."""
     llama = server(tokenize="llama.cpp")
     out = run_distillation(tiny_target, server_cfg(cfg(tmp_path, "a"), llama.url))
-    assert json.loads((out / "metadata.json").read_text())["server"]["check"].startswith("prompt_tokens")
+    meta = json.loads((out / "metadata.json").read_text())["server"]
+    assert meta["tokenizer_check"].startswith("prompt_tokens")
+    assert meta["check"] == "logprobs" and meta["logprobs"]["max_abs_diff"] <= 1e-6  # llama.cpp's logprobs format
     other = server(tokenize="llama.cpp", shift=2)
     with pytest.raises(SpecHeadsError, match="counts .* prompt tokens in a probe"):
         run_distillation(tiny_target, server_cfg(cfg(tmp_path, "b"), other.url))
@@ -349,7 +498,8 @@ def test_distill_cli_unreachable_server_is_one_line(tmp_path):
 @pytest.mark.engines
 def test_a_real_vllm_server_writes_the_data(tmp_path):
     """The embedded target served by vLLM's CPU build (make serve's script) answers a few prompts,
-    each as the target loaded here answers it (fp32 greedy on both sides)."""
+    each as the target loaded here answers it (fp32 greedy on both sides), after identity=logprobs
+    compared vLLM's next-token log-probabilities of the probe with the target's."""
     vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
     if not vllm_python.is_file():
         pytest.skip(".venv-vllm is missing: make .venv-vllm/.installed")
@@ -368,6 +518,7 @@ def test_a_real_vllm_server_writes_the_data(tmp_path):
                 f"distill.prompts={prompts}",
                 "distill.backend=server",
                 f"distill.server.url={url}",
+                "distill.server.identity=logprobs",
                 "distill.max_new_tokens=32",
                 "distill.num_prompts=null",
                 f"distill.output={tmp_path / 'out'}",
@@ -382,7 +533,10 @@ def test_a_real_vllm_server_writes_the_data(tmp_path):
         rows = shard_rows(tmp_path / "out")
         assert len(rows) == 3 and all(r["messages"][-1]["content"].strip() for r in rows)
         meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
-        assert meta["server"]["check"].startswith("tokenize") and meta["server"]["engine"]
+        assert meta["server"]["tokenizer_check"].startswith("tokenize") and meta["server"]["engine"]
+        # the weights compared: vLLM's fp32 log-probabilities of the probe against the target's here
+        assert meta["server"]["check"] == "logprobs" and meta["server"]["logprobs"]["prompt_as"] == "token ids"
+        assert meta["server"]["logprobs"]["max_abs_diff"] < 1e-3, meta["server"]["logprobs"]
         # the same prompts answered by the target loaded here: the server's answers are its own
         hf = subprocess.run(
             [
