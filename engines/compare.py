@@ -7,8 +7,9 @@ A development tool of the repository (it runs the checkout's train.py and infer.
 head), so it lives beside the package, not in it. The questions default to the package's shipped
 dev set; MT-bench or any other FastChat question.jsonl is given with --questions.
 
-1. heads: the shipped EAGLE-3 head; EAGLE-1 and Medusa heads given with --eagle-head/--medusa-head,
-   else trained for a few steps with train.py (enough to test loading and agreement, not speed);
+1. heads: the shipped EAGLE-3 head; EAGLE-1, Medusa and P-EAGLE heads given with --eagle-head,
+   --medusa-head and --peagle-head, else trained for a few steps with train.py (enough to test
+   loading and agreement, not speed);
 2. exports: every format vLLM loads (`python -m specheads.export`);
 3. vLLM: engines/vllm_run.py in vLLM's own virtualenv runs plain greedy, each export and vLLM's own
    model-free speculation (--peers: ngram, and Suffix Decoding, which needs arctic-inference in
@@ -43,13 +44,18 @@ from specheads.errors import SpecHeadsError, one_line_errors
 ROOT = Path(__file__).resolve().parents[1]  # the checkout this tool belongs to (engines/..)
 RUNNER = ROOT / "engines" / "vllm_run.py"
 SHIPPED_EAGLE3 = ROOT / "heads" / "smollm2-135m-eagle3"
-# format -> (head family, vLLM's speculative_config method)
+# run name -> (head family, export format, vLLM's speculative_config fields beside model and K).
+# P-EAGLE is the eagle3 method drafting every position in one forward (parallel_drafting).
+PARALLEL = {"method": "eagle3", "parallel_drafting": True}
 FORMATS = {
-    "eagle3": ("eagle3", "eagle3"),
-    "speculators": ("eagle3", "eagle3"),
-    "eagle": ("eagle", "eagle"),
-    "vllm-medusa": ("medusa", "medusa"),
+    "eagle3": ("eagle3", "eagle3", {"method": "eagle3"}),
+    "speculators": ("eagle3", "speculators", {"method": "eagle3"}),
+    "eagle": ("eagle", "eagle", {"method": "eagle"}),
+    "vllm-medusa": ("medusa", "vllm-medusa", {"method": "medusa"}),
+    "peagle": ("peagle", "eagle3", PARALLEL),
+    "peagle-speculators": ("peagle", "speculators", PARALLEL),
 }
+DEFAULT_FORMATS = ["eagle3", "speculators", "eagle", "vllm-medusa", "peagle"]
 # vLLM's model-free drafters run beside the heads. Suffix Decoding keeps a tree of earlier answers
 # (its defaults otherwise), so its batched pass gets a fresh engine: else it would be timed on
 # answers to the very prompts it has just seen.
@@ -259,7 +265,7 @@ def train_head(family: str, out: Path, steps: int, k: int, logs: Path) -> Path:
 
 def export(head: Path, fmt: str, out: Path, k: int, logs: Path) -> Path:
     cmd = [sys.executable, "-m", "specheads.export", f"head={head}", f"format={fmt}", f"out={out}"]
-    run_logged(f"export format={fmt}", cmd + [f"num_speculative_tokens={k}"], logs / f"export-{fmt}.log")
+    run_logged(f"export format={fmt}", cmd + [f"num_speculative_tokens={k}"], logs / f"export-{out.name}.log")
     return out
 
 
@@ -382,9 +388,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--eagle3-head", type=Path, default=SHIPPED_EAGLE3)
     p.add_argument("--eagle-head", type=Path, default=None, help="default: train one in --heads-dir")
     p.add_argument("--medusa-head", type=Path, default=None, help="default: train one in --heads-dir")
+    p.add_argument("--peagle-head", type=Path, default=None, help="default: train one in --heads-dir")
     p.add_argument("--train-steps", type=int, default=20)
     p.add_argument("--heads-dir", type=Path, default=ROOT / "runs" / "engines" / "heads")
-    p.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--formats", nargs="*", default=DEFAULT_FORMATS, choices=list(FORMATS))
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "engines")
     args = p.parse_args(argv)
@@ -415,7 +422,7 @@ def vllm_runs(exports: dict, peers: Sequence[str], ks: Sequence[int]) -> list[di
     for k in ks:
         for fmt, path in exports.items():
             if k in chain_lengths(FORMATS[fmt][0], ks):
-                config = {"method": FORMATS[fmt][1], "model": str(path), "num_speculative_tokens": k}
+                config = {**FORMATS[fmt][2], "model": str(path), "num_speculative_tokens": k}
                 runs.append({"name": run_name(fmt, k, ks), "speculative_config": config})
         for peer in peers:
             run = {"name": run_name(peer, k, ks), "speculative_config": {**PEERS[peer], "num_speculative_tokens": k}}
@@ -431,7 +438,12 @@ def run(args: argparse.Namespace) -> dict:
     out, logs = args.out.resolve(), args.out.resolve() / "logs"
     ks = args.k
     families = sorted({FORMATS[f][0] for f in args.formats})
-    given = {"eagle3": args.eagle3_head, "eagle": args.eagle_head, "medusa": args.medusa_head}
+    given = {
+        "eagle3": args.eagle3_head,
+        "eagle": args.eagle_head,
+        "medusa": args.medusa_head,
+        "peagle": args.peagle_head,
+    }
     to_train = [f for f in families if given[f] is None]
     chains = [(fam, k) for fam in families for k in chain_lengths(fam, ks)]
     with tqdm(
@@ -448,7 +460,7 @@ def run(args: argparse.Namespace) -> dict:
         exports = {}
         for fmt in args.formats:
             bar.set_description(f"export {fmt}")
-            exports[fmt] = export(heads[FORMATS[fmt][0]], fmt, out / "export" / fmt, max(ks), logs)
+            exports[fmt] = export(heads[FORMATS[fmt][0]], FORMATS[fmt][1], out / "export" / fmt, max(ks), logs)
             bar.update(1)
         questions, prompts, target_dir, warmup = prompt_ids(args.questions, args.num_questions, args.per_category)
         runs = vllm_runs(exports, args.peers, ks)

@@ -7,6 +7,12 @@ Aux-layer numbering is where engines disagree. vLLM reads eagle_aux_hidden_state
 (set_eagle3_layers_to_capture: `[val + 1 for val in layer_ids]`, sglang llama.py), i.e. reads them
 as "output of layer k". Both default to [2, L//2, L-3] entering-layer ids when the field is absent,
 so a head on those layers is written without the field and loads the same in both.
+
+A P-EAGLE head is the same directory plus `mask_hidden` (the learned feature of the positions
+after the first, n_aux x hidden values) and `mask_token_id` in config.json, which vLLM reads when
+served with `{"method": "eagle3", "parallel_drafting": true}` (llama_eagle3.py load_weights,
+llm_base_proposer._init_parallel_drafting_params); SGLang has no parallel drafting, so it is
+written for vLLM only. A P-EAGLE head that trained its own embedding carries it as embed_tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from .common import (
 )
 
 NAME = "eagle3"
-FAMILIES = ("eagle3",)
+FAMILIES = ("eagle3", "peagle")
 WEIGHTS = "model.safetensors"
 
 
@@ -86,8 +92,9 @@ def to_engine_names(tensors: dict[str, torch.Tensor], layer0: str) -> dict[str, 
     return out
 
 
-def from_engine_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Engine names (midlayer.* or layers.0.*) -> our EAGLE-3 state dict; drops embed_tokens."""
+def from_engine_names(tensors: dict[str, torch.Tensor], keep_embeddings: bool = False) -> dict[str, torch.Tensor]:
+    """Engine names (midlayer.* or layers.0.*) -> our EAGLE-3 state dict; drops embed_tokens (the
+    target's copy) unless keep_embeddings (a P-EAGLE head's own trained embedding)."""
     out = {}
     for name, t in tensors.items():
         if name.startswith("midlayer."):
@@ -98,6 +105,10 @@ def from_engine_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             out["hidden_norm.weight"] = t
         elif (idx := layer_index(name, "layers.")) is not None and idx[0] > 0 and idx[1] == "input_layernorm.weight":
             out[f"extra_input_norms.{idx[0] - 1}.weight"] = t
+        elif name == "mask_hidden":
+            out[name] = t.flatten()  # speculators keeps it as [1, 1, n], vLLM views it as [1, n]
+        elif name == "embed_tokens.weight" and keep_embeddings:
+            out["embed_tokens.weight"] = t
         elif name == "embed_tokens.weight" or name.endswith("hidden_norm.weight"):
             continue  # the target's embedding; vLLM builds unused hidden_norms for layers >= 1
         else:
@@ -139,7 +150,8 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
     engine = opts.engine
     if engine not in ("auto", "vllm", "sglang"):
         raise SpecHeadsError(f"format eagle3 is read by vllm and sglang; engine={engine} is neither")
-    if not default and engine == "auto":
+    parallel = src.family == "peagle"
+    if not default and engine == "auto" and not parallel:
         raise SpecHeadsError(
             f"this head reads target layers {ids} (entering-layer ids), not the engines' default "
             f"{engine_default_ids(info.num_layers)}; vLLM and SGLang number explicit ids differently "
@@ -155,10 +167,17 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
     eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
     config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_fields(src, dtype), "norm_before_residual": False}
     notes = []
-    if default:
+    if parallel:
+        check_parallel_export(src, opts)
+        config["mask_token_id"] = spec.mask_token_id
+        notes.append(parallel_serving_note(spec))
+    if default and parallel:
+        engines, numbering = ["vllm"], None
+        notes.append(f"layer ids {ids} are vLLM's default: eagle_aux_hidden_state_layer_ids left out")
+    elif default:
         engines, numbering = ["vllm", "sglang"], None
         notes.append(f"layer ids {ids} are both engines' default: eagle_aux_hidden_state_layer_ids left out")
-    elif engine == "vllm":
+    elif engine == "vllm" or parallel:
         engines, numbering = ["vllm"], "vllm"
         config["eagle_aux_hidden_state_layer_ids"] = list(ids)
         eagle_config["eagle_aux_hidden_state_layer_ids"] = list(ids)
@@ -179,11 +198,31 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
             )
     config["eagle_config"] = eagle_config
     tensors = dict(src.tensors)
-    if opts.embeddings:
+    if opts.embeddings and "embed_tokens.weight" not in tensors:
         tensors["embed_tokens.weight"] = opts.target.embed_tokens()
     out = cast(to_engine_names(tensors, "midlayer"), dtype)
     config[PROVENANCE_KEY] = provenance(src, NAME, engines, ids, numbering)
     return Exported(config, {WEIGHTS: out}, engines, notes)
+
+
+def check_parallel_export(src: HeadSource, opts: ExportOptions) -> None:
+    """A P-EAGLE head with the target's frozen embedding must not carry a copy of it: read back,
+    the copy would say the head trained its own."""
+    if opts.engine == "sglang":
+        raise SpecHeadsError("SGLang has no parallel drafting: a peagle head is exported for vLLM (engine=vllm)")
+    if opts.embeddings and not src.spec.train_embeddings:
+        raise SpecHeadsError(
+            "this P-EAGLE head reads the target's embedding (head.train_embeddings=false): vLLM shares the "
+            "target's, so export it without embeddings=true"
+        )
+
+
+def parallel_serving_note(spec) -> str:
+    return (
+        f'P-EAGLE: serve with speculative_config {{"method": "eagle3", "parallel_drafting": true, '
+        f'"num_speculative_tokens": K}}, K <= {spec.parallel_depths} (the positions it was trained on); '
+        f"mask token id {spec.mask_token_id}"
+    )
 
 
 # -- read back -------------------------------------------------------------------------------------
@@ -218,7 +257,8 @@ def our_layer_ids(config: dict[str, Any], num_layers: int, numbering: str | None
 
 
 def spec_fields(config: dict[str, Any], tensors: dict[str, torch.Tensor], layer_ids: list[int]) -> dict[str, Any]:
-    return {
+    """The head fields the engine config says; a `mask_hidden` tensor makes it a P-EAGLE head."""
+    fields = {
         "family": "eagle3",
         "layer_ids": layer_ids,
         "num_decoder_layers": int(config.get("num_hidden_layers", 1)),
@@ -226,12 +266,28 @@ def spec_fields(config: dict[str, Any], tensors: dict[str, torch.Tensor], layer_
         "fc_bias": "fc.bias" in tensors,
         "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
     }
+    if "mask_hidden" in tensors:
+        mask = mask_token_of(config)
+        if mask is None:
+            raise SpecHeadsError("a checkpoint with mask_hidden (P-EAGLE) needs mask_token_id in its config.json")
+        fields.update(family="peagle", mask_token_id=mask, train_embeddings="embed_tokens.weight" in tensors)
+    return fields
+
+
+def mask_token_of(config: dict[str, Any]) -> int | None:
+    """The parallel-drafting mask id, where vLLM looks for it (llm_base_proposer, in that order)."""
+    dflash = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    for value in (dflash.get("mask_token_id"), config.get("mask_token_id"), config.get("pard_token")):
+        if value is not None:
+            return int(value)
+    return None
 
 
 def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: str | None = None) -> ReadBack:
     engine_tensors = read_tensors(directory / WEIGHTS)
-    tensors = from_engine_names(engine_tensors)
+    # a P-EAGLE checkpoint's embedding is its own trained one; an EAGLE-3 one's the target's copy
+    tensors = from_engine_names(engine_tensors, keep_embeddings="mask_hidden" in engine_tensors)
     ids = our_layer_ids(config, num_layers, numbering)
     spec = spec_fields(config, tensors, ids)
     tensors.update(vocab_maps(tensors, int(config["vocab_size"]), spec["draft_vocab_size"]))
-    return ReadBack("eagle3", spec, draft_fields_from_config(config), tensors, config.get(PROVENANCE_KEY) or {})
+    return ReadBack(spec["family"], spec, draft_fields_from_config(config), tensors, config.get(PROVENANCE_KEY) or {})

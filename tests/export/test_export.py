@@ -46,6 +46,8 @@ def draft_outputs(head, target, input_ids: torch.Tensor) -> torch.Tensor:
     if head.family == "medusa":
         return head.medusa_logits(s.final)
     states = {**s.hidden, "final": s.final}
+    if head.family == "peagle":  # every position in one forward
+        return head.parallel_logits(input_ids, head.input_features(states), head.new_cache(), head.spec.parallel_depths)
     cache = head.new_cache()
     pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
     hidden, logits = head.draft_step(input_ids, head.input_features(states), pos, cache)
@@ -82,6 +84,10 @@ ROUND_TRIPS = [
     ("eagle3", EAGLE3, "speculators", "auto"),
     ("eagle3", {"layer_ids": [1, 3, 5], "draft_vocab_size": 320, "num_decoder_layers": 2}, "speculators", "auto"),
     ("eagle3", {"layer_ids": [1, 3, 5], "draft_vocab_size": 320, "num_decoder_layers": 2}, "eagle3", "vllm"),
+    ("peagle", EAGLE3, "eagle3", "auto"),
+    ("peagle", {**EAGLE3, "train_embeddings": True, "num_decoder_layers": 2}, "eagle3", "vllm"),
+    ("peagle", EAGLE3, "speculators", "auto"),
+    ("peagle", {**EAGLE3, "train_embeddings": True}, "speculators", "auto"),
 ]
 
 
@@ -112,12 +118,17 @@ def test_round_trip_gives_identical_drafts(tiny_target, tmp_path, family, overri
         ("vllm-medusa", "auto", {"shared_lm_head": True}),
         ("medusa", "auto", {}),
         ("eagle", "auto", {}),
+        ("eagle3", "auto", {**EAGLE3, "family": "peagle", "mask_token_id": 7}),
+        ("speculators", "auto", {**EAGLE3, "family": "peagle", "train_embeddings": True}),
     ],
 )
 def test_engine_fields_alone_are_enough(tiny_target, tmp_path, fmt, engine, overrides):
     """A checkpoint someone else wrote has no provenance block: the engine fields must carry
-    everything (layer numbering, norms, vocab maps, shared LM head)."""
-    family = {"eagle3": "eagle3", "speculators": "eagle3", "eagle": "eagle"}.get(fmt, "medusa")
+    everything (layer numbering, norms, vocab maps, shared LM head, a P-EAGLE mask)."""
+    overrides = dict(overrides)
+    family = overrides.pop("family", None) or {"eagle3": "eagle3", "speculators": "eagle3", "eagle": "eagle"}.get(
+        fmt, "medusa"
+    )
     src = make_head_dir(tiny_target, tmp_path / "head", family, **overrides)
     out = export_head(src, fmt, tmp_path / "out", engine=engine, target=tiny_target).path
     edit_config(out, lambda c: c.pop("specheads"))
@@ -126,6 +137,9 @@ def test_engine_fields_alone_are_enough(tiny_target, tmp_path, fmt, engine, over
     assert exported.target_layer_ids() == original.target_layer_ids()
     if family == "medusa":
         assert exported.spec.shared_lm_head == original.spec.shared_lm_head
+    if family == "peagle":
+        assert (exported.family, exported.spec.mask_token_id) == ("peagle", original.spec.mask_token_id)
+        assert exported.spec.train_embeddings == original.spec.train_embeddings
     assert torch.equal(draft_outputs(exported, tiny_target, PROMPT), draft_outputs(original, tiny_target, PROMPT))
 
 
@@ -206,8 +220,13 @@ def test_bfloat16_export(tiny_target, tmp_path):
 
 def test_refusals(tiny_target, tmp_path):
     medusa = make_head_dir(tiny_target, tmp_path / "m", "medusa")
-    with pytest.raises(SpecHeadsError, match="holds eagle3 heads"):
+    with pytest.raises(SpecHeadsError, match="holds eagle3/peagle heads"):
         export_head(medusa, "eagle3", tmp_path / "x")
+    parallel = make_head_dir(tiny_target, tmp_path / "p", "peagle", **EAGLE3)
+    with pytest.raises(SpecHeadsError, match="SGLang has no parallel drafting"):
+        export_head(parallel, "eagle3", tmp_path / "x", engine="sglang")
+    with pytest.raises(SpecHeadsError, match="export it without embeddings=true"):
+        export_head(parallel, "eagle3", tmp_path / "x", embeddings=True, target=tiny_target)
     two_layers = make_head_dir(tiny_target, tmp_path / "two", "eagle3", layer_ids=[2, 3], draft_vocab_size=96)
     with pytest.raises(SpecHeadsError, match="exactly 3 target layers"):
         export_head(two_layers, "eagle3", tmp_path / "x", engine="vllm")
