@@ -306,26 +306,38 @@ def _path(table, i):
 @pytest.mark.parametrize("temperature, top_p", [(0.7, 0.9)])
 def test_sampled_tokens_follow_the_target_distribution(temperature, top_p, target):
     """End to end: the first two tokens (the second decided by a tree verification)."""
-    from specheads.sampling import sampling_probs
 
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     n = 800
-    gen = torch.Generator().manual_seed(7)
     drafter = self_drafter(target, static_tree([[0], [1], [2], [0, 0]]))
-    # 3 new tokens: the root comes from the prefill, the next two from one tree verification
+    counts, depths = first_two_samples(target, drafter, prompt, n, temperature, top_p)
+    assert depths[0] > n * 0.1 and depths[1] + depths[2] > n * 0.3  # drafts both accepted and rejected
+    assert_first_two_tokens_follow(counts, *first_two_probs(target, prompt, temperature, top_p), n)
+
+
+def first_two_samples(target, drafter, prompt, n, temperature, top_p):
+    """Counts of the first two sampled tokens over n runs, and of the drafts accepted for the second:
+    3 new tokens, the root from the prefill and the next two from one tree verification."""
+    gen = torch.Generator().manual_seed(7)
     cfg = SamplingConfig(max_new_tokens=3, temperature=temperature, top_p=top_p)
-    counts, depths = Counter(), Counter()
+    counts, accepted = Counter(), Counter()
     for _ in range(n):
         res = speculative_generate(target, drafter, prompt, cfg, generator=gen)
         counts[tuple(res.output_ids[:2])] += 1
-        depths[res.accepted_drafts[0]] += 1
-    assert depths[0] > n * 0.1 and depths[1] + depths[2] > n * 0.3  # drafts both accepted and rejected
+        accepted[res.accepted_drafts[0]] += 1
+    return counts, accepted
+
+
+def first_two_probs(target, prompt, temperature, top_p):
+    """The target's sampling distributions of the first token, and of the second after each first."""
+    from specheads.sampling import sampling_probs
+
     with torch.no_grad():
         p1 = sampling_probs(target.model(prompt).logits[0, -1], temperature, top_p)
         firsts = torch.arange(320)
         batch = torch.cat([prompt.expand(320, -1), firsts[:, None]], dim=1)
         p2 = sampling_probs(target.model(batch).logits[:, -1], temperature, top_p)
-    assert_first_two_tokens_follow(counts, p1, p2, n)
+    return p1, p2
 
 
 class FutureOracleDrafter:
@@ -670,39 +682,20 @@ def accepts_any_draft_in_support(tokens, layout, target_probs, draft_probs=None,
         path.append(child)
 
 
-def parallel_head_samples(target, head, prompt, n, temperature, top_p):
-    """Counts of the first two sampled tokens over n runs and of the drafts accepted for the second."""
-    gen = torch.Generator().manual_seed(7)
-    drafter = make_drafter(head, static_tree([[0], [1], [2], [0, 0]]))
-    cfg = SamplingConfig(max_new_tokens=3, temperature=temperature, top_p=top_p)
-    counts, accepted = Counter(), Counter()
-    for _ in range(n):
-        res = speculative_generate(target, drafter, prompt, cfg, generator=gen)
-        counts[tuple(res.output_ids[:2])] += 1
-        accepted[res.accepted_drafts[0]] += 1
-    return counts, accepted
-
-
 def test_a_parallel_head_samples_the_target_distribution(target, heads, sequences, monkeypatch):
     """Sampling with P-EAGLE drafts: the first two tokens follow the target's joint distribution
     (the chi-square of the other families), with drafts both accepted and rejected; a rule that
     accepts every draft in the target's support fails the same check."""
-    from specheads.sampling import sampling_probs
-
-    head = heads["peagle", "trained"]
+    drafter = make_drafter(heads["peagle", "trained"], static_tree([[0], [1], [2], [0, 0]]))
     prompt = sequences[1:2, :12]  # inside the text the head was fitted on: its drafts get accepted
     temperature, top_p, n = 0.5, 0.9, 800
-    with torch.no_grad():
-        p1 = sampling_probs(target.model(prompt).logits[0, -1], temperature, top_p)
-        firsts = torch.arange(320)
-        batch = torch.cat([prompt.expand(320, -1), firsts[:, None]], dim=1)
-        p2 = sampling_probs(target.model(batch).logits[:, -1], temperature, top_p)
-    counts, accepted = parallel_head_samples(target, head, prompt, n, temperature, top_p)
+    p1, p2 = first_two_probs(target, prompt, temperature, top_p)
+    counts, accepted = first_two_samples(target, drafter, prompt, n, temperature, top_p)
     assert n * 0.15 < accepted[0] < n * 0.85, accepted
     assert_first_two_tokens_follow(counts, p1, p2, n)
     import specheads.decode.generate as generate
 
     monkeypatch.setattr(generate, "speculative_accept", accepts_any_draft_in_support)
-    counts, _ = parallel_head_samples(target, head, prompt, n, temperature, top_p)
+    counts, _ = first_two_samples(target, drafter, prompt, n, temperature, top_p)
     with pytest.raises(AssertionError):
         assert_first_two_tokens_follow(counts, p1, p2, n)
