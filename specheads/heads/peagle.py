@@ -167,9 +167,8 @@ class PEagleHead(Eagle3Head):
         in_vocab_top = self.t2d[target_logits.argmax(-1)]
         k = self.spec.parallel_depths
         counted = torch.stack([self._counted(batch, d) for d in range(k)])  # [K, B, T]
-        generator = getattr(self, "_anchor_generator", None)
-        anchors = [
-            sample_anchors(counted[:, r], self.spec.depth_keep_rate, self.spec.depth_min_rate, generator)
+        anchors = [  # drawn from the global RNG, which the trainer seeds
+            sample_anchors(counted[:, r], self.spec.depth_keep_rate, self.spec.depth_min_rate, None)
             for r in range(counted.shape[1])
         ]
         logits, anchor, depth, doc = self.packed_forward(
