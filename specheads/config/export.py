@@ -11,12 +11,16 @@ from .model import ModelConfig
 
 @dataclass
 class BenchInput:
+    """Benchmark results to put in the model card."""
+
     # OUT.summary.json written by `infer.py bench.output=OUT.jsonl`: its table goes into the model card.
     summary: str | None = None
 
 
 @dataclass
 class ExportJobConfig:
+    """`python -m specheads.export`: a trained head in a serving engine's format, optionally on the Hub."""
+
     # A head directory or Hub id. On the command line `head=` is accepted too (see __main__).
     head_path: str = MISSING
     # eagle3 | speculators | eagle | vllm-medusa | medusa
@@ -37,9 +41,9 @@ class ExportJobConfig:
     base_model: str | None = None
     # Default number of drafted tokens (speculators proposal, serve commands). null: from the tree.
     num_speculative_tokens: int | None = None
-    push_to_hub: bool = False
-    repo_id: str | None = None
-    private: bool = False
-    commit_message: str | None = None
+    push_to_hub: bool = False  # upload the export (with a model card) to the Hugging Face Hub
+    repo_id: str | None = None  # the Hub repository to push to (org/name)
+    private: bool = False  # create the Hub repository as private
+    commit_message: str | None = None  # the Hub commit's message; null = a default one
     bench: BenchInput = field(default_factory=BenchInput)
-    device: str = "cpu"
+    device: str = "cpu"  # where the head is loaded to be converted and checked

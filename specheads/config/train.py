@@ -17,35 +17,35 @@ class HeadConfig:
     These defaults are the only ones: conf/head/<family>.yaml selects a family and sets nothing
     else, so the Python API and the command line train the same head (tests/config checks it)."""
 
-    family: str = "eagle3"
+    family: str = "eagle3"  # the head family, as conf/head/ names them (`head=NAME` picks one)
     # Hidden-state layer ids in our convention: the residual stream entering decoder layer k
     # (k = num_layers means after the last layer, before the final norm). None = family default.
     layer_ids: list[int] | None = None
-    # medusa
+    # medusa: heads, one per drafted depth
     num_heads: int = 4
-    num_layers: int = 1
-    shared_lm_head: bool = False
-    medusa_decay: float = 0.8
-    # eagle / eagle3 draft decoder layer
+    num_layers: int = 1  # medusa: residual blocks in each head
+    shared_lm_head: bool = False  # medusa: the heads read the target's LM head instead of one each
+    medusa_decay: float = 0.8  # medusa: head k's loss is weighted decay^k
+    # eagle / eagle3: decoder layers of the draft model
     num_decoder_layers: int = 1
-    intermediate_size: int | None = None  # None = the target's
-    fc_bias: bool = False
-    # eagle
+    intermediate_size: int | None = None  # MLP width of the draft layer; None = the target's
+    fc_bias: bool = False  # a bias in the layer that projects the target's states into the draft
+    # eagle: weight of the loss on the predicted next feature
     feature_loss_weight: float = 1.0
-    token_loss_weight: float = 0.1
-    noise: str = "uniform"  # uniform | gaussian | none
-    noise_std: float = 0.2
-    # eagle3
+    token_loss_weight: float = 0.1  # eagle: weight of the next-token loss
+    noise: str = "uniform"  # eagle: noise on the input features in training: uniform | gaussian | none
+    noise_std: float = 0.2  # eagle: the noise's width (uniform) or standard deviation (gaussian)
+    # eagle3, peagle: the draft vocabulary's size, the most frequent tokens of the training answers
     draft_vocab_size: int = 8192
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
+    ttt_steps: int = 7  # eagle3: draft steps unrolled in training on the head's own outputs (training-time test)
+    ttt_decay: float = 0.8  # eagle3: unrolled step j's loss is weighted decay^j
     # peagle (also reads the eagle3 fields above but the training-time test's): one draft forward
     # fills `parallel_depths` positions, the later ones from a mask token and a learned feature
     parallel_depths: int = 4
     # training packs depth d of a random max(rate^d, min_rate) share of the positions into the
     # forward of depth 0 (COD sampling): ~2.5x the rows of one depth for 4 depths at 0.7 / 0.2
     depth_keep_rate: float = 0.7
-    depth_min_rate: float = 0.2
+    depth_min_rate: float = 0.2  # the least share of positions packed for any depth (COD sampling)
     # train the head's own copy of the token embedding (the P-EAGLE paper's choice; the export then
     # carries embed_tokens), else the target's embedding is read frozen
     train_embeddings: bool = False
@@ -58,8 +58,9 @@ class HeadConfig:
     hydra_prefix_layer: bool = False
     # medusa2 (also reads the medusa fields above): a peft LoRA on the target trains with the heads
     lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
+    lora_alpha: int = 32  # the LoRA's scale numerator (scale = alpha / r)
+    lora_dropout: float = 0.05  # dropout on the LoRA's input
+    # the target's linear layers that get a LoRA
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -122,7 +123,9 @@ def family_fields(family: str) -> tuple[str, ...]:
 
 @dataclass
 class DataConfig:
-    name: str = "builtin"
+    """The conversations the head trains on: their sources, filters and split."""
+
+    name: str = "builtin"  # a label for the data
     # A local json/jsonl/parquet file, a local `datasets` directory, a Hub id, or "builtin"
     # (conversations the target writes for itself on first use, then cached).
     path: str = "builtin"
@@ -134,11 +137,11 @@ class DataConfig:
     # a distill.py output that is still being written: train on its completed shards
     partial_distill: bool = False
     format: str = "auto"  # auto | sharegpt | openai
-    split: str = "train"
-    max_length: int = 512
-    eval_fraction: float = 0.05
-    max_examples: int | None = None
-    shuffle_seed: int = 0
+    split: str = "train"  # the split of a Hub dataset
+    max_length: int = 512  # tokens per conversation (longer ones are cut)
+    eval_fraction: float = 0.05  # the share held out as the evaluation split
+    max_examples: int | None = None  # at most this many conversations in all; null = all
+    shuffle_seed: int = 0  # the seed of the shuffle and of the train/eval split
     # drop a conversation whose answers repeat more than this share of their 4-grams (a greedy
     # answer looping on itself, specheads.data.repeats); null = keep every row. With max_examples
     # the rows kept count, so a filtered run reads as many conversations as an unfiltered one.
@@ -146,15 +149,15 @@ class DataConfig:
     # Evaluation prompt files/globs (FastChat question.jsonl, ...) whose overlapping examples are
     # dropped, besides the shipped dev prompts (always kept out).
     decontaminate: list[str] = field(default_factory=list)
-    ngram: int = 13
+    ngram: int = 13  # a conversation sharing an n-gram this long with an evaluation prompt is dropped
     # builtin data: how many self-written conversations and how long their answers are.
     # 256 x 80 answer tokens builds in about 4.5 minutes on a 2-core CPU with SmolLM2-135M.
     builtin_examples: int = 256
-    builtin_answer_tokens: int = 80
-    builtin_batch_size: int = 64
+    builtin_answer_tokens: int = 80  # builtin data: the longest answer, in tokens
+    builtin_batch_size: int = 64  # builtin data: prompts answered together
     # conversation turns (> 1: the target also writes follow-up user turns) and the build's seed
     builtin_turns: int = 1
-    builtin_seed: int = 0
+    builtin_seed: int = 0  # builtin data: the seed of its build
     # offline features: a cache directory written by distill.py, or "auto" (one target pass over
     # the data caches the states under the cache root; every epoch after it skips the target)
     features: str | None = None
@@ -166,30 +169,30 @@ class TrainConfig:
     (`python train.py`: SmolLM2-135M + EAGLE-3) takes its steps from conf/recipe/, and cluster
     runs set max_steps (or epochs), batch_size and grad_accum for their data."""
 
-    max_steps: int = 60
+    max_steps: int = 60  # optimizer steps
     # when set, the number of steps comes from epochs over the training split (max_steps ignored)
     epochs: float | None = None
     batch_size: int = 4  # rows per rank per micro-batch
-    grad_accum: int = 1
-    lr: float = 2e-3
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 2e-3  # peak learning rate (AdamW), reached after warmup_steps
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
-    warmup_steps: int = 6
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
+    warmup_steps: int = 6  # linear warm-up of the learning rate
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    grad_clip: float = 0.5  # the gradient's largest norm
     # mixed precision for a float32 head: the online target forward and the head's forward and
     # backward run their matmuls in bfloat16 (or float16) under torch.autocast; weights, optimizer
     # state and losses stay float32, and a feature cache is still written in float32. On CPUs with
     # AVX512-BF16 or AMX this is the fast path (BENCHMARKS.md "Training at the data's scale");
     # null = plain float32.
     autocast: str | None = None
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's betas
     # sort rows by length inside windows of batches (less padding, order still random)
     group_by_length: bool = True
     eval_every: int = 200  # 0 = only at the end (there is always a final evaluation)
     # per rank; null = the whole eval split
     eval_batches: int | None = 4
     save_every: int = 50  # 0 = only at the end (there is always a final checkpoint)
-    log_every: int = 5
+    log_every: int = 5  # steps between metrics lines (DIR/metrics.jsonl, wandb)
     keep_checkpoints: int = 2  # 0 = keep all
     # also write the head of every checkpoint as OUTPUT_DIR/heads/step-N (config.json + safetensors,
     # kept whatever keep_checkpoints prunes): what `infer.py bench.mode=replay` compares checkpoints on
@@ -202,17 +205,21 @@ class TrainConfig:
 
 @dataclass
 class WandbConfig:
+    """Weights & Biases logging (offline by default: nothing leaves the machine)."""
+
     mode: str = "offline"  # disabled | offline | online
-    project: str = "specheads"
-    entity: str | None = None
-    name: str | None = None
+    project: str = "specheads"  # the wandb project
+    entity: str | None = None  # the wandb team or user; null = your default
+    name: str | None = None  # the run's name; null = wandb's
 
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = 2
-    offload_optimizer: bool = False
-    offload_param: bool = False
+    """DeepSpeed for the head (the frozen target is never wrapped, unless shard_target)."""
+
+    zero_stage: int = 2  # ZeRO stage of the head's optimizer state, gradients (2) and parameters (3)
+    offload_optimizer: bool = False  # keep the optimizer state in CPU memory
+    offload_param: bool = False  # keep the head's parameters in CPU memory (ZeRO-3)
     # the frozen target partitioned over the ranks (ZeRO-3 inference: each rank holds 1/world of it,
     # a layer gathered for its forward); null = as the memory plan says: sharded when the whole
     # target does not fit a rank but its shard does (GPU runs); true / false
@@ -237,18 +244,21 @@ class PlanConfig:
 
 @dataclass
 class TrainJobConfig:
+    """train.py: a draft head trained on the frozen target's hidden states."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     data: DataConfig = field(default_factory=DataConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # the run's directory: checkpoints, metrics, the head in OUTPUT_DIR/head (the same command resumes)
     output_dir: str = "runs/${model.name}-${head.family}"
     # dtype of the written head's weights: auto = the training dtype; bfloat16 / float16 halve it
     save_dtype: str = "auto"
-    seed: int = 0
+    seed: int = 0  # seeds the head's initialisation and the training noise
     device: str = "auto"  # auto | cpu | cuda
-    debug: bool = False
+    debug: bool = False  # full tracebacks instead of one-line errors
     # print the per-rank memory plan for plan.gpus x plan.gpu_memory and exit, loading nothing
     dry_run: bool = False
     plan: PlanConfig = field(default_factory=PlanConfig)
