@@ -39,7 +39,16 @@ def run_train(cfg: DictConfig) -> None:
 
 
 def train(conf_dir: str | os.PathLike | None = None) -> None:
-    """Train a draft head (conf/config.yaml); prints the head's directory as the last line."""
+    """Train a draft head on the frozen target: `python train.py` and `specheads-train`.
+
+    Reads its overrides (`key=value`, the config groups) from sys.argv and composes them over
+    conf/config.yaml; every key is in docs/configuration.md. Writes OUTPUT_DIR/head/ (config.json +
+    model.safetensors), the checkpoints, metrics.jsonl and curves.png under `output_dir`, and prints
+    the head's directory as the last line of stdout; the same command resumes a run.
+
+    Args:
+        conf_dir: the Hydra config directory; None = the configs installed with specheads.
+    """
     conf_dir = conf_dir_or_installed(conf_dir)
     register_configs()
     main = hydra_command("train", "config", conf_dir, run_train)
@@ -62,7 +71,16 @@ def run_distill(cfg: DictConfig) -> None:
 
 
 def distill(conf_dir: str | os.PathLike | None = None) -> None:
-    """Self-distillation (conf/distill.yaml); prints the output directory as the last line."""
+    """Self-distillation: the frozen target answers prompts (`python distill.py`, `specheads-distill`).
+
+    Reads its overrides from sys.argv over conf/distill.yaml (keys: docs/configuration.md).
+    Writes the conversations to `distill.output` in resumable shards with a manifest (and, with
+    `distill.features.enabled=true`, the target's hidden states), and prints the output directory
+    as the last line of stdout.
+
+    Args:
+        conf_dir: the Hydra config directory; None = the configs installed with specheads.
+    """
     conf_dir = conf_dir_or_installed(conf_dir)
     register_configs()
     run_hydra_main(hydra_command("distill", "distill", conf_dir, run_distill))
@@ -117,7 +135,17 @@ def run_infer(cfg: DictConfig, conf_dir: Path) -> None:
 
 
 def infer(conf_dir: str | os.PathLike | None = None) -> None:
-    """Speculative decoding with a trained head: a demo answer or the benchmark (conf/infer.yaml)."""
+    """Speculative decoding with a trained head: `python infer.py` and `specheads-infer`.
+
+    Reads its overrides from sys.argv over conf/infer.yaml (keys: docs/configuration.md);
+    `head=DIR_OR_HUB_ID` is the head. With `prompt=...` it prints the answer with the drafted tokens
+    marked and a stats line; with `bench.questions=FILE` it runs the benchmark and writes OUT.jsonl,
+    OUT.summary.json and plots (`bench.mode=replay`: OUT.replay.json); with `tree=auto` it first
+    calibrates the tree on this machine and keeps it (`tree.save`).
+
+    Args:
+        conf_dir: the Hydra config directory; None = the configs installed with specheads.
+    """
     conf_dir = conf_dir_or_installed(conf_dir)
     register_configs()
     require_group(sys.argv, "model", conf_dir)
@@ -129,7 +157,16 @@ def infer(conf_dir: str | os.PathLike | None = None) -> None:
 
 
 def export(conf_dir: str | os.PathLike | None = None) -> None:
-    """Export a head for a serving engine (conf/export.yaml); `python -m specheads.export` too."""
+    """Export a head for a serving engine: `python -m specheads.export` and `specheads-export`.
+
+    Reads its overrides from sys.argv over conf/export.yaml (`head=DIR format=NAME out=DIR`; keys:
+    docs/configuration.md). Writes the head in that format to `out`, checked against each
+    engine's loader, prints the output directory last, and with `push_to_hub=true` uploads it with
+    a model card.
+
+    Args:
+        conf_dir: the Hydra config directory; None = the configs installed with specheads.
+    """
     from .export.command import export as export_head
 
     export_head(conf_dir)

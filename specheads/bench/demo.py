@@ -65,7 +65,16 @@ class TokenPrinter:
 
 
 def run_demo(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dict:
-    """Answer one prompt with speculative decoding; print it marked, then a stats line."""
+    """Answer one prompt with speculative decoding; print it marked, then a stats line.
+
+    Args:
+        settings: infer.py's validated settings, with `prompt` set.
+        session: the loaded target and head (specheads.bench.session.load_session).
+        out: where the answer and the stats line are printed.
+
+    Returns:
+        The stats: tau, tokens/s, and with `compare=true` plain decoding's speed and the speedup.
+    """
     target, head = session.target, session.head
     ids = encode_prompt(target.tokenizer, settings.prompt, settings.system, settings.chat)
     prompt = torch.tensor([ids], device=target.device)

@@ -316,7 +316,21 @@ def format_replay(heads: dict[str, dict]) -> str:
 
 
 def run_replay(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dict:
-    """bench.mode=replay: the head and every bench.heads head replayed on the target's greedy answers."""
+    """bench.mode=replay: the head and every bench.heads head replayed on the target's greedy answers.
+
+    The target's greedy answers are written once (OUT.greedy.jsonl, reused while the target,
+    prompts and token limit stay the same); each head drafts along them teacher-forced, and every
+    step of greedy speculative decoding is replayed from the rank of each true token.
+
+    Args:
+        settings: infer.py's validated settings, with bench.questions set.
+        session: the loaded target and head (specheads.bench.session.load_session).
+        out: where the table is printed.
+
+    Returns:
+        The report written to OUT.replay.json: each head's exact tau for chains of 1-5 drafts, its
+        own tree and the best trees of 1-16 nodes, overall and per category.
+    """
     b = settings.bench
     target = session.target
     questions = read_questions(b.questions, b.limit, b.per_category)

@@ -252,6 +252,20 @@ def output_paths(output: str | os.PathLike) -> dict[str, Path]:
 
 
 def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dict:
+    """The timed benchmark of `infer.py bench.questions=FILE`: every method on every question.
+
+    The methods of `bench.methods` (and `bench.heads`, `bench.head_dtypes`, `bench.trees` beside
+    them) run interleaved per question; every output is compared with HF greedy's.
+
+    Args:
+        settings: infer.py's validated settings (specheads.config.infer.validate).
+        session: the loaded target and head (specheads.bench.session.load_session).
+        out: where the table, the identity checks and the cost lines are printed.
+
+    Returns:
+        The summary, also written to OUT.summary.json beside OUT.jsonl (one row per question and
+        method) and the plots; its fields are in docs/contracts.md.
+    """
     b = settings.bench
     target = session.target
     questions = read_questions(b.questions, b.limit, b.per_category)

@@ -83,9 +83,24 @@ def export_head(
     target: Any = None,
     readme: Callable[[HeadSource, ExportResult], str] | None = None,
 ) -> ExportResult:
-    """Write `head` in format `fmt` to `out` (atomically). `target`: a FrozenTarget or a callable
-    returning one, needed only when the format stores copies of the target's embedding or LM head.
-    `readme(src, result)` may return a README.md (model card) written into the directory."""
+    """Write `head` in format `fmt` to `out` (atomically), checked against each engine's loader.
+
+    Args:
+        head: a head directory (or an already read HeadSource).
+        fmt: eagle3 | speculators | eagle | vllm-medusa | medusa (docs/serving.md says which
+            engine loads which).
+        out: the output directory, replaced whole.
+        engine: auto (every engine of the format that can load this head) or one engine.
+        dtype: auto keeps the head's dtype; bfloat16 / float16 halve the files.
+        embeddings, base_model, verifier_architectures, num_speculative_tokens: what the format
+            stores about the target and the draft length (None: the format's defaults).
+        target: a FrozenTarget or a callable returning one, needed only when the format stores
+            copies of the target's embedding or LM head.
+        readme: `readme(src, result)` may return a README.md (model card) written into `out`.
+
+    Returns:
+        An ExportResult: the path, the format, the engines checked and each engine's findings.
+    """
     src = head if isinstance(head, HeadSource) else HeadSource.read(head)
     if fmt not in FORMATS:
         raise SpecHeadsError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")

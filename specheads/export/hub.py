@@ -52,7 +52,18 @@ def push_to_hub(
     commit_message: str | None = None,
     token: str | None = None,
 ) -> str:
-    """Create the repo if needed and upload the whole folder in one commit; returns the commit URL."""
+    """Create the repo if needed and upload the whole folder in one commit.
+
+    Args:
+        folder: the directory to upload (an export with its README.md model card).
+        repo_id: the Hub repository, org/name.
+        private: create the repository as private.
+        commit_message: the commit's message; None = "Upload draft head (NAME)".
+        token: a Hub token; None = the one huggingface_hub finds.
+
+    Returns:
+        The commit's URL.
+    """
     from huggingface_hub import HfApi
 
     if not looks_like_hub_id(repo_id):

@@ -61,6 +61,15 @@ def target_loader(model_cfg: ModelConfig, src: HeadSource, device: str):
 
 
 def run_export(cfg: ExportJobConfig, conf_dir: Path | None = None) -> ExportResult:
+    """The export job of `python -m specheads.export`, from its typed config.
+
+    Args:
+        cfg: the settings (specheads.config.export.ExportJobConfig; keys in docs/configuration.md).
+        conf_dir: the config directory whose conf/model options name the target; None = installed.
+
+    Returns:
+        The ExportResult of the directory written to `cfg.out` (and pushed with `cfg.push_to_hub`).
+    """
     fmt = cfg.format
     if fmt not in FORMATS:
         raise SpecHeadsError(f"unknown format={fmt}; choose from {', '.join(FORMATS)}")

@@ -105,6 +105,17 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget, allow_target_m
     allow_target_mismatch (then one line on stderr says so); a head recording no identity loads
     with a warning, once. Hub ids and engine-format directories are opened one layer up, by
     specheads.export.open_head.
+
+    Args:
+        directory: a head directory as train.py writes it (config.json + model.safetensors).
+        target: the frozen target it drafts for (specheads.target.load_target).
+        allow_target_mismatch: load it onto a target of its shape with other weights anyway.
+
+    Returns:
+        The head (a DraftHead of its family) with its weights, attached to `target`.
+
+    Raises:
+        SpecHeadsError: a missing or corrupt file, an unknown family, or a target that does not fit.
     """
     config = read_head_config(directory)
     family = config["family"]
