@@ -48,7 +48,7 @@ def assert_head_written(proc: subprocess.CompletedProcess, out: Path, last: bool
     assert lines[-1] == str(head) if last else str(head) in lines
 
 
-@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "peagle"])
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "peagle", "dflash"])
 def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
     data = write_conversations(tmp_path / "chats.jsonl")
     out = tmp_path / "run"

@@ -51,6 +51,16 @@ class HeadConfig:
     train_embeddings: bool = False
     # the token whose embedding fills the later positions; None = heads/mask_token.py's rule
     mask_token_id: int | None = None
+    # dflash (also reads intermediate_size and mask_token_id above): a non-causal draft decoder filling
+    # a block of [next token, MASK x (block_size - 1)] in one forward, the target's features injected
+    # into every layer's keys and values. Training blocks have block_size slots; a draft forward
+    # always runs the whole block and drafts up to block_size - 1 tokens.
+    block_size: int = 8
+    dflash_layers: int = 2  # its decoder layers (also how many target layers it reads by default)
+    # the loss weight of block slot k >= 1: exp(-(k - 1) / gamma) (the DFlash paper: 4 for blocks of 8)
+    dflash_gamma: float = 4.0
+    # blocks per training sequence, at random anchors redrawn every step (fewer where fewer fit)
+    anchors_per_sequence: int = 64
     # hydra (also reads num_heads, num_layers, shared_lm_head and medusa_decay above)
     # Hydra++ teacher distillation: soft CE against the target's next-token distribution
     hydra_teacher_loss: bool = False
@@ -108,6 +118,14 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
         "depth_keep_rate",
         "depth_min_rate",
         "train_embeddings",
+        "mask_token_id",
+    ),
+    "dflash": (
+        "intermediate_size",
+        "block_size",
+        "dflash_layers",
+        "dflash_gamma",
+        "anchors_per_sequence",
         "mask_token_id",
     ),
 }

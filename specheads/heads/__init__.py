@@ -1,6 +1,7 @@
 """Draft-head families and their registry."""
 
 from .base import DraftHead, check_compatible
+from .dflash import DFlashHead
 from .eagle import AutoregressiveHead, EagleHead
 from .eagle3 import Eagle3Head
 from .hydra import HydraHead
@@ -15,6 +16,7 @@ from .spec import HeadSpec
 __all__ = [
     "HEADS",
     "AutoregressiveHead",
+    "DFlashHead",
     "DraftCache",
     "DraftHead",
     "Eagle3Head",

@@ -6,6 +6,7 @@ from ..config.train import HeadConfig
 from ..errors import SpecHeadsError
 from ..target import FrozenTarget, target_identity
 from .base import DraftHead
+from .dflash import DFlashHead
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
 from .hydra import HydraHead
@@ -22,6 +23,7 @@ HEADS: dict[str, type[DraftHead]] = {
     HydraHead.family: HydraHead,
     Medusa2Head.family: Medusa2Head,
     PEagleHead.family: PEagleHead,
+    DFlashHead.family: DFlashHead,
 }
 
 

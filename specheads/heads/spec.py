@@ -10,7 +10,7 @@ from ..config.train import HeadConfig, family_fields
 from ..errors import SpecHeadsError
 from ..target import TargetInfo
 
-FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2", "peagle")
+FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2", "peagle", "dflash")
 # the families of the EAGLE-3 draft (fused target layers, a reduced draft vocabulary)
 FUSED_FAMILIES = ("eagle3", "peagle")
 
@@ -37,7 +37,7 @@ class HeadSpec(HeadConfig):
         # None means "the target's" for the fields resolved below; elsewhere it is a value (lora_lr)
         resolved = ("layer_ids", "intermediate_size", "draft_vocab_size")
         spec = cls.from_dict({k: v for k, v in raw.items() if v is not None or k not in resolved})
-        spec.layer_ids = list(raw.get("layer_ids") or default_layer_ids(family, info.num_layers))
+        spec.layer_ids = list(raw.get("layer_ids") or default_layer_ids(family, info.num_layers, spec.dflash_layers))
         if not spec.intermediate_size:
             spec.intermediate_size = info.intermediate_size
         if family in FUSED_FAMILIES:
@@ -50,6 +50,8 @@ class HeadSpec(HeadConfig):
             spec.eval_depth = max(spec.eval_depth, spec.ttt_steps)
         elif family == "peagle":
             spec.eval_depth = spec.parallel_depths
+        elif family == "dflash":
+            spec.eval_depth = spec.block_size - 1
         spec.validate(info)
         return spec
 
@@ -61,6 +63,8 @@ class HeadSpec(HeadConfig):
             raise SpecHeadsError(f"{self.family} needs at least one fused layer id")
         if self.family == "peagle":
             self.validate_parallel()
+        if self.family == "dflash":
+            self.validate_block()
         for name in ("num_heads", "num_layers", "num_decoder_layers", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
@@ -79,6 +83,17 @@ class HeadSpec(HeadConfig):
                 f"need 0 < head.depth_keep_rate <= 1 and 0 < head.depth_min_rate <= 1, got "
                 f"{self.depth_keep_rate}, {self.depth_min_rate}"
             )
+
+    def validate_block(self) -> None:
+        if self.block_size < 2:
+            raise SpecHeadsError(f"head.block_size must be >= 2 (the next token and a mask), got {self.block_size}")
+        for name in ("dflash_layers", "anchors_per_sequence"):
+            if getattr(self, name) < 1:
+                raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.dflash_gamma > 0:
+            raise SpecHeadsError(f"head.dflash_gamma must be > 0, got {self.dflash_gamma}")
+        if not self.layer_ids:
+            raise SpecHeadsError("dflash needs at least one target layer id")
 
     def validate_lora(self) -> None:
         if self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
@@ -114,10 +129,25 @@ class HeadSpec(HeadConfig):
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def default_layer_ids(family: str, num_layers: int) -> list[int]:
-    """Our convention (residual stream entering layer k). Medusa/EAGLE-1/Hydra read the final state."""
+def default_layer_ids(family: str, num_layers: int, draft_layers: int = 1) -> list[int]:
+    """Our convention (residual stream entering layer k). Medusa/EAGLE-1/Hydra read the final state;
+    DFlash reads `draft_layers` layers spread over the target's depth."""
+    if family == "dflash":
+        return spread_layer_ids(num_layers, draft_layers)
     if family in FUSED_FAMILIES:
         # EAGLE-3 / vLLM default aux layers: low, mid, high, always three (repeats on a shallow
         # target, as the engines build them), so the fc input is 3 x hidden for every target.
         return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
     return []
+
+
+def spread_layer_ids(num_layers: int, n: int) -> list[int]:
+    """DFlash's target layers (z-lab build_target_layer_ids): n outputs of layers spread evenly from
+    layer 1 to layer L-3, or the middle layer's for n = 1, in our numbering (the output of layer i
+    is the stream entering layer i + 1), kept inside 1..L-1 where vLLM captures them."""
+    if n == 1:
+        ids = [num_layers // 2 + 1]
+    else:
+        start, end = 1, num_layers - 3
+        ids = [round(start + i * (end - start) / (n - 1)) + 1 for i in range(n)]
+    return [min(max(k, 1), max(num_layers - 1, 1)) for k in ids]

@@ -133,6 +133,8 @@ def activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weigh
     if online:
         layers = info.num_layers if head.adapts_target else 1
         total += layers * layer_activations(info, n, weight_bytes, h, info.intermediate_size)
+    if spec.family == "dflash":
+        return total + dflash_activations(info, spec, batch, length, weight_bytes)
     if head.draft_kind not in ("autoregressive", "parallel_decoder"):  # Medusa, Hydra: a block stack per head
         per_head = n * v * (weight_bytes + 8) + spec.num_layers * 2 * n * h * weight_bytes
         return total + spec.num_heads * per_head
@@ -157,6 +159,20 @@ def activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weigh
     if fused:
         total += n * vd * 4  # the target's logits over the draft vocab
     return total
+
+
+def dflash_activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weight_bytes: int) -> float:
+    """DFlash: the fused context (fc input and output, its keys and values in every layer), one
+    forward over anchors x block_size rows (at most one anchor per position), its masked attention
+    over context + rows, and the fp32 logits with their log-softmax of the drafting rows."""
+    h, n = info.hidden_size, batch * length
+    rows = batch * min(spec.anchors_per_sequence, length) * spec.block_size
+    kv = info.num_key_value_heads * info.head_dim
+    context = (len(spec.layer_ids) + 2) * n * h * weight_bytes + spec.dflash_layers * 2 * n * kv * weight_bytes
+    layers = spec.dflash_layers * layer_activations(info, rows, weight_bytes, h, spec.intermediate_size)
+    per_query = rows // batch + length
+    scores = rows * info.num_attention_heads * per_query * SCORE_BYTES * spec.dflash_layers + rows * per_query
+    return context + layers + scores + 2 * rows * info.vocab_size * 4
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from specheads.heads.spec import HeadSpec, default_layer_ids
 from specheads.heads.vocab import vocab_from_counts
 from specheads.target import load_target
 
-FAMILIES = ["medusa", "eagle", "eagle3", "peagle"]
+FAMILIES = ["medusa", "eagle", "eagle3", "peagle", "dflash"]
 
 
 def make_head(family, target, batch, seed=0, **overrides):
@@ -108,6 +108,11 @@ def test_shapes(family, tiny_target, toy_batch):
     if family == "medusa":
         logits = head.medusa_logits(states["final"])
         assert logits.shape == (3, b, t, info.vocab_size)
+    elif family == "dflash":  # a block of drafts after the fed rows, one forward
+        feats = head.input_features(states)
+        assert feats.shape == (b, t, info.hidden_size)
+        logits = head.parallel_logits(toy_batch["input_ids"][:1], feats[:1], head.new_cache(), 7)
+        assert logits.shape == (7, info.vocab_size)
     else:
         feats = head.input_features(states)
         assert feats.shape == (b, t, info.hidden_size)
@@ -198,6 +203,12 @@ def test_save_load_gives_identical_logits(family, tiny_target, toy_batch, tmp_pa
         torch.testing.assert_close(
             head.medusa_logits(states["final"]), loaded.medusa_logits(states["final"]), rtol=0, atol=0
         )
+    elif family == "dflash":
+        ids = toy_batch["input_ids"][:1]
+        with torch.no_grad():
+            a = head.parallel_logits(ids, head.input_features(states)[:1], head.new_cache(), 7)
+            c = loaded.parallel_logits(ids, loaded.input_features(states)[:1], loaded.new_cache(), 7)
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
     else:
         b, t = toy_batch["input_ids"].shape
         pos = torch.arange(t).expand(b, t)

@@ -72,6 +72,8 @@ def gpus(count, memory):
         HeadConfig(family="eagle3", draft_vocab_size=100000),  # clipped to the target's vocab
         HeadConfig(family="hydra"),
         HeadConfig(family="hydra", num_heads=3, num_layers=2, shared_lm_head=True, hydra_prefix_layer=True),
+        HeadConfig(family="dflash"),
+        HeadConfig(family="dflash", dflash_layers=3, block_size=4, intermediate_size=96),
     ],
     ids=lambda c: f"{c.family}-{c.num_decoder_layers}-{c.num_layers}-{c.shared_lm_head}-{c.draft_vocab_size}",
 )
