@@ -133,7 +133,9 @@ def quick_head(target, family, sequences=None, steps=0):
     rows = [{"input_ids": list(range(320)), "loss_mask": [1] * 320}]
     # eagle3 with a reduced draft vocab: the d2t mapping is exercised
     head = build_head(
-        HeadConfig(family=family, draft_vocab_size=200, ttt_steps=2, num_heads=4), target, train_rows=rows
+        HeadConfig(family=family, draft_vocab_size=200, ttt_steps=2, num_heads=4, anchors_per_sequence=16),
+        target,
+        train_rows=rows,
     )
     if steps:
         batch = {

@@ -22,7 +22,7 @@ from specheads.tiny import tiny_target as build_tiny
 
 DEVICE = os.environ.get("SPECHEADS_TEST_DEVICE", "cuda")
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ["medusa", "eagle", "eagle3", "hydra", "peagle"]
+FAMILIES = ["medusa", "eagle", "eagle3", "hydra", "peagle", "dflash"]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,7 +79,7 @@ def test_sampling_follows_the_target_distribution_on_the_device(target, sequence
     assert_first_two_tokens_follow(counts, p1, p2, n)
 
 
-@pytest.mark.parametrize("family", ["eagle3", "medusa2", "hydra", "peagle"])
+@pytest.mark.parametrize("family", ["eagle3", "medusa2", "hydra", "peagle", "dflash"])
 def test_train_py_writes_a_head_on_the_device(family, tmp_path):
     """train.py on the device through deepspeed.initialize (Medusa-2: a LoRA inside the target)."""
     from conftest import write_conversations

@@ -45,7 +45,7 @@ def test_path_frequencies_and_best_paths_are_prefix_closed():
         static_tree([list(p) for p in paths])  # a valid tree
 
 
-@pytest.mark.parametrize("family", ["medusa", "eagle3", "hydra"])
+@pytest.mark.parametrize("family", ["medusa", "eagle3", "hydra", "dflash"])
 def test_rank_vectors_predict_what_the_loop_accepts(family, tiny_target, sequences):
     """Two implementations agree: teacher-forced ranks vs the real drafting + verification."""
     head = quick_head(tiny_target, family, sequences, steps=60)

@@ -371,7 +371,7 @@ def test_tree_drafts_equal_each_path_drafted_alone(family, tiny_target):
             assert [tokens[c] for c in layout.children[node]] == expected, (node, path)
 
 
-@pytest.mark.parametrize("family", ["eagle", "peagle", "hydra-prefix"])
+@pytest.mark.parametrize("family", ["eagle", "peagle", "dflash", "hydra-prefix"])
 def test_rewind_after_a_skipped_step_keeps_what_that_step_queued(family, tiny_target, sequences):
     """rewind(n) queues the last n fed positions again before the ones a step drafted without the
     head (HybridDrafter's text-alone step) left queued, not over them: the next tree and cache are

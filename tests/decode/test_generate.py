@@ -35,7 +35,9 @@ from specheads.kernels.linear_layout import (
 from specheads.target import FrozenTarget
 from specheads.tiny import tiny_target as build_tiny
 
-FAMILIES = ["medusa", "eagle", "eagle3", "hydra", "peagle"]
+FAMILIES = ["medusa", "eagle", "eagle3", "hydra", "peagle", "dflash"]
+# the families drafting every depth in one draft forward, and the module method that forward runs
+ONE_FORWARD = {"peagle": "draft_step", "dflash": "block_forward"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -559,7 +561,7 @@ def forgets_a_skipped_step(family, monkeypatch):
     reads only the last state (Medusa, Hydra without a prefix layer: their trees are a function of
     it, so skipping their draft changes nothing by construction) that takes in a step's states only
     after steps it drafted itself."""
-    if family in ("eagle", "eagle3", "peagle"):
+    if family in ("eagle", "eagle3", "peagle", "dflash"):
 
         def forgetful(self, states, tokens, bonus):
             ids = torch.tensor([list(tokens[1:]) + [bonus]], dtype=torch.long, device=self.cache_device)
@@ -640,7 +642,7 @@ def accepts_one_child_too_many(tokens, layout, target_logits):
 
 
 def parallel_head_outputs(target, head, prompt):
-    """(policy name, output ids, accepted drafts) of the P-EAGLE head under each test tree."""
+    """(policy name, output ids, accepted drafts) of a parallel head under each test tree."""
     out = []
     for name, policy in POLICIES.items():
         res = speculative_generate(target, make_drafter(head, policy), prompt, SamplingConfig(max_new_tokens=32))
@@ -648,15 +650,18 @@ def parallel_head_outputs(target, head, prompt):
     return out
 
 
-def test_a_parallel_head_drafts_every_depth_in_one_forward_and_stays_exact(target, heads, sequences, monkeypatch):
-    """P-EAGLE: one draft forward per step (not one per level), chains and trees accepted, the
-    output the target's own; a verifier that takes one node too many visibly breaks it."""
-    head = heads["peagle", "trained"]
+@pytest.mark.parametrize("family", ONE_FORWARD)
+def test_a_parallel_head_drafts_every_depth_in_one_forward_and_stays_exact(
+    family, target, heads, sequences, monkeypatch
+):
+    """P-EAGLE, DFlash: one draft forward per step (not one per level), chains and trees accepted,
+    the output the target's own; a verifier that takes one node too many visibly breaks it."""
+    head = heads[family, "trained"]
     prompt = sequences[1:2, :8]
     ref = hf_greedy(target, prompt, 32)
     calls = []
-    original = head.draft_step
-    monkeypatch.setattr(head, "draft_step", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = getattr(head, ONE_FORWARD[family])
+    monkeypatch.setattr(head, ONE_FORWARD[family], lambda *a, **k: calls.append(1) or original(*a, **k))
     res = speculative_generate(target, make_drafter(head, POLICIES["wide"]), prompt, SamplingConfig(max_new_tokens=32))
     assert len(calls) == res.target_forwards and res.output_ids == ref
     monkeypatch.undo()
@@ -665,7 +670,11 @@ def test_a_parallel_head_drafts_every_depth_in_one_forward_and_stays_exact(targe
     import specheads.decode.generate as generate
 
     monkeypatch.setattr(generate, "greedy_accept", accepts_one_child_too_many)
-    assert any(output != ref for _, output, _ in parallel_head_outputs(target, head, prompt))
+    # (also off the fitted text: there a head that drafts every depth right leaves no child to take)
+    other = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    broken = [(o, ref) for _, o, _ in parallel_head_outputs(target, head, prompt)]
+    broken += [(o, hf_greedy(target, other, 32)) for _, o, _ in parallel_head_outputs(target, head, other)]
+    assert any(output != expected for output, expected in broken)
 
 
 def accepts_any_draft_in_support(tokens, layout, target_probs, draft_probs=None, generator=None, one_hot=None):
@@ -682,11 +691,12 @@ def accepts_any_draft_in_support(tokens, layout, target_probs, draft_probs=None,
         path.append(child)
 
 
-def test_a_parallel_head_samples_the_target_distribution(target, heads, sequences, monkeypatch):
-    """Sampling with P-EAGLE drafts: the first two tokens follow the target's joint distribution
-    (the chi-square of the other families), with drafts both accepted and rejected; a rule that
-    accepts every draft in the target's support fails the same check."""
-    drafter = make_drafter(heads["peagle", "trained"], static_tree([[0], [1], [2], [0, 0]]))
+@pytest.mark.parametrize("family", ONE_FORWARD)
+def test_a_parallel_head_samples_the_target_distribution(family, target, heads, sequences, monkeypatch):
+    """Sampling with P-EAGLE or DFlash drafts: the first two tokens follow the target's joint
+    distribution (the chi-square of the other families), with drafts both accepted and rejected; a
+    rule that accepts every draft in the target's support fails the same check."""
+    drafter = make_drafter(heads[family, "trained"], static_tree([[0], [1], [2], [0, 0]]))
     prompt = sequences[1:2, :12]  # inside the text the head was fitted on: its drafts get accepted
     temperature, top_p, n = 0.5, 0.9, 800
     p1, p2 = first_two_probs(target, prompt, temperature, top_p)
