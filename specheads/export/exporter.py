@@ -23,7 +23,7 @@ import torch
 from ..errors import SpecHeadsError
 from ..heads.io import CONFIG_NAME
 from ..heads.spec import HeadSpec
-from . import eagle, eagle3, medusa, speculators, validate, vllm_medusa
+from . import dflash, eagle, eagle3, medusa, speculators, validate, vllm_medusa
 from .common import (
     PROVENANCE_KEY,
     ExportOptions,
@@ -37,9 +37,9 @@ from .common import (
     write_directory,
 )
 
-FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (eagle3, speculators, eagle, vllm_medusa, medusa)}
+FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (eagle3, speculators, dflash, eagle, vllm_medusa, medusa)}
 # Detection order: the most specific config markers first.
-DETECT_ORDER = ("speculators", "eagle3", "vllm-medusa", "medusa", "eagle")
+DETECT_ORDER = ("speculators", "eagle3", "dflash", "vllm-medusa", "medusa", "eagle")
 
 
 @dataclass

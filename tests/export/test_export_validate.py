@@ -21,7 +21,9 @@ def exports(tiny_target, tmp_path_factory):
     e3 = make_head_dir(tiny_target, root / "e3", "eagle3", **EAGLE3)
     e1 = make_head_dir(tiny_target, root / "e1", "eagle", fc_bias=False)
     md = make_head_dir(tiny_target, root / "md", "medusa")
+    df = make_head_dir(tiny_target, root / "df", "dflash")
     return {
+        "dflash": export_head(df, "dflash", root / "dflash").path,
         "eagle3": export_head(e3, "eagle3", root / "eagle3", engine="sglang").path,
         "speculators": export_head(e3, "speculators", root / "speculators").path,
         "eagle": export_head(e1, "eagle", root / "eagle", target=tiny_target).path,
@@ -53,6 +55,7 @@ ENGINE_REPOS = {
 # what the first cited file's path names, per format: the loader of that format, not another's
 FORMAT_WORDS = {
     "eagle3": r"eagle3",
+    "dflash": r"dflash",
     "speculators": r"speculators",
     "eagle": r"eagle(?!3)",
     "vllm-medusa": r"medusa",

@@ -54,3 +54,49 @@ def test_vllm_config_classes_read_a_parallel_head(tiny_target, tmp_path):
         "draft_vocab_size": 96,
         "serving": {"method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True},
     }
+
+
+READ_DFLASH = """
+import json, sys, types
+from transformers import AutoConfig
+from vllm.model_executor.models.qwen3_dflash import _resolve_layer_attention, dflash_has_any_non_causal
+from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
+from vllm.transformers_utils.configs.eagle import EAGLEConfig
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+cfg = EAGLEConfig(AutoConfig.from_pretrained(sys.argv[1]), method="dflash", model_type="eagle")
+spec = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(hf_config=cfg))
+print(json.dumps({
+    "architectures": cfg.architectures,
+    "class": list(_SPECULATIVE_DECODING_MODELS[cfg.architectures[0]]),
+    "aux_layer_ids": list(get_eagle3_aux_layers_from_config(spec)),
+    "mask_token_id": cfg.dflash_config["mask_token_id"],
+    "non_causal": dflash_has_any_non_causal(cfg),
+    "layers": [list(_resolve_layer_attention(cfg, i)) for i in range(cfg.num_hidden_layers)],
+    "sizes": [cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size],
+    "rope": cfg.rope_parameters,
+}))
+"""
+
+
+@pytest.mark.engines
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM's virtualenv .venv-vllm is absent (make engines builds it)")
+def test_vllm_config_classes_read_a_dflash_head(tiny_target, tmp_path):
+    """vLLM wraps the draft's config as EAGLEConfig(method=dflash): our export resolves to its DFlash
+    model, captures our layer ids, and runs every layer non-causally without sliding windows."""
+    src = make_head_dir(tiny_target, tmp_path / "head", "dflash", dflash_layers=3, mask_token_id=7)
+    assert json.loads((src / "config.json").read_text())["layer_ids"] == [2, 3, 4]
+    out = export_head(src, "dflash", tmp_path / "out").path
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", READ_DFLASH, str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    info = tiny_target.info
+    assert seen == {
+        "architectures": ["DFlashDraftModel"],
+        "class": ["qwen3_dflash", "DFlashQwen3ForCausalLM"],
+        "aux_layer_ids": [2, 3, 4],  # the head's own ids (our numbering): vLLM adds 1 to target_layer_ids
+        "mask_token_id": 7,
+        "non_causal": True,
+        "layers": [[None, False]] * 3,  # (sliding window, causal) per draft layer
+        "sizes": [info.hidden_size, info.num_attention_heads, info.num_key_value_heads, info.head_dim, 128],
+        "rope": {"rope_theta": 10000.0, "rope_type": "default"},
+    }
