@@ -23,7 +23,7 @@ class ExportJobConfig:
 
     # A head directory or Hub id. On the command line `head=` is accepted too (see __main__).
     head_path: str = MISSING
-    # eagle3 | speculators | eagle | vllm-medusa | medusa
+    # eagle3 | speculators | dflash | eagle | vllm-medusa | medusa
     format: str = MISSING
     # Output directory (replaced atomically). May be left out with push_to_hub=true.
     out: str | None = None

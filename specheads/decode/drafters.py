@@ -266,9 +266,9 @@ class EagleDrafter:
 
 
 class ParallelDecoderDrafter(EagleDrafter):
-    """P-EAGLE: one draft forward feeds the accepted tokens and fills every depth of the tree at
-    once (the later depths from the mask token), so the tree is grown from per-depth top-k as
-    Medusa's is. The draft cache keeps the accepted entries only."""
+    """P-EAGLE and DFlash: one draft forward feeds the accepted tokens and fills every depth of the
+    tree at once (the later depths from the mask token), so the tree is grown from per-depth top-k as
+    Medusa's is. The draft cache keeps the accepted entries only (DFlash: their context keys/values)."""
 
     def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
         if self.pending is None:

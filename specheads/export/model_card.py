@@ -48,7 +48,9 @@ def serve_commands(
     k = chain_length(src, tokens)
     out = []
     if "vllm" in engines:
-        method = {"eagle3": "eagle3", "speculators": "eagle3", "eagle": "eagle", "vllm-medusa": "medusa"}[fmt]
+        method = {"eagle3": "eagle3", "speculators": "eagle3", "eagle": "eagle", "vllm-medusa": "medusa"}.get(fmt, fmt)
+        if fmt == "dflash" and tokens is None:  # the regime it was trained in: the whole block
+            k = src.spec.block_size - 1
         spec_config = json.dumps({"method": method, "model": draft, "num_speculative_tokens": k})
         if fmt == "speculators":
             out.append(("vLLM (the verifier is read from the speculators config)", f"vllm serve {draft}"))

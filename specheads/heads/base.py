@@ -33,7 +33,7 @@ class DraftHead(nn.Module):
     # How inference drafts a tree: "parallel" (every depth from the last accepted target state),
     # "sequential" (level by level, a node's children from the head of its depth given the node's
     # path), "autoregressive" (a draft decoder run level by level) or "parallel_decoder" (a draft
-    # decoder filling every depth in one forward, P-EAGLE); decode picks the drafter by it.
+    # decoder filling every depth in one forward, P-EAGLE and DFlash); decode picks the drafter by it.
     draft_kind: ClassVar[str] = ""
     # The static tree (rank paths) drafted when the head stores no default_tree; None: a dynamic tree.
     fallback_tree: ClassVar[tuple[tuple[int, ...], ...] | None] = None
