@@ -61,7 +61,7 @@ def setup_distributed(device_name: str = "auto") -> Dist:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if not use_cuda and int(os.environ["WORLD_SIZE"]) == 1:
+    if not use_cuda and (int(os.environ["WORLD_SIZE"]) == 1 or os.environ.get("SPECHEADS_SHM_ALLREDUCE") == "0"):
         _skip_shm_comm_op()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False, verbose=False)
@@ -103,7 +103,9 @@ def end_distributed(finished: bool = True) -> None:
 
 def _skip_shm_comm_op() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (about a minute in a
-    fresh environment) that only ranks sharing a machine use; a world of one has no peers."""
+    fresh environment) that only ranks sharing a machine use; a world of one has no peers, and
+    SPECHEADS_SHM_ALLREDUCE=0 makes several CPU ranks all-reduce through gloo instead (the test
+    suite's short runs, where the compile would cost more than it saves)."""
     try:
         import deepspeed.ops
 

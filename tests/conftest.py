@@ -10,6 +10,7 @@ from specheads.decode.tree import chain_paths, full_paths, static_tree
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("SPECHEADS_SHM_ALLREDUCE", "0")  # CPU ranks all-reduce through gloo: no op compile per run
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 # trees of depth 4 for the lossless-decoding tests
