@@ -48,15 +48,13 @@ def run_together(*cmds: list[str], timeout: int = 240) -> list[subprocess.Comple
         for c in cmds
     ]
     try:
-        results = [
-            subprocess.CompletedProcess(c, p.returncode, *p.communicate(timeout=timeout)) for c, p in zip(cmds, procs)
-        ]
+        outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for r, p in zip(results, procs):
-        r.returncode = p.returncode
+    results = [subprocess.CompletedProcess(c, p.returncode, *out) for c, p, out in zip(cmds, procs, outputs)]
+    for r in results:
         assert r.returncode == 0, f"{' '.join(r.args)}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
     return results
 

@@ -161,12 +161,17 @@ def plain_loss(head, batch, states, anchors):
     return total / weights
 
 
-def test_loss_is_the_decayed_cross_entropy_of_the_drawn_blocks(tiny_target, toy_batch, monkeypatch):
+@pytest.fixture
+def drawn(monkeypatch) -> list:
+    """Every anchor tensor the head draws, in order (the real sampler, recorded)."""
+    record, sample = [], dflash.sample_block_anchors
+    monkeypatch.setattr(dflash, "sample_block_anchors", lambda *a: record.append(sample(*a)) or record[-1])
+    return record
+
+
+def test_loss_is_the_decayed_cross_entropy_of_the_drawn_blocks(tiny_target, toy_batch, drawn):
     head = dflash_head(tiny_target, toy_batch, anchors_per_sequence=4)
     states = head_states(tiny_target, head, toy_batch)
-    drawn = []
-    sample = dflash.sample_block_anchors
-    monkeypatch.setattr(dflash, "sample_block_anchors", lambda *a: drawn.append(sample(*a)) or drawn[-1])
     torch.manual_seed(3)
     with torch.no_grad():
         loss, metrics = head.loss(toy_batch, states)
@@ -179,12 +184,9 @@ def test_loss_is_the_decayed_cross_entropy_of_the_drawn_blocks(tiny_target, toy_
         assert not torch.allclose(plain_loss(head, toy_batch, states, drawn), loss, atol=1e-5)
 
 
-def test_anchors_are_redrawn_each_step_from_the_seeded_rng(tiny_target, toy_batch, monkeypatch):
+def test_anchors_are_redrawn_each_step_from_the_seeded_rng(tiny_target, toy_batch, drawn):
     head = dflash_head(tiny_target, toy_batch, anchors_per_sequence=5)
     states = head_states(tiny_target, head, toy_batch)
-    drawn = []
-    sample = dflash.sample_block_anchors
-    monkeypatch.setattr(dflash, "sample_block_anchors", lambda *a: drawn.append(sample(*a)) or drawn[-1])
 
     def draws(seed, calls):
         drawn.clear()
