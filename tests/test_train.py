@@ -40,25 +40,6 @@ def run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     return proc
 
 
-def run_together(*cmds: list[str], timeout: int = 240) -> list[subprocess.CompletedProcess]:
-    """Several runs at once, checked as run() checks one: each child is single-threaded
-    (clean_env), so two of them use the cores that one leaves idle."""
-    procs = [
-        subprocess.Popen(c, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for c in cmds
-    ]
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = [subprocess.CompletedProcess(c, p.returncode, *out) for c, p, out in zip(cmds, procs, outputs)]
-    for r in results:
-        assert r.returncode == 0, f"{' '.join(r.args)}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
-    return results
-
-
 def assert_head_written(proc: subprocess.CompletedProcess, out: Path, last: bool = True) -> None:
     head = out / "head"
     assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
@@ -67,32 +48,18 @@ def assert_head_written(proc: subprocess.CompletedProcess, out: Path, last: bool
     assert lines[-1] == str(head) if last else str(head) in lines
 
 
-WRITING_FAMILIES = ["medusa", "eagle", "eagle3", "peagle", "dflash"]
-
-
-@pytest.fixture(scope="module")
-def family_runs(tmp_path_factory) -> dict:
-    """train.py once per family, all started together (each child is single-threaded): family ->
-    (finished process, output directory)."""
-    tmp = tmp_path_factory.mktemp("families")
-    data = write_conversations(tmp / "chats.jsonl")
-    cmds, outs = [], []
-    for family in WRITING_FAMILIES:
-        outs.append(tmp / family)
-        cmds.append(
-            [sys.executable, "train.py", f"head={family}", "train.max_steps=3", *tiny_args(data, outs[-1])[:-1]]
-            + (
-                ["wandb.mode=offline", "train.save_every=2", "train.save_heads=true"]
-                if family == "eagle3"
-                else ["wandb.mode=disabled"]
-            )
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "peagle", "dflash"])
+def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
+    data = write_conversations(tmp_path / "chats.jsonl")
+    out = tmp_path / "run"
+    proc = run(
+        [sys.executable, "train.py", f"head={family}", "train.max_steps=3", *tiny_args(data, out)[:-1]]
+        + (
+            ["wandb.mode=offline", "train.save_every=2", "train.save_heads=true"]
+            if family == "eagle3"
+            else ["wandb.mode=disabled"]
         )
-    return dict(zip(WRITING_FAMILIES, zip(run_together(*cmds), outs)))
-
-
-@pytest.mark.parametrize("family", WRITING_FAMILIES)
-def test_train_py_writes_the_head_and_prints_its_path_last(family, family_runs):
-    proc, out = family_runs[family]
+    )
     assert_head_written(proc, out)
     assert json.loads((out / "head" / "config.json").read_text())["family"] == family
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from conftest import write_questions
-from test_train import ROOT, TORCHRUN, clean_env, run, run_together
+from test_train import ROOT, TORCHRUN, clean_env, run
 
 FEATURE_ARGS = [
     "distill.features.enabled=true",
@@ -62,13 +62,18 @@ def test_offline_features_train_like_online(distilled, tmp_path):
     features = data / "features"
     index = json.loads((features / "train" / "index.json").read_text())
     assert index["bytes_per_token"] == 4 * 64 * 4  # three layers + final, hidden 64, fp32
-    run_together(
-        *(
-            [sys.executable, "train.py", *COMMON, f"data.path={data}", "train.batch_size=2", *extra]
-            + [f"output_dir={tmp_path / name}"]
-            for name, extra in (("online", []), ("offline", [f"data.features={features}"]))
+    for name, extra in (("online", []), ("offline", [f"data.features={features}"])):
+        run(
+            [
+                sys.executable,
+                "train.py",
+                *COMMON,
+                f"data.path={data}",
+                "train.batch_size=2",
+                *extra,
+                f"output_dir={tmp_path / name}",
+            ]
         )
-    )
     online, offline = losses(tmp_path / "online"), losses(tmp_path / "offline")
     assert sorted(online) == sorted(offline) == [1, 2, 3, 4]
     for step in online:
