@@ -188,6 +188,10 @@ class TrainConfig:
     runs set max_steps (or epochs), batch_size and grad_accum for their data."""
 
     max_steps: int = 60  # optimizer steps
+    # a wall-clock budget: training stops (final evaluation, checkpoint and head as at max_steps)
+    # after this many minutes of steps, loading not counted, and the cosine schedule is retargeted
+    # to the step the budget is projected to reach; a resumed run gets a fresh budget. null = none
+    max_minutes: float | None = None
     # when set, the number of steps comes from epochs over the training split (max_steps ignored)
     epochs: float | None = None
     batch_size: int = 4  # rows per rank per micro-batch

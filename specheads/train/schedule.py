@@ -1,8 +1,10 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to min_lr_ratio * lr."""
+"""Learning-rate schedule: linear warmup, then cosine decay to min_lr_ratio * lr; and the wall-clock
+budget (train.max_minutes) that can end a run, and its schedule, before max_steps."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -30,3 +32,40 @@ def warmup_cosine_scheduler(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
+
+
+class TimeBudget:
+    """A run limited to `minutes` of training (train.max_minutes). `projected_end(step)` is where the
+    run will stop at the steps/s seen so far: the schedule's cosine is retargeted to it, so a
+    budgeted run decays its learning rate fully instead of being cut off mid-curve. The first
+    `settle_steps` steps (compilation, allocator warm-up) are not used for the estimate."""
+
+    def __init__(self, minutes: float, first_step: int, settle_steps: int = 10, clock=time.monotonic):
+        if minutes <= 0:
+            raise ValueError(f"train.max_minutes must be > 0, got {minutes}")
+        self.seconds = 60.0 * minutes
+        self.clock = clock
+        self.start = clock()
+        self.settle_steps = settle_steps
+        self.first_step = first_step
+        self.settled: tuple[int, float] | None = None  # (step, time) once past settle_steps
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def spent(self) -> bool:
+        return self.elapsed() >= self.seconds
+
+    def projected_end(self, step: int, max_steps: int) -> int | None:
+        """The step the budget will end at (at most max_steps), or None before an estimate exists."""
+        now = self.clock()
+        if self.settled is None:
+            if step - self.first_step >= self.settle_steps:
+                self.settled = (step, now)
+            return None
+        settled_step, settled_at = self.settled
+        if step <= settled_step or now <= settled_at:
+            return None
+        rate = (step - settled_step) / (now - settled_at)
+        left = max(0.0, self.seconds - (now - self.start))
+        return min(max_steps, step + int(rate * left))

@@ -33,7 +33,7 @@ from .batches import TrainBatches, eval_batches
 from .checkpoint import Checkpoints
 from .deepspeed_config import deepspeed_config, param_groups
 from .metrics import MetricsLog
-from .schedule import warmup_cosine_scheduler
+from .schedule import TimeBudget, warmup_cosine_scheduler
 from .state_source import StateSource
 
 
@@ -342,11 +342,12 @@ class Trainer:
         window: list[dict[str, float]] = []
         postfix: dict[str, str] = {}
         window_start = time.perf_counter()
+        budget = None if t.max_minutes is None else TimeBudget(t.max_minutes, first_step=start)
         self.engine.train()
         while self.step < self.max_steps:
             window.append(self.train_step())
             bar.update(1)
-            last = self.step == self.max_steps
+            last = self.step == self.max_steps or (budget is not None and self.follow_budget(budget, bar))
             if self.step % max(1, t.log_every) == 0 or last:
                 metrics = self._reduce_train_metrics(window)
                 elapsed = time.perf_counter() - window_start
@@ -378,8 +379,24 @@ class Trainer:
                 self.save()
                 if t.save_heads and self.head_record is not None:
                     self.write_head(self.output_dir / "heads" / f"step-{self.step}", self.head_record(self))
+            if last:
+                break
         bar.close()
         return self.last_eval
+
+    def follow_budget(self, budget: TimeBudget, bar: tqdm) -> bool:
+        """True once train.max_minutes is spent; meanwhile ends the cosine where the budget will.
+        Rank 0's clock decides for all ranks, so every rank stops at the same step with the same
+        learning rates."""
+        spent, end = (float(budget.spent()), float(budget.projected_end(self.step, self.max_steps) or 0))
+        if not self.d.is_main:
+            spent, end = 0.0, 0.0
+        spent, end = all_reduce_sum(torch.tensor([spent, end], dtype=torch.float64, device=self.d.device)).tolist()
+        schedule = getattr(self.engine.lr_scheduler, "lr_lambdas", [None])[0]
+        if end > 0 and schedule is not None:
+            schedule.total_steps = int(end)
+            bar.total = int(end)
+        return spent > 0
 
     def agreed_weights_digest(self) -> str:
         """The digest of the head's trained weights, after checking that every rank holds the same

@@ -13,7 +13,8 @@ from specheads.errors import SpecHeadsError
 from specheads.train.batches import TrainBatches, eval_batches
 from specheads.train.deepspeed_config import deepspeed_config
 from specheads.train.run import head_and_states
-from specheads.train.schedule import WarmupCosine
+from specheads.train.metrics import MetricsLog
+from specheads.train.schedule import TimeBudget, WarmupCosine
 from specheads.train.state_source import OnlineStates
 from specheads.train.trainer import Trainer
 
@@ -26,6 +27,23 @@ def test_warmup_cosine_shape():
     assert all(a >= b for a, b in zip(decay, decay[1:]))
     assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
     assert f(60) == pytest.approx(0.55)  # half way down the cosine
+
+
+def test_time_budget_projects_the_end_from_the_settled_rate():
+    now = [100.0]
+    budget = TimeBudget(minutes=1.0, first_step=0, settle_steps=2, clock=lambda: now[0])
+    assert budget.projected_end(1, 10_000) is None  # still settling
+    now[0] = 104.0
+    assert budget.projected_end(2, 10_000) is None  # the estimate starts here, at 2 steps in 4 s
+    now[0] = 114.0
+    # 10 steps in 10 s since settling, 46 s left: the schedule should end 46 steps later
+    assert budget.projected_end(12, 10_000) == 58
+    assert budget.projected_end(12, 40) == 40  # never past max_steps
+    assert not budget.spent()
+    now[0] = 160.0
+    assert budget.spent() and budget.projected_end(60, 10_000) == 60  # the schedule ends here
+    with pytest.raises(ValueError, match="max_minutes must be > 0"):
+        TimeBudget(minutes=0, first_step=0)
 
 
 def test_train_batches_shard_like_a_distributed_sampler():
@@ -108,6 +126,31 @@ def test_loss_falls_through_the_engine(family, world, tiny_target, tmp_path):
     assert [k for k in after if k.startswith("eval/acc_")] == [f"eval/acc_{i}" for i in range(depth)]
     assert 1.0 <= after["eval/sim_tau"] <= 1.0 + depth
     assert all(torch.equal(v, target_before[k]) for k, v in tiny_target.model.state_dict().items())
+
+
+def test_a_spent_budget_ends_the_run_like_max_steps(world, tiny_target, tmp_path, monkeypatch):
+    """train.max_minutes stops the run with its final evaluation and checkpoint, and ends the cosine
+    where the budget was projected to end (the clock is faked: one step a second, two minutes)."""
+    data = write_conversations(tmp_path / "chats.jsonl", n=32)
+    out = tmp_path / "run"
+    cfg = job("medusa", data, out, max_steps=1000, max_minutes=2.0, eval_every=0, save_every=0, log_every=1000)
+    clock = [0.0]
+    monkeypatch.setattr(
+        "specheads.train.trainer.TimeBudget", lambda minutes, first_step: TimeBudget(minutes, first_step, clock=lambda: clock[0])
+    )
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, *head_and_states(cfg, tiny_target, world), world, out)
+    steps = trainer.train_step
+
+    def one_second_step():
+        clock[0] += 1.0
+        return steps()
+
+    trainer.train_step = one_second_step
+    trainer.fit(MetricsLog(out, WandbConfig(mode="disabled"), {}, enabled=True))
+    assert trainer.step == 120
+    assert trainer.engine.lr_scheduler.lr_lambdas[0].total_steps == 120
+    assert trainer.checkpoints.latest() is not None and trainer.last_eval
 
 
 def test_resume_continues_the_same_run_and_refuses_another(world, tiny_target, tmp_path):
