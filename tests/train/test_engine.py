@@ -136,7 +136,8 @@ def test_a_spent_budget_ends_the_run_like_max_steps(world, tiny_target, tmp_path
     cfg = job("medusa", data, out, max_steps=1000, max_minutes=2.0, eval_every=0, save_every=0, log_every=1000)
     clock = [0.0]
     monkeypatch.setattr(
-        "specheads.train.trainer.TimeBudget", lambda minutes, first_step: TimeBudget(minutes, first_step, clock=lambda: clock[0])
+        "specheads.train.trainer.TimeBudget",
+        lambda minutes, first_step: TimeBudget(minutes, first_step, clock=lambda: clock[0]),
     )
     torch.manual_seed(0)
     trainer = Trainer(cfg, *head_and_states(cfg, tiny_target, world), world, out)
