@@ -12,8 +12,8 @@ from specheads.config.train import DataConfig, DeepSpeedConfig, HeadConfig, Trai
 from specheads.errors import SpecHeadsError
 from specheads.train.batches import TrainBatches, eval_batches
 from specheads.train.deepspeed_config import deepspeed_config
-from specheads.train.run import head_and_states
 from specheads.train.metrics import MetricsLog
+from specheads.train.run import head_and_states
 from specheads.train.schedule import TimeBudget, WarmupCosine
 from specheads.train.state_source import OnlineStates
 from specheads.train.trainer import Trainer
