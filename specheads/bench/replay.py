@@ -44,7 +44,7 @@ from .questions import read_questions
 from .runner import output_paths
 
 MISS = 1 << 30  # the rank of a true token outside a reduced draft vocabulary
-CHAINS = (1, 2, 3, 4, 5)
+CHAINS = (1, 2, 3, 4, 5, 6, 7, 8)  # vLLM serves chains up to num_speculative_tokens; K = 2..8 is the range compared
 TREE_NODES = (1, 3, 5, 8, 12, 16)
 
 
@@ -328,7 +328,7 @@ def run_replay(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> d
         out: where the table is printed.
 
     Returns:
-        The report written to OUT.replay.json: each head's exact tau for chains of 1-5 drafts, its
+        The report written to OUT.replay.json: each head's exact tau for chains of 1-8 drafts, its
         own tree and the best trees of 1-16 nodes, overall and per category.
     """
     b = settings.bench
