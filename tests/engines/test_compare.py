@@ -156,7 +156,7 @@ def test_vllm_serves_every_export(tmp_path):
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
     report = json.loads((tmp_path / "engines.json").read_text())
     rows = {r["run"]: r for r in report["rows"]}
-    assert set(rows) == {"plain", "eagle3", "speculators", "eagle", "vllm-medusa", "ngram"}
+    assert set(rows) == {"plain", *compare.DEFAULT_FORMATS, "ngram"}
     for name, r in rows.items():
         assert r["loaded"], f"{name}: {r['error']}"
         assert r["identical"][0] == r["identical"][1], f"{name}: outputs differ from vLLM plain"
@@ -203,3 +203,53 @@ def test_chain_lengths_are_sorted_unique_and_positive(tmp_path):
         parse_args(["--vllm-python", str(python), "--k", "3", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--vllm-python", str(python), "--peers", "medusa"])
+
+
+def test_dflash_runs_up_to_its_block_and_says_why_not_beyond(tmp_path):
+    """A DFlash head drafts at most block_size - 1 tokens: larger K are not run (and say why), smaller
+    K run with a note that vLLM's block is then shorter than the trained one."""
+    head = tmp_path / "head"
+    head.mkdir()
+    head.joinpath("config.json").write_text(json.dumps({"family": "dflash", "head": {"block_size": 5}}))
+    assert compare.draft_limit("dflash", head) == 4 and compare.draft_limit("eagle3", head) is None
+    ks = [2, 3, 4, 5, 6]
+    assert compare.chain_lengths("dflash", ks, 4) == [2, 3, 4]
+    assert compare.chain_lengths("eagle3", ks) == ks and compare.chain_lengths("medusa", ks) == [6]
+    assert list(compare.skipped_chains("dflash", ks, 4)) == [5, 6]
+    assert compare.regime_note("dflash", 4, 4) is None
+    assert "K=2 < block_size - 1 = 4" in compare.regime_note("dflash", 2, 4)
+    exports = {"dflash": tmp_path / "d", "dflash-speculators": tmp_path / "s", "eagle3": tmp_path / "e"}
+    runs = {r["name"]: r["speculative_config"] for r in compare.vllm_runs(exports, [], ks, {"dflash": 4})}
+    assert "dflash-k4" in runs and "dflash-k5" not in runs and "dflash-speculators-k5" not in runs
+    assert "eagle3-k6" in runs
+    speculators = {"method": "dflash", "model": str(tmp_path / "s"), "num_speculative_tokens": 3}
+    assert runs["dflash-speculators-k3"] == speculators
+    notes, skipped = compare.annotations(list(exports), 5, ks, {"dflash": 4, "eagle3": None})
+    assert notes == {} and set(skipped) == {"dflash-k5", "dflash-speculators-k5"}
+    assert "K=5 > block_size - 1 = 4" in skipped["dflash-k5"]
+    notes, skipped = compare.annotations(list(exports), 2, ks, {"dflash": 4, "eagle3": None})
+    assert set(notes) == {"dflash-k2", "dflash-speculators-k2"} and skipped == {}
+
+
+def test_table_lists_runs_not_made_and_row_notes():
+    vllm, infer = _results()
+    rows = [{**r, "note": "off the training regime" if r["run"] == "eagle3" else None} for r in table_rows(vllm, infer)]
+    table = format_table(rows, k=8, batch=8, skipped={"dflash": "K=8 > block_size - 1 = 7"})
+    assert "| dflash | not run | - |" in table
+    assert "- dflash: not run: K=8 > block_size - 1 = 7" in table
+    assert "- eagle3: off the training regime" in table
+    assert format_table(rows[:1], k=3, batch=8).count("\n") == 3  # no notes: header, rule, one row
+
+
+def test_every_format_runs_every_k_at_any_batch(tmp_path):
+    """Several K in one run (K = 2..8) and any --batch, for every format: each export gets one run per
+    K it can draft (Medusa: the largest), named NAME-kK."""
+    python = tmp_path / "python"
+    python.touch()
+    args = parse_args(["--vllm-python", str(python), "--k", *map(str, range(2, 9)), "--batch", "1"])
+    assert args.k == list(range(2, 9)) and args.batch == 1
+    exports = {fmt: tmp_path / fmt for fmt in compare.FORMATS}
+    runs = {r["name"] for r in compare.vllm_runs(exports, [], args.k, {"dflash": 7})}
+    for fmt, (family, _, _) in compare.FORMATS.items():
+        expected = {8} if family == "medusa" else set(range(2, 8 if family == "dflash" else 9))
+        assert {k for k in range(2, 9) if f"{fmt}-k{k}" in runs} == expected, fmt

@@ -1,4 +1,4 @@
-"""vLLM's own config classes read our P-EAGLE exports (marker `engines`: runs in vLLM's virtualenv,
+"""vLLM's own config classes read our P-EAGLE and DFlash exports (marker `engines`: runs in vLLM's virtualenv,
 which `make engines` builds; the config classes import without a GPU)."""
 
 from __future__ import annotations
@@ -99,4 +99,56 @@ def test_vllm_config_classes_read_a_dflash_head(tiny_target, tmp_path):
         "layers": [[None, False]] * 3,  # (sliding window, causal) per draft layer
         "sizes": [info.hidden_size, info.num_attention_heads, info.num_key_value_heads, info.head_dim, 128],
         "rope": {"rope_theta": 10000.0, "rope_type": "default"},
+    }
+
+
+READ_SPECULATORS_DFLASH = """
+import json, sys, types
+from vllm.model_executor.models.qwen3_dflash import _resolve_layer_attention, dflash_has_any_non_causal
+from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
+from vllm.transformers_utils.config import get_config
+from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+cfg = get_config(sys.argv[1], trust_remote_code=False)
+spec = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(hf_config=cfg))
+raw = json.load(open(sys.argv[1] + "/config.json"))
+print(json.dumps({
+    "config": type(cfg).__name__,
+    "architectures": cfg.architectures,
+    "class": list(_SPECULATIVE_DECODING_MODELS[cfg.architectures[0]]),
+    "aux_layer_ids": list(get_eagle3_aux_layers_from_config(spec)),
+    "dflash_config": cfg.dflash_config,
+    "non_causal": dflash_has_any_non_causal(cfg),
+    "layers": [list(_resolve_layer_attention(cfg, i)) for i in range(cfg.num_hidden_layers)],
+    "serving": SpeculatorsConfig.extract_vllm_speculative_config(raw),
+}))
+"""
+
+
+@pytest.mark.engines
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM's virtualenv .venv-vllm is absent (make engines builds it)")
+def test_vllm_config_classes_read_a_speculators_dflash_head(tiny_target, tmp_path):
+    """vLLM reads our speculators DFlash export as SpeculatorsConfig (no EAGLEConfig wrapper) into
+    the same DFlash settings as the native format: its model, our layer ids, every layer non-causal."""
+    src = make_head_dir(tiny_target, tmp_path / "head", "dflash", dflash_layers=3, mask_token_id=7, block_size=4)
+    out = export_head(src, "speculators", tmp_path / "out").path
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-c", READ_SPECULATORS_DFLASH, str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "config": "SpeculatorsConfig",
+        "architectures": ["DFlashDraftModel"],
+        "class": ["qwen3_dflash", "DFlashQwen3ForCausalLM"],
+        "aux_layer_ids": [2, 3, 4],
+        "dflash_config": {
+            "mask_token_id": 7,
+            "target_layer_ids": [1, 2, 3],  # vLLM's aux ids - 1
+            "sample_from_anchor": False,
+            "causal": False,
+        },
+        "non_causal": True,
+        "layers": [[None, False]] * 3,
+        "serving": {"method": "dflash", "num_speculative_tokens": 3},
     }
