@@ -10,7 +10,6 @@ import contextlib
 import gc
 import logging
 import os
-import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -34,10 +33,11 @@ class Dist:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _plain_world_of_one() -> bool:
+    """No launcher set up this process: a plain `python train.py` (no WORLD_SIZE), or one whose world
+    of one this module set up before (WORLD_SIZE=1 and no MASTER_PORT; a launcher always sets one)."""
+    world = os.environ.get("WORLD_SIZE")
+    return world is None or (world == "1" and "MASTER_PORT" not in os.environ)
 
 
 def setup_distributed(device_name: str = "auto") -> Dist:
@@ -49,10 +49,9 @@ def setup_distributed(device_name: str = "auto") -> Dist:
         raise SpecHeadsError("device=cuda asked for, but no CUDA device is available")
     if not use_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
-    if "WORLD_SIZE" not in os.environ:  # a plain `python train.py`: a world of one
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-        )
+    plain = _plain_world_of_one()
+    if plain:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     import deepspeed
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -64,7 +63,13 @@ def setup_distributed(device_name: str = "auto") -> Dist:
     if not use_cuda and (int(os.environ["WORLD_SIZE"]) == 1 or os.environ.get("SPECHEADS_SHM_ALLREDUCE") == "0"):
         _skip_shm_comm_op()
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False, verbose=False)
+        backend = "nccl" if use_cuda else "gloo"
+        if plain:
+            # A world of one meets only itself: an in-memory store, no port and no file. (Picking a
+            # free MASTER_PORT by binding port 0 and releasing it let two plain runs started at once
+            # draw the same port.) DeepSpeed then adopts the initialised group as it is.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     return Dist(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
 
 
