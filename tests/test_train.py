@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,14 @@ def run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     return proc
 
 
+def run_together(*cmds: list[str], jobs: int = 2) -> list[subprocess.CompletedProcess]:
+    """run() on several commands, `jobs` at a time, in the order given. Each child is single-threaded
+    (clean_env), so two of them use the cores that one leaves idle; plain runs meet in a store of
+    their own, with no port to share (tests/test_distributed.py)."""
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(run, cmds))
+
+
 def assert_head_written(proc: subprocess.CompletedProcess, out: Path, last: bool = True) -> None:
     head = out / "head"
     assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
@@ -48,18 +57,46 @@ def assert_head_written(proc: subprocess.CompletedProcess, out: Path, last: bool
     assert lines[-1] == str(head) if last else str(head) in lines
 
 
-@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "peagle", "dflash"])
-def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
-    data = write_conversations(tmp_path / "chats.jsonl")
-    out = tmp_path / "run"
-    proc = run(
-        [sys.executable, "train.py", f"head={family}", "train.max_steps=3", *tiny_args(data, out)[:-1]]
-        + (
+WRITING_FAMILIES = ["medusa", "eagle", "eagle3", "peagle", "dflash"]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory) -> dict:
+    """The module's plain train.py runs, two at a time (run_together): hydra, medusa2 and one per
+    writing family; then infer.py on the hydra and medusa2 heads, the two together. Name ->
+    (finished process, output directory)."""
+    tmp = tmp_path_factory.mktemp("plain")
+    data = write_conversations(tmp / "chats.jsonl")
+    medusa2_stages = ["head.heads_only_steps=1", "head.lm_loss_warmup_steps=1", "head.lora_r=4", "head.merge_lora=true"]
+    runs = {  # the two longest first
+        "hydra": [sys.executable, "train.py", "head=hydra", "train.max_steps=3", *tiny_args(data, tmp / "hydra")],
+        "medusa2": [sys.executable, "train.py", "head=medusa2", "train.max_steps=3", *medusa2_stages]
+        + ["train.log_every=1", *tiny_args(data, tmp / "medusa2")],
+    }
+    for family in WRITING_FAMILIES:
+        runs[family] = [
+            sys.executable,
+            "train.py",
+            f"head={family}",
+            "train.max_steps=3",
+            *tiny_args(data, tmp / family)[:-1],
+        ] + (
             ["wandb.mode=offline", "train.save_every=2", "train.save_heads=true"]
             if family == "eagle3"
             else ["wandb.mode=disabled"]
         )
-    )
+    outs = {name: tmp / name for name in runs}
+    done = dict(zip(runs, zip(run_together(*runs.values()), outs.values())))
+    served = ("hydra", "medusa2")
+    infers = [[sys.executable, "infer.py", f"head={outs[n] / 'head'}", "prompt=hi", "max_new_tokens=8"] for n in served]
+    for name, proc in zip(served, run_together(*infers)):
+        done[f"{name} infer"] = (proc, outs[name])
+    return done
+
+
+@pytest.mark.parametrize("family", WRITING_FAMILIES)
+def test_train_py_writes_the_head_and_prints_its_path_last(family, plain_runs):
+    proc, out = plain_runs[family]
     assert_head_written(proc, out)
     assert json.loads((out / "head" / "config.json").read_text())["family"] == family
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -96,29 +133,22 @@ def test_train_py_writes_the_head_and_prints_its_path_last(family, tmp_path):
         assert bad.returncode == 2 and "save_dtype must be auto or one of" in bad.stderr
 
 
-def test_hydra_head_trains_and_infer_py_runs_it(tmp_path):
+def test_hydra_head_trains_and_infer_py_runs_it(plain_runs):
     """head=hydra end to end: train.py writes the head, infer.py loads it and drafts with it."""
-    data = write_conversations(tmp_path / "chats.jsonl")
-    out = tmp_path / "run"
-    proc = run([sys.executable, "train.py", "head=hydra", "train.max_steps=3", *tiny_args(data, out)])
+    proc, out = plain_runs["hydra"]
     assert_head_written(proc, out)
     config = json.loads((out / "head" / "config.json").read_text())
     assert config["family"] == "hydra" and config["head"]["num_heads"] == 4
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/acc_3" in r for r in records)  # one accuracy per head
-    infer = run([sys.executable, "infer.py", f"head={out / 'head'}", "prompt=hi", "max_new_tokens=8"])
-    last = infer.stdout.strip().splitlines()[-1]
+    last = plain_runs["hydra infer"][0].stdout.strip().splitlines()[-1]
     assert "[hydra head" in last and "8 tokens" in last and "identical to plain greedy: yes" in last, last
 
 
-def test_medusa2_head_trains_and_infer_py_runs_it_on_the_adapted_target(tmp_path):
+def test_medusa2_head_trains_and_infer_py_runs_it_on_the_adapted_target(plain_runs):
     """head=medusa2 end to end: train.py writes the heads with their adapter (and the merged target
     on request), infer.py folds the adapter into the target and decodes losslessly against it."""
-    data = write_conversations(tmp_path / "chats.jsonl")
-    out = tmp_path / "run"
-    stages = ["head.heads_only_steps=1", "head.lm_loss_warmup_steps=1", "head.lora_r=4", "head.merge_lora=true"]
-    stages.append("train.log_every=1")
-    proc = run([sys.executable, "train.py", "head=medusa2", "train.max_steps=3", *stages, *tiny_args(data, out)])
+    proc, out = plain_runs["medusa2"]
     assert_head_written(proc, out)
     assert json.loads((out / "head" / "config.json").read_text())["family"] == "medusa2"
     assert (out / "head" / "adapter" / "adapter_config.json").is_file()
@@ -130,8 +160,7 @@ def test_medusa2_head_trains_and_infer_py_runs_it_on_the_adapted_target(tmp_path
         0.0,
         10.0,
     ]  # the stages (lambda 10)
-    infer = run([sys.executable, "infer.py", f"head={out / 'head'}", "prompt=hi", "max_new_tokens=8"])
-    last = infer.stdout.strip().splitlines()[-1]
+    last = plain_runs["medusa2 infer"][0].stdout.strip().splitlines()[-1]
     assert "[medusa2 head" in last and "8 tokens" in last and "identical to plain greedy: yes" in last, last
 
 

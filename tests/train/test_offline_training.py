@@ -5,6 +5,7 @@ import filecmp
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import write_questions
@@ -62,39 +63,34 @@ def test_offline_features_train_like_online(distilled, tmp_path):
     features = data / "features"
     index = json.loads((features / "train" / "index.json").read_text())
     assert index["bytes_per_token"] == 4 * 64 * 4  # three layers + final, hidden 64, fp32
-    for name, extra in (("online", []), ("offline", [f"data.features={features}"])):
-        run(
-            [
-                sys.executable,
-                "train.py",
-                *COMMON,
-                f"data.path={data}",
-                "train.batch_size=2",
-                *extra,
-                f"output_dir={tmp_path / name}",
-            ]
+    trainings = [
+        [sys.executable, "train.py", *COMMON, f"data.path={data}", "train.batch_size=2", *extra]
+        + [f"output_dir={tmp_path / name}"]
+        for name, extra in (("online", []), ("offline", [f"data.features={features}"]))
+    ]
+    # a cache made for other layers is refused in one line
+    stale = [
+        sys.executable,
+        "train.py",
+        *COMMON,
+        f"data.path={data}",
+        "head.layer_ids=[2,3,4]",
+        f"data.features={features}",
+        f"output_dir={tmp_path / 'stale'}",
+    ]
+    # the two runs side by side (each child is single-threaded), the refused one in the first free slot
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(run, cmd) for cmd in trainings]
+        refused = pool.submit(
+            subprocess.run, stale, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240
         )
+        for d in done:
+            d.result()
     online, offline = losses(tmp_path / "online"), losses(tmp_path / "offline")
     assert sorted(online) == sorted(offline) == [1, 2, 3, 4]
     for step in online:
         assert abs(online[step] - offline[step]) <= 1e-4 * max(1.0, abs(online[step])), (online, offline)
-    # a cache made for other layers is refused in one line
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            *COMMON,
-            f"data.path={data}",
-            "head.layer_ids=[2,3,4]",
-            f"data.features={features}",
-            f"output_dir={tmp_path / 'stale'}",
-        ],
-        cwd=ROOT,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = refused.result()
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: feature cache")
 
