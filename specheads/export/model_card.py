@@ -52,7 +52,10 @@ def serve_commands(
         if src.family == "dflash":  # native or speculators: served by vLLM's dflash method
             method = "dflash"
             k = tokens or src.spec.block_size - 1  # the regime it was trained in: the whole block
-        spec_config = json.dumps({"method": method, "model": draft, "num_speculative_tokens": k})
+        settings = {"method": method, "model": draft, "num_speculative_tokens": k}
+        if src.family == "peagle":  # all K drafts from one forward: vLLM's parallel drafting of an EAGLE-3 draft
+            settings["parallel_drafting"] = True
+        spec_config = json.dumps(settings)
         if fmt == "speculators":
             out.append(("vLLM (the verifier is read from the speculators config)", f"vllm serve {draft}"))
         out.append(("vLLM", f"vllm serve {target} --speculative-config '{spec_config}'"))

@@ -355,3 +355,15 @@ def test_export_job_checks_its_input(tiny_target, tmp_path, capsys):
     assert "embed_tokens.weight" in safe_open(str(tmp_path / "out" / "model.safetensors"), "pt").keys()
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "out")
     assert not (tmp_path / "x").exists()
+
+
+def test_model_card_serves_peagle_with_parallel_drafting(tiny_target, tmp_path):
+    """A P-EAGLE export is an EAGLE-3 checkpoint: without parallel_drafting vLLM would draft it one
+    token per forward from positions it never trained as sequential steps."""
+    from specheads.export import HeadSource
+    from specheads.export.model_card import serve_commands
+
+    for family, parallel in (("peagle", True), ("eagle3", False)):
+        src = HeadSource.read(make_head_dir(tiny_target, tmp_path / family, family))
+        vllm = dict(serve_commands(src, "eagle3", ["vllm"], "DRAFT", "TARGET"))["vLLM"]
+        assert '"method": "eagle3"' in vllm and ('"parallel_drafting": true' in vllm) == parallel
