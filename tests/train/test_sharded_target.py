@@ -19,27 +19,31 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("sharded_states.py")
 
 
-def run_worker(model_path: str, tmp_path: Path) -> dict:
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict:
+    """One torchrun of the worker over both sources: source -> rank 0's report."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    model, tokenizer = tiny_target("llama")
+    model.save_pretrained(tmp / "target")
+    tokenizer.save_pretrained(tmp / "target")
+    paths = {"tiny": "tiny:llama", "local directory": str(tmp / "target")}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    out = tmp_path / "report.json"
+    out = tmp / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
-    proc = subprocess.run([*cmd, model_path, str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*cmd, *paths.values(), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    by_path = json.loads(out.read_text())
+    return {source: by_path[path] for source, path in paths.items()}
 
 
 @pytest.mark.parametrize("source", ["tiny", "local directory"])
-def test_a_sharded_target_computes_what_the_whole_one_does(source, tmp_path):
+def test_a_sharded_target_computes_what_the_whole_one_does(source, reports):
     """Built in memory (partitioned by deepspeed.initialize) or read from a checkpoint directory
     straight into partitions (transformers' ZeRO-3 loading)."""
-    path = "tiny:llama"
-    if source == "local directory":
-        model, tokenizer = tiny_target("llama")
-        model.save_pretrained(tmp_path / "target")
-        tokenizer.save_pretrained(tmp_path / "target")
-        path = str(tmp_path / "target")
-    report = run_worker(path, tmp_path)
+    report = reports[source]
     assert report["sharded"] and report["local_numel"] == 0  # each weight lives in ZeRO-3 partitions
     assert report["hidden"] == report["final"] == report["logits"] == report["embed"] == 0.0
     assert report["gathered_lm_head_equal"]
