@@ -52,7 +52,7 @@ ENTRY_POINTS: dict[str, tuple[type, str, str]] = {
 }
 # config groups chosen by name on the command line (conf/<group>/NAME.yaml): group -> the schema
 # field of an entry point that holds it
-GROUPS = ("model", "head", "data", "deepspeed", "tree")
+GROUPS = ("model", "head", "data", "deepspeed", "tree", "tracker")
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -222,6 +222,8 @@ def group_options(group: str, schema: type) -> list[str]:
     for path in sorted(folder.glob("*.yaml")):
         option = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         option.pop("defaults", None)
+        if path.read_text().startswith("# @package _global_") and set(option) == {group}:
+            option = option[group]  # a global option that sets its own group's keys (conf/tracker/)
         changed: list[str] = []
         for key, value in _flatten(option):
             if key.split(".")[0] == "arch":  # the target's sizes, for train.py's memory plan

@@ -214,7 +214,7 @@ class TrainConfig:
     # per rank; null = the whole eval split
     eval_batches: int | None = 4
     save_every: int = 50  # 0 = only at the end (there is always a final checkpoint)
-    log_every: int = 5  # steps between metrics lines (DIR/metrics.jsonl, wandb)
+    log_every: int = 5  # steps between metrics lines (DIR/metrics.jsonl and the trackers)
     keep_checkpoints: int = 2  # 0 = keep all
     # also write the head of every checkpoint as OUTPUT_DIR/heads/step-N (config.json + safetensors,
     # kept whatever keep_checkpoints prunes): what `infer.py bench.mode=replay` compares checkpoints on
@@ -233,6 +233,30 @@ class WandbConfig:
     project: str = "specheads"  # the wandb project
     entity: str | None = None  # the wandb team or user; null = your default
     name: str | None = None  # the run's name; null = wandb's
+
+
+@dataclass
+class TrackerConfig:
+    """The experiment trackers that get the metrics and the run config besides DIR/metrics.jsonl:
+    `tracker=NAME` or `tracker=[NAME,...]` (conf/tracker/: wandb, tensorboard, mlflow, none) switches
+    them on; each writes under output_dir unless told otherwise, and a resumed run continues its run."""
+
+    # W&B, set up by wandb.* (wandb.mode=disabled also turns it off); null = on unless another
+    # tracker is chosen, so that the Python API and `python train.py` both default to it
+    wandb: bool | None = None
+    tensorboard: bool = False  # TensorBoard event files in OUTPUT_DIR/tensorboard
+    mlflow: bool = False  # an MLflow run, in the store mlflow_uri names
+    # the MLflow tracking URI; null = a local file store in OUTPUT_DIR/mlruns (`mlflow ui
+    # --backend-store-uri OUTPUT_DIR/mlruns` reads it); or a server, sqlite:///FILE, ...
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "specheads"  # the MLflow experiment the run is filed under
+    mlflow_run_name: str | None = None  # the MLflow run's name; null = MLflow's
+
+    def chosen(self) -> list[str]:
+        """The trackers this config turns on, wandb's mode aside."""
+        on = [name for name in ("tensorboard", "mlflow") if getattr(self, name)]
+        wandb = self.wandb if self.wandb is not None else not on
+        return ["wandb"] * wandb + on
 
 
 @dataclass
@@ -274,6 +298,8 @@ class TrainJobConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # the trackers that get the metrics (`tracker=wandb|tensorboard|mlflow|none`, or a list of them)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
     # the run's directory: checkpoints, metrics, the head in OUTPUT_DIR/head (the same command resumes)
     output_dir: str = "runs/${model.name}-${head.family}"
     # dtype of the written head's weights: auto = the training dtype; bfloat16 / float16 halve it

@@ -1,36 +1,44 @@
-"""Training metrics: metrics.jsonl (always, rank 0), Weights & Biases (disabled / offline / online),
-and a PNG of the loss and per-depth accuracy curves written at the end of a run."""
+"""Training metrics: metrics.jsonl (always, rank 0), the trackers `tracker=...` chose (W&B by
+default, TensorBoard, MLflow: specheads.train.trackers), and a PNG of the loss and per-depth
+accuracy curves written at the end of a run."""
 
 from __future__ import annotations
 
 import json
 import math
-import uuid
 from pathlib import Path
 from typing import Any
 
 from ..atomic import save_figure, write_jsonl
-from ..errors import SpecHeadsError
-
-WANDB_MODES = ("disabled", "offline", "online")
+from ..config.train import TrackerConfig
+from .trackers import check_trackers, start_trackers
 
 
 class MetricsLog:
-    """Rank 0 appends one JSON object per log call; the other ranks are silent."""
+    """Rank 0 appends one JSON object per log call and hands the same metrics to every tracker;
+    the other ranks are silent."""
 
-    def __init__(self, output_dir: Path, wandb_cfg: Any, run_config: dict, enabled: bool, resume_step: int = 0):
-        if wandb_cfg.mode not in WANDB_MODES:
-            raise SpecHeadsError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {wandb_cfg.mode!r}")
+    def __init__(
+        self,
+        output_dir: Path,
+        wandb_cfg: Any,
+        run_config: dict,
+        enabled: bool,
+        resume_step: int = 0,
+        tracker_cfg: TrackerConfig | None = None,
+    ):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.run = None
+        tracker_cfg = tracker_cfg or TrackerConfig()
+        names = tracker_cfg.chosen()
+        check_trackers(names, wandb_cfg)  # on every rank: a bad setting fails the whole run alike
+        self.trackers = []
         if not enabled:
             return
         # A resumed run drops what the interrupted one logged after its last checkpoint.
         records = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
         write_jsonl(self.path, records)
-        if wandb_cfg.mode != "disabled":
-            self.run = _start_wandb(Path(output_dir), wandb_cfg, run_config)
+        self.trackers = start_trackers(names, Path(output_dir), tracker_cfg, wandb_cfg, run_config, resume_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -38,39 +46,13 @@ class MetricsLog:
         record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.run is not None:
-            self.run.log(metrics, step=int(step))
+        for tracker in self.trackers:
+            tracker.log(int(step), metrics)
 
     def close(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
-
-
-def _start_wandb(output_dir: Path, wandb_cfg: Any, run_config: dict):
-    import wandb
-
-    # Keep one run id per output_dir, so a resumed training continues the same wandb run.
-    id_file = output_dir / "wandb-run-id"
-    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-    id_file.write_text(run_id)
-    try:
-        return wandb.init(
-            mode=wandb_cfg.mode,
-            project=wandb_cfg.project,
-            entity=wandb_cfg.entity,
-            name=wandb_cfg.name,
-            dir=str(output_dir),
-            config=run_config,
-            id=run_id,
-            resume="allow",
-            settings=wandb.Settings(silent=True),
-        )
-    except Exception as err:  # wandb raises its own error types for login / network problems
-        raise SpecHeadsError(
-            f"wandb.init failed ({wandb_cfg.mode}): {str(err).splitlines()[0]}; "
-            "use wandb.mode=offline or wandb.mode=disabled"
-        ) from err
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def _plain(value: Any) -> Any:

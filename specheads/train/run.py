@@ -192,7 +192,9 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
         torch.manual_seed(cfg.seed + d.rank)  # a noise stream per rank (a resumed run restores its own)
     elif d.is_main:
         print(f"resuming from step {resumed} ({trainer.checkpoints.latest()})", file=sys.stderr)
-    log = MetricsLog(output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed)
+    log = MetricsLog(
+        output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed, tracker_cfg=cfg.tracker
+    )
     origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code, **trainer.init_record}
     trainer.origin = code
     trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, origin, t.segments())
