@@ -121,13 +121,20 @@ def init_from_reread(cfg: TrainJobConfig) -> dict:
 
 
 def training_record(
-    cfg: TrainJobConfig, d: Dist, step: int, last_eval: dict, origin: dict, segments: list[dict]
+    cfg: TrainJobConfig,
+    d: Dist,
+    step: int,
+    last_eval: dict,
+    origin: dict,
+    segments: list[dict],
+    best: dict | None = None,
 ) -> dict:
     """What a head directory records of the run that wrote it (at its end, or at a checkpoint).
     origin: what the run read at its start (data digests, code version, commit, command), not at the
     write: a commit made while a run trains is not the code that trained it. segments (Trainer.segments):
     recorded when more than one process trained the run (it was resumed), since the commit and
-    command above are then only the last one's."""
+    command above are then only the last one's. best (Trainer.best): the evaluation OUTPUT_DIR/best
+    was kept for so far, its criterion and step."""
     resumed = {"segments": segments} if len(segments) > 1 else {}
     return {
         "steps": step,
@@ -142,6 +149,7 @@ def training_record(
         **origin,
         **resumed,
         "eval": last_eval,
+        **({"best": best} if best else {}),
     }
 
 
@@ -197,13 +205,20 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
     )
     origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code, **trainer.init_record}
     trainer.origin = code
-    trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, origin, t.segments())
+    trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, origin, t.segments(), t.best)
     try:
         last_eval = trainer.fit(log)
     finally:
         log.close()
     path = trainer.write_head(output_dir / "head", trainer.head_record(trainer))  # the record every kept head gets
     if d.is_main:
+        if trainer.best:
+            best = trainer.best
+            print(
+                f"train: best head: step {best['step']}, {best['metric']} {best['value']:.3f} "
+                f"({output_dir / 'best'}; the last is {path})",
+                file=sys.stderr,
+            )
         plot_metrics(output_dir / "metrics.jsonl", output_dir / "curves.png")
         if last_eval:
             accs = " ".join(

@@ -100,6 +100,10 @@ def autocast_dtype(name: str | None, head_dtype: torch.dtype) -> torch.dtype | N
     return FLOAT_DTYPES[name]
 
 
+# what OUTPUT_DIR/best is chosen by: the simulated acceptance length on the evaluation split
+BEST_METRIC = "eval/sim_tau"
+BEST_DIR = "best"
+
 # fingerprint keys a checkpoint written before them lacks: not compared there (its train_rows still is)
 ADDED_LATER = ("train_data", "group_by_length")
 
@@ -165,6 +169,9 @@ class Trainer:
         self.checkpoints = Checkpoints(output_dir, t.keep_checkpoints, d.rank, d.world_size)
         self.step = 0
         self.last_eval: dict[str, float] = {}
+        # {"metric", "value", "step"} of the head kept in OUTPUT_DIR/best (None before an evaluation);
+        # kept in every checkpoint, so a resumed run compares against it
+        self.best: dict[str, Any] | None = None
         # who trains: this process's code and command (set by train(cfg)); a resumed run also
         # carries who trained it before, from its checkpoint, so its head names every segment
         self.origin: dict[str, Any] = {}
@@ -226,6 +233,8 @@ class Trainer:
             )
         self.step = int(state["step"])
         self.last_eval = state.get("last_eval", {})
+        # a best/ that the interrupted run wrote after this checkpoint is rewritten as its steps are redone
+        self.best = state.get("best")
         self.init_record = state.get("init_record")
         # a checkpoint written before checkpoints named their segments: its steps' code is unknown
         self.earlier_segments = state.get("segments") or [{"steps": [0, self.step], "commit": None, "command": None}]
@@ -258,6 +267,7 @@ class Trainer:
                 "micro_batches": self.step * self.cfg.train.grad_accum,
                 "fingerprint": self.fingerprint(),
                 "last_eval": self.last_eval,
+                "best": self.best,
                 "segments": self.segments(),
                 "init_record": self.init_record,
             },
@@ -373,6 +383,7 @@ class Trainer:
                 self.last_eval = self.evaluate()
                 if self.last_eval:
                     log.log(self.step, self.last_eval)
+                    self.keep_if_best()  # before the checkpoint below, which then records it
                     postfix["sim_tau"] = f"{self.last_eval['eval/sim_tau']:.2f}"
                     bar.set_postfix(postfix)
             if (t.save_every > 0 and self.step % t.save_every == 0) or last:
@@ -383,6 +394,21 @@ class Trainer:
                 break
         bar.close()
         return self.last_eval
+
+    def keep_if_best(self) -> bool:
+        """Writes the head to OUTPUT_DIR/best when this evaluation beats every earlier one of the run
+        (strictly: on a tie the earlier head stays). All ranks hold the same reduced evaluation, so
+        all decide alike and meet in write_head."""
+        value = self.last_eval.get(BEST_METRIC)
+        if value is None or not math.isfinite(value):
+            return False
+        if self.best is not None and value <= self.best["value"]:
+            return False
+        self.best = {"metric": BEST_METRIC, "value": float(value), "step": self.step}
+        if self.head_record is not None:
+            # the merged target (head.merge_lora) pairs with the last head, OUTPUT_DIR/head
+            self.write_head(self.output_dir / BEST_DIR, self.head_record(self), merge_target=False)
+        return True
 
     def follow_budget(self, budget: TimeBudget, bar: tqdm) -> bool:
         """True once train.max_minutes is spent; meanwhile ends the cosine where the budget will.
@@ -412,9 +438,9 @@ class Trainer:
             raise SpecHeadsError(f"after training, rank(s) {differ} hold head weights different from rank 0's")
         return digests[0]
 
-    def write_head(self, directory: Path, training: dict[str, Any]) -> Path:
-        """Rank 0 writes the head (gathering ZeRO-3 shards first), and with head.merge_lora the
-        adapted target beside it (OUTPUT_DIR/merged); every rank returns the head's path."""
+    def write_head(self, directory: Path, training: dict[str, Any], merge_target: bool = True) -> Path:
+        """Rank 0 writes the head (gathering ZeRO-3 shards first), and with head.merge_lora (and
+        merge_target) the adapted target beside it (OUTPUT_DIR/merged); every rank returns the head's path."""
         gathered = contextlib.nullcontext()
         if self.engine.zero_optimization_stage() == 3:
             import deepspeed
@@ -424,7 +450,7 @@ class Trainer:
             training = {**training, "trained_weights_sha256": self.agreed_weights_digest()}
             if self.d.is_main:
                 save_head(self.head, directory, training=training, dtype=FLOAT_DTYPES.get(self.cfg.save_dtype))
-                if self.head.spec.merge_lora:
+                if self.head.spec.merge_lora and merge_target:
                     self.head.save_merged_target(self.output_dir / "merged", directory)
         dist.barrier()
         return directory
