@@ -427,11 +427,13 @@ def run_name(name: str, k: int, ks: Sequence[int]) -> str:
 
 def draft_limit(family: str, head: Path) -> int | None:
     """The most tokens a head drafts per step, where its family has a limit: a DFlash head's
-    block_size - 1 (the drafter runs the whole trained block). None: no limit."""
-    if family != "dflash":
+    block_size - 1 (the drafter runs the whole trained block), a P-EAGLE head's parallel_depths
+    (the positions it was trained to fill; infer.py drafts no deeper). None: no limit."""
+    if family not in ("dflash", "peagle"):
         return None
     config = json.loads((head / "config.json").read_text(encoding="utf-8"))
-    return int((config.get("head") or config)["block_size"]) - 1
+    fields = config.get("head") or config
+    return int(fields["block_size"]) - 1 if family == "dflash" else int(fields["parallel_depths"])
 
 
 def chain_lengths(family: str, ks: Sequence[int], limit: int | None = None) -> list[int]:
@@ -447,11 +449,8 @@ def skipped_chains(family: str, ks: Sequence[int], limit: int | None) -> dict[in
     shorter chain as this K)."""
     if limit is None:
         return {}
-    return {
-        k: f"K={k} > block_size - 1 = {limit}: a {family} head drafts at most {limit} tokens (its trained block)"
-        for k in ks
-        if k > limit
-    }
+    trained = "its trained block" if family == "dflash" else "the positions it was trained to fill"
+    return {k: f"K={k} > {limit}: a {family} head drafts at most {limit} tokens ({trained})" for k in ks if k > limit}
 
 
 def regime_note(family: str, k: int, limit: int | None) -> str | None:

@@ -226,9 +226,22 @@ def test_dflash_runs_up_to_its_block_and_says_why_not_beyond(tmp_path):
     assert runs["dflash-speculators-k3"] == speculators
     notes, skipped = compare.annotations(list(exports), 5, ks, {"dflash": 4, "eagle3": None})
     assert notes == {} and set(skipped) == {"dflash-k5", "dflash-speculators-k5"}
-    assert "K=5 > block_size - 1 = 4" in skipped["dflash-k5"]
+    assert "K=5 > 4: a dflash head drafts at most 4 tokens (its trained block)" in skipped["dflash-k5"]
     notes, skipped = compare.annotations(list(exports), 2, ks, {"dflash": 4, "eagle3": None})
     assert set(notes) == {"dflash-k2", "dflash-speculators-k2"} and skipped == {}
+
+
+def test_peagle_runs_up_to_its_trained_positions(tmp_path):
+    """A P-EAGLE head fills parallel_depths positions: infer.py refuses a deeper chain, so a larger K
+    is listed as not run rather than crashing the comparison after vLLM's pass."""
+    head = tmp_path / "head"
+    head.mkdir()
+    head.joinpath("config.json").write_text(json.dumps({"family": "peagle", "head": {"parallel_depths": 4}}))
+    assert compare.draft_limit("peagle", head) == 4
+    assert compare.chain_lengths("peagle", [3, 7], 4) == [3]
+    why = compare.skipped_chains("peagle", [3, 7], 4)
+    assert list(why) == [7] and "the positions it was trained to fill" in why[7]
+    assert compare.regime_note("peagle", 3, 4) is None
 
 
 def test_table_lists_runs_not_made_and_row_notes():
