@@ -308,3 +308,24 @@ def layer_index(name: str, prefix: str) -> tuple[int, str] | None:
         return None
     head, _, rest = name[len(prefix) :].partition(".")
     return (int(head), rest) if head.isdigit() and rest else None
+
+
+def speculators_config(algorithm: str, tokens: int, opts: ExportOptions, target_name: str) -> dict[str, Any]:
+    """speculators' `speculators_config` block: one greedy proposal method of `tokens` drafts and
+    the verifier (the target) it was trained against; the same for every speculators algorithm."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": tokens,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {
+            "name_or_path": opts.base_model or target_name,
+            "architectures": opts.verifier_architectures or [],
+        },
+    }

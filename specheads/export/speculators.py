@@ -39,6 +39,7 @@ from .common import (
     provenance,
     read_tensors,
     resolve_export_dtype,
+    speculators_config,
 )
 from .eagle3 import (
     check_capturable,
@@ -80,22 +81,7 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
         "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": algorithm,
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": opts.base_model or info.name,
-                "architectures": opts.verifier_architectures or [],
-            },
-        },
+        "speculators_config": speculators_config(algorithm, tokens, opts, info.name),
         "transformer_layer_config": llama_layer_fields(info, spec.intermediate_size, spec.num_decoder_layers, dtype),
         "draft_vocab_size": spec.draft_vocab_size,
         "norm_before_residual": False,

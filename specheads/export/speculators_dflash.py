@@ -40,6 +40,7 @@ from .common import (
     cast,
     provenance,
     resolve_export_dtype,
+    speculators_config,
 )
 
 ARCHITECTURE = "DFlashSpeculator"
@@ -73,22 +74,7 @@ def build(src: HeadSource, opts: ExportOptions, version: str) -> Exported:
         "architectures": [ARCHITECTURE],
         "speculators_model_type": "dflash",
         "speculators_version": version,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": opts.base_model or info.name,
-                "architectures": opts.verifier_architectures or [],
-            },
-        },
+        "speculators_config": speculators_config("dflash", tokens, opts, info.name),
         "transformer_layer_config": {k: v for k, v in native.items() if k not in NON_TRANSFORMER_KEYS},
         "draft_vocab_size": spec.draft_vocab_size,
         "block_size": spec.block_size,
