@@ -338,16 +338,11 @@ def add_mask_hidden(cfg: dict, merged: dict, s: dict[str, int], required: Rules)
         required["mask_hidden"] = ((1, 1, 3 * (merged.get("target_hidden_size") or s["H"])), FLOAT)
 
 
-def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
-    if cfg.get("speculators_model_type") == "dflash":
-        return speculators_library_dflash(directory, cfg, files)
-    p = Problems()
-    layer = speculators_config_problems(cfg, p)
-    spec = cfg.get("speculators_config") or {}
-    kind = cfg.get("speculators_model_type")
-    arch = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}.get(kind)
-    p.need(cfg.get("architectures") == [arch], f"architectures must be [{arch!r}]")
-    p.need(spec.get("algorithm") == kind, f"speculators_config.algorithm must be {kind!r}")
+def speculators_block_problems(cfg: dict, spec: dict, architecture: str | None, algorithm: str | None, p: Problems) -> None:
+    """The fields every speculators algorithm writes alike: the architecture, the algorithm, a
+    default proposal method among the proposal methods, the verifier's architectures, the version."""
+    p.need(cfg.get("architectures") == [architecture], f"architectures must be [{architecture!r}]")
+    p.need(spec.get("algorithm") == algorithm, f"speculators_config.algorithm must be {algorithm!r}")
     types = [m.get("proposal_type") for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
     p.need(
         spec.get("default_proposal_method") in types,
@@ -356,6 +351,16 @@ def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
     verifier = spec.get("verifier") or {}
     p.need(isinstance(verifier.get("architectures"), list), "speculators_config.verifier.architectures must be a list")
     p.need(bool(cfg.get("speculators_version")), "speculators_version is missing")
+
+
+def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
+    if cfg.get("speculators_model_type") == "dflash":
+        return speculators_library_dflash(directory, cfg, files)
+    p = Problems()
+    layer = speculators_config_problems(cfg, p)
+    kind = cfg.get("speculators_model_type")
+    arch = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}.get(kind)
+    speculators_block_problems(cfg, cfg.get("speculators_config") or {}, arch, kind, p)
     p.need(not cfg.get("norm_before_fc"), "norm_before_fc must be false (no input_norm in this head)")
     if not layer:
         return p
@@ -471,16 +476,7 @@ def vllm_speculators_dflash(directory: Path, cfg: dict, files: dict) -> list[str
 def speculators_library_dflash(directory: Path, cfg: dict, files: dict) -> list[str]:
     p = Problems()
     spec = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
-    p.need(cfg.get("architectures") == [DFLASH_SPECULATOR], f"architectures must be [{DFLASH_SPECULATOR!r}]")
-    p.need(spec.get("algorithm") == "dflash", "speculators_config.algorithm must be 'dflash'")
-    types = [m.get("proposal_type") for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
-    p.need(
-        spec.get("default_proposal_method") in types,
-        "speculators_config.default_proposal_method must name one of the proposal_methods",
-    )
-    verifier = spec.get("verifier") or {}
-    p.need(isinstance(verifier.get("architectures"), list), "speculators_config.verifier.architectures must be a list")
-    p.need(bool(cfg.get("speculators_version")), "speculators_version is missing")
+    speculators_block_problems(cfg, spec, DFLASH_SPECULATOR, "dflash", p)
     view = speculators_dflash_common(cfg, p)
     return p if view is None else [*p, *vllm_dflash(directory, view, files)]
 
