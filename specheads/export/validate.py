@@ -338,7 +338,9 @@ def add_mask_hidden(cfg: dict, merged: dict, s: dict[str, int], required: Rules)
         required["mask_hidden"] = ((1, 1, 3 * (merged.get("target_hidden_size") or s["H"])), FLOAT)
 
 
-def speculators_block_problems(cfg: dict, spec: dict, architecture: str | None, algorithm: str | None, p: Problems) -> None:
+def speculators_block_problems(
+    cfg: dict, spec: dict, architecture: str | None, algorithm: str | None, p: Problems
+) -> None:
     """The fields every speculators algorithm writes alike: the architecture, the algorithm, a
     default proposal method among the proposal methods, the verifier's architectures, the version."""
     p.need(cfg.get("architectures") == [architecture], f"architectures must be [{architecture!r}]")
