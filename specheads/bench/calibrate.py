@@ -69,8 +69,11 @@ from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
 from .trees import cache_path, machine_description, prompts_record, store_in_cache
 
 BUILTIN_PROMPTS = [
-    # every third one works on text the prompt gives (extraction, editing, code changes): answers
-    # that reuse their prompt, where the text's own repeats are worth drafting (the hybrid tree)
+    # half chat, half copy-heavy (BUILTIN_COPY_HEAVY): the copy-heavy ones give the text the answer
+    # works on (a passage to summarise, translate, answer from or extract from; code or prose to
+    # edit), answers that reuse their prompt, where the text's own repeats are worth drafting (the
+    # hybrid tree). The first 16 are those calibrations recorded before the other 8 were added (their
+    # digests are in those records): new prompts go at the end.
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash table works and when it is a poor choice.",
     "From the text below, list each person and the city they live in.\nText: Priya lives in Toronto and works "
@@ -95,7 +98,26 @@ BUILTIN_PROMPTS = [
     "Turn this list into a Markdown table with the columns Name and Age: Tom 34, Lisa 29, Ahmed 41, Mei 25.",
     "Rewrite the following sentence three times, each time in a more formal tone: \"We can't make it to the "
     'meeting, sorry, something came up."',
+    "Using only the passage below, answer: when did the bridge reopen, and why was it closed?\nPassage: The Alder "
+    "Street bridge closed on 3 March after inspectors found rust in two of its steel cables. Crews replaced both "
+    "cables over six weeks, and the bridge reopened to cars on 14 April and to cyclists a week later.",
+    "Explain how the gears on a bicycle make it easier to ride up a hill.",
+    "Rename the variable `n` to `count` everywhere in this JavaScript function and return the whole function:\n\n"
+    "function countVowels(text) {\n  let n = 0;\n  for (const ch of text.toLowerCase()) {\n"
+    "    if ('aeiou'.includes(ch)) {\n      n += 1;\n    }\n  }\n  return n;\n}",
+    'Translate this note into German: "The library will be closed on Monday for cleaning. Books due that day can '
+    'be returned on Tuesday without a fine."',
+    "Compare living in a big city with living in the countryside.",
+    "Extract every date and the event on it from this schedule, one per line as DATE: EVENT.\nSchedule: The garden "
+    "club meets on 2 May to plant seedlings. On 16 May there is a talk on composting. The plant sale is on 30 May, "
+    "and the summer picnic follows on 13 June.",
+    'Summarise this product review in one sentence: "I bought this kettle two months ago. It boils water quickly '
+    "and the handle stays cool, but the lid is hard to open with one hand and the power cord is shorter than I "
+    'expected. Overall it is good value for the price."',
+    "Suggest five names for a small bakery and explain each in one line.",
 ]
+# the prompts above that give the text their answer works on (the rest are chat)
+BUILTIN_COPY_HEAVY = frozenset({2, 5, 8, 11, 13, 14, 15, 16, 18, 19, 21, 22})
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64, 80, 96, 128)
 TEXT_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)  # text-continuation budgets a hybrid tree may take
 

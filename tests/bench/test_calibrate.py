@@ -3,13 +3,17 @@
 import io
 import json
 import random
+import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
 
 from specheads.bench.calibrate import (
+    BUILTIN_COPY_HEAVY,
+    BUILTIN_PROMPTS,
     TEXT_NODES,
     calibrate_tree,
     calibration_texts,
@@ -23,7 +27,7 @@ from specheads.bench.calibrate import (
 from specheads.bench.questions import read_questions
 from specheads.bench.replay import accepted_length, best_paths, path_frequencies, rank_vectors
 from specheads.bench.session import Session
-from specheads.bench.trees import overlap, prompt_digest, use_cached_tree
+from specheads.bench.trees import overlap, prompt_digest, prompts_record, use_cached_tree
 from specheads.config.infer import InferJobConfig, TreeConfig
 from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import HybridDrafter, make_drafter
@@ -33,6 +37,8 @@ from specheads.decode.tree import static_tree
 from specheads.heads import load_head, save_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_HEAD = ROOT / "heads" / "smollm2-135m-eagle3"
 
 
 def test_path_frequencies_and_best_paths_are_prefix_closed():
@@ -290,6 +296,36 @@ def test_calibration_prompts_come_from_every_category_in_turn(tmp_path):
         return calibration_texts(InferJobConfig(tree=tree))[1]
 
     assert texts(3) == ["w1", "m1", "c1"] and texts(9) == ["w1", "m1", "c1", "w2", "m2", "w3"]
+
+
+def passage(prompt: str) -> str:
+    """The text a prompt gives its answer to work on: the longest quoted span, the text after its
+    first line or after its first ': ' ("" for none)."""
+    spans = re.findall(r'"([^"]+)"', prompt) + re.findall(r"'([^']+)'", prompt)
+    spans += [prompt.partition("\n")[2], prompt.partition(": ")[2]]
+    return max(spans, key=len)
+
+
+def test_the_builtin_prompts_are_half_chat_half_copy_heavy_after_the_recorded_sixteen():
+    """24 built-in prompts, 12 chat and 12 copy-heavy, each copy-heavy one with its passage; the
+    first 16 are those the shipped calibration recorded (its digests still name them), and none is
+    a question of a benchmark set here."""
+    shipped = json.loads((SHIPPED_HEAD / "config.json").read_text())["calibration"]["prompts"]
+    assert shipped["source"] == "builtin" and shipped["count"] == 16
+    assert [prompt_digest(p) for p in BUILTIN_PROMPTS[:16]] == shipped["sha256"]
+    assert len(BUILTIN_PROMPTS) == 24 and len(BUILTIN_COPY_HEAVY) == 12 and BUILTIN_COPY_HEAVY <= set(range(24))
+    for i, prompt in enumerate(BUILTIN_PROMPTS):
+        if i in BUILTIN_COPY_HEAVY:
+            assert len(passage(prompt)) >= 20, prompt
+        else:
+            assert passage(prompt) == "", prompt
+    record = {"prompts": prompts_record("builtin", BUILTIN_PROMPTS)}
+    sets = [
+        ROOT / "specheads" / "data" / "dev_questions.jsonl",
+        *sorted((ROOT.parent / "shared/data/eval").glob("*.jsonl")),
+    ]
+    for path in sets:
+        assert overlap(record, read_questions(path), turns="all") == [], path
 
 
 def files(directory):
