@@ -66,7 +66,7 @@ from .dynamic_trees import MAX_DEPTH, NODES, TOP_K, dynamic_choice, grow_along
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
 from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
-from .trees import cache_path, machine_description, prompts_record, store_in_cache
+from .trees import cache_path, machine_description, prompts_record, remove_cached_tree, store_in_cache, utc_now
 
 BUILTIN_PROMPTS = [
     # half chat, half copy-heavy (BUILTIN_COPY_HEAVY): the copy-heavy ones give the text the answer
@@ -568,6 +568,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, rows, target_s, out)
     kernels = getattr(session, "layouts", None) is not None
     record = {
+        "calibrated_at": utc_now(),  # a cached tree older than the head's own calibration is not used
         "prompts": prompts_record(source, texts),
         "tokens": t.calibration_tokens,
         "positions": n_pos,
@@ -601,6 +602,12 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     if t.save == "head" and head_dir is not None:
         if store_default_tree(head, head_dir, best["paths"], record):
             out.write(f"stored as the default tree of {head_dir} (tree.save=head)\n")
+            # this machine's cached tree for the head would still win at tree=default: it goes
+            cached = cache_path(head_dir, target, kernels, record["head_dtype"])
+            if remove_cached_tree(cached):
+                out.write(
+                    f"removed this machine's earlier tree for it ({cached}): tree=default drafts the stored one\n"
+                )
         else:
             out.write(f"{head_dir} is not writable here: pass the tree as tree=static 'tree.paths=...'\n")
     elif t.save == "cache" and head_dir is not None and (head_dir / CONFIG_NAME).is_file():

@@ -6,7 +6,10 @@ tree=default on that machine drafts with it from then on, while the head directo
 it was shipped with. Only tree.save=head writes it into the head directory itself.
 
 Each calibration records the identity of its prompts (a digest per prompt), so that a benchmark
-can say when it measures a head on the very prompts its tree was chosen on.
+can say when it measures a head on the very prompts its tree was chosen on, and when it was made
+(calibrated_at, UTC): a cached tree older than the head's own calibration is not used, and
+tree.save=head removes this machine's cached tree for the head, which would otherwise keep
+winning over the one just stored (the cache key ignores config.json).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import platform
 import sys
 from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -76,6 +80,30 @@ def cache_path(head_dir: str | Path, target, kernels: bool, precision: str) -> P
     return cache_root() / "trees" / f"{head_digest(head_dir)[:16]}-{machine}.json"
 
 
+def utc_now() -> str:
+    """A calibration's calibrated_at: now, in UTC, ISO 8601 to the second."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def calibrated_at(calibration: dict | None) -> datetime | None:
+    """When a calibration was made, or None (a record from before calibrated_at, or unreadable)."""
+    stamp = (calibration or {}).get("calibrated_at")
+    try:
+        when = datetime.fromisoformat(str(stamp)) if stamp else None
+    except ValueError:
+        return None
+    return when.replace(tzinfo=timezone.utc) if when is not None and when.tzinfo is None else when
+
+
+def older_than(calibration: dict | None, other: dict | None) -> bool:
+    """Whether `calibration` was made before `other`; a record without calibrated_at counts as older
+    than one with it (two without it: neither is older)."""
+    mine, theirs = calibrated_at(calibration), calibrated_at(other)
+    if theirs is None:
+        return False
+    return mine is None or mine < theirs
+
+
 def store_in_cache(path: Path, paths: list[list[int]], calibration: dict) -> Path:
     write_json(path, {"version": CACHE_VERSION, "default_tree": paths, "calibration": calibration})
     return path
@@ -91,12 +119,29 @@ def read_cache(path: Path) -> dict | None:
     return stored if ok else None
 
 
+def remove_cached_tree(path: Path) -> bool:
+    """Drop a cached tree (tree.save=head stored a newer one in the head directory): True when one was there."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def use_cached_tree(head, head_dir: str | Path, target, kernels: bool, out: TextIO = sys.stderr) -> bool:
     """tree=default: a tree calibrated for this head on this machine replaces the stored one (one
-    line says so). False when there is none (the head's own tree stays)."""
+    line says so), unless it is older than the head's own calibration (config.json's, e.g. one
+    stored by tree.save=head since). False when none is used (the head's own tree stays)."""
     path = cache_path(head_dir, target, kernels, draft_precision(head))
     stored = read_cache(path)
     if stored is None:
+        return False
+    own = getattr(head, "calibration", None)
+    if older_than(stored.get("calibration"), own):
+        out.write(
+            f"tree: {head_dir}'s own calibration is newer than the tree calibrated on this machine ({path}): "
+            "it drafts with its own\n"
+        )
         return False
     head.default_tree = stored["default_tree"]
     head.calibration = stored.get("calibration")

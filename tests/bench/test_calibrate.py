@@ -27,7 +27,7 @@ from specheads.bench.calibrate import (
 from specheads.bench.questions import read_questions
 from specheads.bench.replay import accepted_length, best_paths, path_frequencies, rank_vectors
 from specheads.bench.session import Session
-from specheads.bench.trees import overlap, prompt_digest, prompts_record, use_cached_tree
+from specheads.bench.trees import cache_path, overlap, prompt_digest, prompts_record, store_in_cache, use_cached_tree
 from specheads.config.infer import InferJobConfig, TreeConfig
 from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import HybridDrafter, make_drafter
@@ -35,6 +35,7 @@ from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import HybridPolicy, hybrid_policy_for, tree_policy_for
 from specheads.decode.tree import static_tree
 from specheads.heads import load_head, save_head
+from specheads.heads.io import draft_precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
@@ -393,6 +394,36 @@ def test_calibrating_an_existing_head_leaves_it_as_shipped_and_caches_the_tree(
     # save=none: this run only
     _, out = calibrate(load_head(other, tiny_target), other, tiny_target, save="none")
     assert "stored" not in out and len(list((tmp_path / "cache" / "trees").glob("*.json"))) == 1
+
+
+def test_a_tree_saved_to_the_head_wins_over_this_machines_older_cached_tree(
+    tmp_path, monkeypatch, tiny_target, sequences
+):
+    """tree=auto tree.save=head removes this machine's cached tree for the head, and tree=default
+    skips a cached tree older than the head's own calibration (calibrated_at; none: older), so the
+    head's new tree is the one drafted; a cached tree calibrated after it still wins."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    head_dir = save_head(quick_head(tiny_target, "eagle3", sequences, steps=30), tmp_path / "head")
+    head = load_head(head_dir, tiny_target)
+    cached = cache_path(head_dir, tiny_target, False, draft_precision(head))
+    # a tree cached for this machine before (an earlier tree=auto, with no calibrated_at)
+    store_in_cache(cached, [[150]], {"nodes": 1, "positions": 1})
+    chosen, out = calibrate(head, head_dir, tiny_target, save="head", dynamic="off")
+    assert not cached.exists() and "removed this machine's earlier tree" in out
+    stored = json.loads((head_dir / "config.json").read_text())["calibration"]
+    assert stored["calibrated_at"].endswith("+00:00")
+    fresh = load_head(head_dir, tiny_target)
+    assert not use_cached_tree(fresh, head_dir, tiny_target, kernels=False, out=io.StringIO())
+    assert tree_policy_for(fresh, TreeConfig(kind="default")).paths == static_tree(chosen.paths).paths
+    # the older tree cached again (another copy of specheads, an older one): still not used
+    store_in_cache(cached, [[150]], {"nodes": 1, "calibrated_at": "2020-01-01T00:00:00+00:00"})
+    line = io.StringIO()
+    assert not use_cached_tree(fresh, head_dir, tiny_target, kernels=False, out=line)
+    assert fresh.default_tree == chosen.paths and line.getvalue().count("\n") == 1 and "newer" in line.getvalue()
+    # one calibrated on this machine after the head's: that one is drafted
+    store_in_cache(cached, [[150]], {"nodes": 1, "calibrated_at": "2999-01-01T00:00:00+00:00"})
+    assert use_cached_tree(fresh, head_dir, tiny_target, kernels=False, out=io.StringIO())
+    assert fresh.default_tree == [[150]]
 
 
 # Scripted seconds of each timed verification forward, per query-token count: the warm-up call
