@@ -289,6 +289,17 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     if "lookup" in b.methods:
         text_only = HybridPolicy(None, b.prompt_lookup_num_tokens, settings.tree.ngram_max)
         spec_heads["lookup"] = (make_hybrid_drafter(None, text_only), text_only, None)
+    if "suffix" in b.methods:
+        t = settings.tree
+        suffix = HybridPolicy(
+            None,
+            b.prompt_lookup_num_tokens,
+            t.ngram_max,
+            source="suffix",
+            suffix_match=t.suffix_match,
+            suffix_history=t.suffix_history,
+        )
+        spec_heads["suffix"] = (make_hybrid_drafter(None, suffix), suffix, None)
     spec_heads.update(open_compared_heads(b.heads, session))
     if b.head_dtypes:
         spec_heads.update(open_precision_variants(b.head_dtypes, session, spec_heads["spec"][1]))
@@ -315,6 +326,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     for ids in first_prompts[: b.warmup]:
         for m in methods:
             run(m, torch.tensor([ids], device=target.device), warm)
+    for drafter, _, _ in spec_heads.values():
+        if hasattr(drafter, "forget_history"):  # the warm-up's answers must not seed the questions timed
+            drafter.forget_history()
 
     # on CPU a one-row step follows the memory bandwidth of the moment: sample it between questions
     probe = BandwidthProbe(b.bandwidth_mib) if b.bandwidth_mib and target.device.type == "cpu" else None
@@ -396,8 +410,14 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     if "hybrid" in heads:
         report["hybrid"] = heads.pop("hybrid")
         report["hybrid"]["accepted_sources"] = source_shares([r for r in rows if r["method"] == "hybrid"])
-    if "lookup" in heads:
-        report["lookup"] = heads.pop("lookup")
+        choices = getattr(spec_heads["hybrid"][0], "choices", {})
+        if choices:  # the adaptive rule's steps by what they drafted
+            report["hybrid"]["choices"] = {
+                describe_choice(c): n for c, n in sorted(choices.items(), key=lambda x: (x[0].head, x[0].text_nodes))
+            }
+    for m in ("lookup", "suffix"):
+        if m in heads:
+            report[m] = heads.pop(m)
     if heads:
         report["compared_heads"] = heads
     if "baseline" in methods:
@@ -437,14 +457,26 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             out.write(f"hybrid: {format_costs(info['costs'])}\n")
         if info["accepted_sources"]:
             out.write(f"hybrid: {format_shares(info['accepted_sources'])}\n")
-    if report.get("lookup", {}).get("costs"):
-        out.write(f"lookup ({report['lookup']['tree']}): {format_costs(report['lookup']['costs'])}\n")
+        if info.get("choices"):
+            total = sum(info["choices"].values())
+            shares = ", ".join(f"{k} {n / total:.0%}" for k, n in info["choices"].items())
+            out.write(f"hybrid: steps by choice: {shares}\n")
+    for m in ("lookup", "suffix"):
+        if report.get(m, {}).get("costs"):
+            out.write(f"{m} ({report[m]['tree']}): {format_costs(report[m]['costs'])}\n")
     for m, info in report.get("compared_heads", {}).items():
         if info["costs"]:
             out.write(f"{m}: {format_costs(info['costs'])}\n")
     out.write(f"rows: {paths['rows']}\nsummary: {paths['summary']}\n")
     out.flush()
     return report
+
+
+def describe_choice(choice) -> str:
+    """An adaptive hybrid step's choice in words: plain, text N, head, head+text N."""
+    if choice.head:
+        return f"head+text {choice.text_nodes}" if choice.text_nodes else "head"
+    return f"text {choice.text_nodes}" if choice.text_nodes else "plain"
 
 
 def compare_to_baseline(target, rows, prompts: dict, methods, greedy: bool) -> dict:

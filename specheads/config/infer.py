@@ -24,9 +24,12 @@ def check_draft_dtype(name: str, key: str = "head_dtype") -> None:
 
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
-METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
+METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "suffix", "spec", "hybrid")
+DEFAULT_METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
 TREE_SAVES = ("cache", "head", "none")
 TREE_DYNAMIC = ("weigh", "off", "only")
+HYBRID_RULES = ("adaptive", "fixed")
+TEXT_SOURCES = ("suffix", "ngram")
 BENCH_MODES = ("timed", "replay")
 DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is not given
 
@@ -71,6 +74,18 @@ class TreeConfig:
     # ngram_max-gram
     text_alone: int | None = None
     text_alone_ngram: int | None = None  # hybrid: the repeated n-gram length that triggers text_alone
+    # hybrid's text source: suffix = the longest repeated suffix of the text (up to suffix_match
+    # tokens), its continuations scored by how often they followed it, over the request's text and
+    # up to suffix_history tokens of this process's earlier answers (0: the request's own text
+    # only); ngram = prompt lookup's most recent matches of the last n-gram (n <= ngram_max)
+    text_source: str = "suffix"
+    suffix_match: int = 8
+    suffix_history: int = 16384
+    # adaptive = each step chooses the head's tree, the text's nodes, both or neither, and how many
+    # text nodes, from the calibrated costs and this request's acceptance so far (needs a tree=auto
+    # calibration with a hybrid rule; without one, the fixed split); fixed = the calibrated split
+    # every step (ngram_nodes merged, text_alone after a repeat)
+    hybrid_rule: str = "adaptive"
     # where tree=auto keeps the tree: cache = this machine's cache (tree=default uses it for this
     # head here; the head directory keeps the tree it came with); head = the head directory's own
     # default tree (config.json rewritten: for a head you just trained); none = this run only
@@ -90,8 +105,9 @@ class BenchConfig:
     output: str | None = None  # None = runs/bench/<questions file stem>.jsonl
     max_new_tokens: int = 256  # tokens answered per question (and turn)
     # baseline (HF greedy), plain (our own loop, no drafts), prompt_lookup (HF's), lookup (prompt
-    # lookup through our own loop), spec (the head), hybrid (the head + the text's repeats)
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    # lookup through our own loop), suffix (the suffix text source alone, bench.prompt_lookup_num_tokens
+    # nodes, through our own loop), spec (the head), hybrid (the head + the text's repeats)
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     prompt_lookup_num_tokens: int = 10  # prompt_lookup: tokens drafted per step
     prompt_lookup_max_ngram: int = 2  # prompt_lookup: the longest n-gram matched
     limit: int | None = None  # only the first N questions
@@ -215,9 +231,18 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError(f"need tree.ngram_max >= 1 and tree.ngram_nodes >= 0, got {t.ngram_max}, {t.ngram_nodes}")
     if t.text_alone is not None and t.text_alone < 0:
         raise SpecHeadsError(f"need tree.text_alone >= 0 (0: off), got {t.text_alone}")
-    if t.text_alone_ngram is not None and not 1 <= t.text_alone_ngram <= t.ngram_max:
+    if t.text_source not in TEXT_SOURCES:
+        raise SpecHeadsError(f"tree.text_source must be one of {', '.join(TEXT_SOURCES)}, got {t.text_source!r}")
+    if t.hybrid_rule not in HYBRID_RULES:
+        raise SpecHeadsError(f"tree.hybrid_rule must be one of {', '.join(HYBRID_RULES)}, got {t.hybrid_rule!r}")
+    if t.suffix_match < 1 or t.suffix_history < 0:
         raise SpecHeadsError(
-            f"need 1 <= tree.text_alone_ngram <= tree.ngram_max ({t.ngram_max}), got {t.text_alone_ngram}"
+            f"need tree.suffix_match >= 1 and tree.suffix_history >= 0, got {t.suffix_match}, {t.suffix_history}"
+        )
+    trigger = ("tree.suffix_match", t.suffix_match) if t.text_source == "suffix" else ("tree.ngram_max", t.ngram_max)
+    if t.text_alone_ngram is not None and not 1 <= t.text_alone_ngram <= trigger[1]:
+        raise SpecHeadsError(
+            f"need 1 <= tree.text_alone_ngram <= {trigger[0]} ({trigger[1]}), got {t.text_alone_ngram}"
         )
     if t.dynamic not in TREE_DYNAMIC:
         raise SpecHeadsError(f"tree.dynamic must be one of {', '.join(TREE_DYNAMIC)}, got {t.dynamic!r}")

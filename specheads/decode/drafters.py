@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpecHeadsError
+from .hybrid_rule import AdaptiveRule, Choice
 from .policy import DynamicTreeSpec, HybridPolicy, TreePolicy, check_depth, policy_depth
-from .tree import StaticTree, TreeLayout, merge_chains, pruned_tree, select_dynamic
+from .suffix import SuffixIndex
+from .tree import FROM_HEAD, FROM_TEXT, StaticTree, TreeLayout, merge_chains, pruned_tree, select_dynamic
 
 
 @dataclass
@@ -424,12 +426,16 @@ def text_continuations(
 
 class HybridDrafter:
     """One tree from two drafters: a head's tree (any family, or none) and the continuations of
-    the text's own repeats (prompt and answer so far), merged by tree.merge_chains and verified in
-    one target forward. Without a head it is prompt lookup decoding through this package's loop.
+    the text's own repeats (prompt and answer so far; with the suffix source, earlier answers too),
+    merged by tree.merge_chains and verified in one target forward. Without a head it is prompt
+    lookup decoding through this package's loop.
 
-    Every node is a deterministic function of the text (the head drafts top-k), so the verify
-    rules treat it as a one-hot proposal; `sources` says which drafter proposed each node of the
-    last tree, for the benchmark's share of accepted tokens per source.
+    Which of them a step drafts is the policy's: a fixed split (ngram_nodes text nodes merged, the
+    text alone after a repeat), or the adaptive per-step choice of decode/hybrid_rule.py.
+
+    Every node is a deterministic function of the text and of what was accepted before (the head
+    drafts top-k), so the verify rules treat it as a one-hot proposal; `sources` says which drafter
+    proposed each node of the last tree, for the benchmark's share of accepted tokens per source.
     """
 
     def __init__(self, inner, policy: HybridPolicy):
@@ -438,38 +444,84 @@ class HybridDrafter:
         self.policy = policy
         self.layer_ids = list(inner.layer_ids) if inner is not None else []
         self.reads_final = inner.reads_final if inner is not None else False
-        self.text: list[int] = []  # prompt + committed tokens, the root included
+        # prompt + committed tokens, the root included (and, for the suffix source, earlier answers)
+        self.index = SuffixIndex(policy.suffix_match if policy.source == "suffix" else 1, policy.suffix_history)
+        self.rule = AdaptiveRule(policy.rule, inner is not None) if policy.rule is not None else None
         self.sources: tuple[int, ...] = (0,)
+        self.last: tuple[list[int], TreeLayout, Choice, float] | None = None  # the last tree, for observe
+        self.choices: dict[Choice, int] = {}  # how often each choice was made (the benchmark reports it)
+
+    @property
+    def text(self) -> list[int]:
+        return self.index.text
 
     def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
-        self.text = prompt_ids[0].tolist() + [int(root)]
+        self.index.start_request(prompt_ids[0].tolist())
+        self.index.extend([int(root)])  # the answer's first token
+        self.last = None
+        if self.rule is not None:
+            self.rule.start()
         if self.inner is not None:
             self.inner.start(prompt_ids, states, root)
 
+    def forget_history(self) -> None:
+        """Earlier answers stop counting (a benchmark's warm-up must not seed what it times)."""
+        self.index.forget_history()
+
     def advance(self, states: dict, tokens: Sequence[int], bonus: int) -> None:
-        self.text += [int(t) for t in tokens[1:]] + [int(bonus)]
+        if self.rule is not None and self.last is not None:
+            self._observe(tokens)
+        self.index.extend([int(t) for t in tokens[1:]] + [int(bonus)])
         if self.inner is not None:
             self.inner.advance(states, tokens, bonus)
+
+    def _observe(self, accepted: Sequence[int]) -> None:
+        """Tell the rule how much of the accepted path each drafted source proposed."""
+        tokens, layout, choice, expected = self.last
+        node, head, text = 0, 0, 0
+        for t in accepted[1:]:
+            node = next((c for c in layout.children[node] if tokens[c] == int(t)), None)
+            if node is None:
+                break
+            head += bool(self.sources[node] & FROM_HEAD)
+            text += bool(self.sources[node] & FROM_TEXT)
+        self.rule.observe(choice, expected, head, text)
 
     def rewind(self, n: int) -> None:
         """The text is not changed by drafting: only the head has work to redo."""
         if self.inner is not None:
             self.inner.rewind(n)
 
+    def _head_tree(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        if self.inner is None:
+            return [root], TreeLayout((-1,))
+        return self.inner.draft(root, prefix_len, max_depth)
+
+    def _merged(self, tokens, layout, chains) -> tuple[list[int], TreeLayout]:
+        tokens, layout, self.sources = merge_chains(tokens, layout, chains)
+        return tokens, layout
+
     def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
         p = self.policy
+        if self.rule is not None:
+            text = self.index.draft(max_depth, max(p.rule.text_budgets))
+            choice = self.rule.choose(text)
+            self.choices[choice] = self.choices.get(choice, 0) + 1
+            base = self._head_tree(root, prefix_len, max_depth) if choice.head else ([root], TreeLayout((-1,)))
+            tokens, layout = self._merged(*base, text.chains(choice.text_nodes))
+            self.last = (tokens, layout, choice, text.expected(choice.text_nodes))
+            return tokens, layout
+        if p.source == "suffix":
+            text = self.index.draft(max_depth, max(p.text_alone, p.ngram_nodes))
+            if p.text_alone and self.inner is not None and text.match >= p.alone_ngram:
+                return self._merged([root], TreeLayout((-1,)), text.chains(p.text_alone))
+            return self._merged(*self._head_tree(root, prefix_len, max_depth), text.chains(p.ngram_nodes))
         if p.text_alone and self.inner is not None:
             alone = text_continuations(self.text, p.ngram_max, p.text_alone, max_depth, min_ngram=p.alone_ngram)
             if alone:  # a long repeat: its continuations alone, verified as cheaply as prompt lookup's
-                tokens, layout, self.sources = merge_chains([root], TreeLayout((-1,)), alone)
-                return tokens, layout
-        if self.inner is not None:
-            tokens, layout = self.inner.draft(root, prefix_len, max_depth)
-        else:
-            tokens, layout = [root], TreeLayout((-1,))
+                return self._merged([root], TreeLayout((-1,)), alone)
         chains = text_continuations(self.text, p.ngram_max, p.ngram_nodes, max_depth)
-        tokens, layout, self.sources = merge_chains(tokens, layout, chains)
-        return tokens, layout
+        return self._merged(*self._head_tree(root, prefix_len, max_depth), chains)
 
 
 def make_hybrid_drafter(head, policy: HybridPolicy) -> HybridDrafter:

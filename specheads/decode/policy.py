@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..config.infer import TreeConfig
 from ..errors import SpecHeadsError
+from .hybrid_rule import RuleParams
 from .tree import StaticTree, chain_paths, static_tree
 
 
@@ -112,6 +113,7 @@ def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
     return policy
 
 
+TEXT_SOURCES = ("suffix", "ngram")
 DEFAULT_NGRAM_NODES = 8  # text-continuation nodes of a hybrid tree that no calibration chose
 # text-alone nodes after a repeated ngram_max-gram that no calibration chose: 8 measured best of
 # hybrid's uncalibrated settings on the dev MT-bench (BENCHMARKS.md)
@@ -130,12 +132,27 @@ class HybridPolicy:
     # text drafts the text's continuations alone, text_alone nodes at most: no head drafting
     text_alone: int = 0
     alone_ngram: int = 0  # 0: ngram_max
+    # where the text's continuations come from: ngram = prompt lookup's matches of the last n-gram
+    # (n <= ngram_max), most recent first; suffix = decode/suffix.py's frequency-scored continuations
+    # of the longest repeated suffix (up to suffix_match tokens), with up to suffix_history tokens of
+    # the process's earlier answers indexed too
+    source: str = "ngram"
+    suffix_match: int = 8
+    suffix_history: int = 0
+    # None: the fixed split above (ngram_nodes merged, text_alone after a repeat); else each step's
+    # choice by decode/hybrid_rule.py from these calibrated numbers (the suffix source only)
+    rule: RuleParams | None = None
 
     def __post_init__(self):
         if self.alone_ngram == 0:
             object.__setattr__(self, "alone_ngram", self.ngram_max)
-        if not 1 <= self.alone_ngram <= self.ngram_max:
-            raise SpecHeadsError(f"the text-alone trigger must be 1..{self.ngram_max} tokens, got {self.alone_ngram}")
+        trigger_max = self.suffix_match if self.source == "suffix" else self.ngram_max
+        if not 1 <= self.alone_ngram <= trigger_max:
+            raise SpecHeadsError(f"the text-alone trigger must be 1..{trigger_max} tokens, got {self.alone_ngram}")
+        if self.source not in TEXT_SOURCES:
+            raise SpecHeadsError(f"the text source must be one of {', '.join(TEXT_SOURCES)}, got {self.source!r}")
+        if self.rule is not None and self.source != "suffix":
+            raise SpecHeadsError("the adaptive hybrid rule needs tree.text_source=suffix")
 
 
 def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
@@ -165,8 +182,31 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
         policy = tree_policy_for(head, tree)
     nodes = DEFAULT_NGRAM_NODES if nodes is None else int(nodes)
     alone = DEFAULT_TEXT_ALONE if alone is None else int(alone)
-    alone_ngram = tree.ngram_max if alone_ngram is None else min(int(alone_ngram), tree.ngram_max)
-    return HybridPolicy(policy, nodes, tree.ngram_max, alone, alone_ngram)
+    source = tree.text_source
+    trigger_max = tree.suffix_match if source == "suffix" else tree.ngram_max
+    alone_ngram = tree.ngram_max if alone_ngram is None else min(int(alone_ngram), trigger_max)
+    return HybridPolicy(
+        policy,
+        nodes,
+        tree.ngram_max,
+        alone,
+        alone_ngram,
+        source=source,
+        suffix_match=tree.suffix_match,
+        suffix_history=tree.suffix_history,
+        rule=stored_rule(stored, tree) if head is not None else None,
+    )
+
+
+def stored_rule(stored_hybrid: dict, tree: TreeConfig) -> RuleParams | None:
+    """The adaptive rule calibrated with the hybrid split in use (tree.hybrid_rule=adaptive, the
+    suffix source, and a split from the same calibration: tree=default's stored one or the one
+    tree=auto just chose), else None: the fixed split."""
+    record = stored_hybrid.get("rule")
+    same_split = tree.kind == "default" or tree.hybrid_paths is not None
+    if tree.hybrid_rule != "adaptive" or tree.text_source != "suffix" or not record or not same_split:
+        return None
+    return RuleParams.from_record(record)
 
 
 def describe_text_alone(nodes: int, trigger: int, ngram_max: int) -> str:
@@ -179,10 +219,16 @@ def describe_text_alone(nodes: int, trigger: int, ngram_max: int) -> str:
 def describe_policy(policy: TreePolicy | HybridPolicy) -> str:
     if isinstance(policy, HybridPolicy):
         head = describe_policy(policy.head) if policy.head is not None else "no head"
+        if policy.source == "suffix":
+            history = f", {policy.suffix_history} tokens of earlier answers" if policy.suffix_history else ""
+            source = f"suffix, match <= {policy.suffix_match}{history}"
+        else:
+            source = f"n-gram <= {policy.ngram_max}"
+        if policy.rule is not None:
+            budgets = "/".join(str(g) for g in policy.rule.text_budgets if g)
+            return f"hybrid, adaptive per step: {head} or not, + 0/{budgets} text nodes ({source})"
         alone = describe_text_alone(policy.text_alone, policy.alone_ngram, policy.ngram_max)
-        return (
-            f"hybrid: {head} + up to {policy.ngram_nodes} text-continuation nodes (n-gram <= {policy.ngram_max}){alone}"
-        )
+        return f"hybrid: {head} + up to {policy.ngram_nodes} text-continuation nodes ({source}){alone}"
     if isinstance(policy, StaticTree):
         gate = (
             f", a level drafted while a path into it has p >= {policy.min_path_prob:g}" if policy.min_path_prob else ""

@@ -1,6 +1,7 @@
 """The generation loop: tree-verified greedy decoding must equal the target's own greedy decoding,
 token for token, whatever the drafts; sampled decoding must follow the target's distribution."""
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -20,8 +21,9 @@ from specheads.decode.drafters import (
     text_continuations,
 )
 from specheads.decode.generate import SamplingConfig, speculative_generate, tau_of
+from specheads.decode.hybrid_rule import AdaptiveRule, Choice, RuleParams
 from specheads.decode.policy import DynamicTreeSpec, HybridPolicy
-from specheads.decode.tree import TreeLayout, static_tree
+from specheads.decode.tree import TreeLayout, merge_chains, static_tree
 from specheads.kernels import gqa_attention, weight_int8
 from specheads.kernels.linear_layout import (
     PACKED,
@@ -452,7 +454,8 @@ class PlantedText(HybridDrafter):
 
     def start(self, prompt_ids, states, root):
         super().start(prompt_ids, states, root)
-        self.text = self.planted + self.text
+        self.index.start_request(self.planted + prompt_ids[0].tolist())
+        self.index.extend([int(root)])
 
 
 @pytest.mark.parametrize("drafts", ["random", *FAMILIES])
@@ -702,6 +705,137 @@ def test_a_parallel_head_samples_the_target_distribution(family, target, heads, 
     p1, p2 = first_two_probs(target, prompt, temperature, top_p)
     counts, accepted = first_two_samples(target, drafter, prompt, n, temperature, top_p)
     assert n * 0.15 < accepted[0] < n * 0.85, accepted
+    assert_first_two_tokens_follow(counts, p1, p2, n)
+    import specheads.decode.generate as generate
+
+    monkeypatch.setattr(generate, "speculative_accept", accepts_any_draft_in_support)
+    counts, _ = first_two_samples(target, drafter, prompt, n, temperature, top_p)
+    with pytest.raises(AssertionError):
+        assert_first_two_tokens_follow(counts, p1, p2, n)
+
+
+class OldHybrid(PlantedText):
+    """The hybrid drafter's draft step as it was before the per-step rule and the suffix source
+    (n-gram continuations, a fixed split, the text alone after a repeat): the reference that the
+    fixed rule over the n-gram source must reproduce exactly."""
+
+    def draft(self, root, prefix_len, max_depth):
+        p = self.policy
+        if p.text_alone and self.inner is not None:
+            alone = text_continuations(self.text, p.ngram_max, p.text_alone, max_depth, min_ngram=p.alone_ngram)
+            if alone:
+                tokens, layout, self.sources = merge_chains([root], TreeLayout((-1,)), alone)
+                return tokens, layout
+        if self.inner is not None:
+            tokens, layout = self.inner.draft(root, prefix_len, max_depth)
+        else:
+            tokens, layout = [root], TreeLayout((-1,))
+        chains = text_continuations(self.text, p.ngram_max, p.ngram_nodes, max_depth)
+        tokens, layout, self.sources = merge_chains(tokens, layout, chains)
+        return tokens, layout
+
+
+class ForcedRule(AdaptiveRule):
+    """The adaptive rule forced to one choice every step."""
+
+    def __init__(self, params, has_head, choice):
+        super().__init__(params, has_head)
+        self.forced = choice
+
+    def choose(self, text):
+        return Choice(self.forced.head, min(self.forced.text_nodes, len(text.paths)))
+
+
+RULE = RuleParams(verify_ms=(10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0), draft_ms=2.0, head_nodes=3, head_accept=1.0)
+
+
+def run_counts(target, drafter, prompt, n=30, cfg=None):
+    res = speculative_generate(target, drafter, prompt, cfg or SamplingConfig(max_new_tokens=n))
+    return res, (res.output_ids, res.accept_lengths, res.accepted_drafts, res.tree_sizes, res.accepted_sources)
+
+
+def planted_answer(target, sequences, seed, keep=0.8):
+    rng = random.Random(seed)
+    prompt = sequences[1 + seed : 2 + seed, :8]
+    ref = hf_greedy(target, prompt, 30)
+    return rng, prompt, ref, prompt[0].tolist() + [t if rng.random() < keep else rng.randrange(320) for t in ref]
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+def test_a_fixed_rule_reproduces_the_old_hybrid_and_lookup_exactly(family, target, heads, sequences):
+    """The fixed split over the n-gram source is the hybrid drafter as it was: the same output,
+    accept lengths, tree sizes and accepted sources, step for step; without a head, prompt lookup's."""
+    head = heads[family, "trained"]
+    sources = Counter()
+    for seed in range(3):
+        rng, prompt, ref, planted = planted_answer(target, sequences, seed)
+        policy = HybridPolicy(None, rng.randint(1, 8), rng.randint(2, 3), text_alone=rng.choice([0, 4, 8]))
+        for inner in (make_drafter(head, POLICIES["wide"]), None):
+            old = run_counts(target, OldHybrid(inner, policy, planted), prompt)
+            inner = make_drafter(head, POLICIES["wide"]) if inner is not None else None
+            new = run_counts(target, PlantedText(inner, policy, planted), prompt)
+            assert new[1] == old[1] and new[0].output_ids == ref, (seed, inner is None)
+            sources.update(new[0].accepted_sources)
+    assert sources["text"] > 0 and sources["head"] + sources["both"] > 0  # both sources were exercised
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+def test_a_forced_rule_drafts_what_the_fixed_split_drafts(family, target, heads, sequences):
+    """The adaptive path forced to (head, g text nodes) every step is the fixed split with g suffix
+    nodes; forced to (no head, g) without a head it is the suffix source alone: same counts."""
+    head = heads[family, "trained"]
+    for seed in range(3):
+        rng, prompt, ref, planted = planted_answer(target, sequences, seed)
+        g = rng.randint(1, 8)
+        fixed = HybridPolicy(None, g, 3, text_alone=0, source="suffix")
+        adaptive = dataclasses.replace(fixed, rule=RULE)
+        for with_head in (True, False):
+            inner = (lambda: make_drafter(head, POLICIES["wide"])) if with_head else (lambda: None)
+            expected = run_counts(target, PlantedText(inner(), fixed, planted), prompt)
+            forced = PlantedText(inner(), adaptive, planted)
+            forced.rule = ForcedRule(RULE, with_head, Choice(with_head, g))
+            got = run_counts(target, forced, prompt)
+            assert got[1] == expected[1] and got[0].output_ids == ref, (seed, with_head)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_adaptive_hybrid_gives_exact_greedy_output(family, target, heads, sequences):
+    """Whatever the rule chooses step by step (plain, the text alone, the head, both): the target's
+    own greedy output, fp32; the steps made more than one kind of choice and both sources were accepted."""
+    head = heads[family, "trained"]
+    choices, sources = Counter(), Counter()
+    for seed in range(4):
+        rng, prompt, ref, planted = planted_answer(target, sequences, seed, keep=rng_keep(seed))
+        params = dataclasses.replace(RULE, head_accept=rng.uniform(0.2, 3.0), text_ratio=rng.uniform(0.3, 1.0))
+        policy = HybridPolicy(None, 8, 3, source="suffix", rule=params)
+        drafter = PlantedText(make_drafter(head, POLICIES[rng.choice(list(POLICIES))]), policy, planted)
+        res, _ = run_counts(target, drafter, prompt)
+        assert res.output_ids == ref, seed
+        choices.update(drafter.choices)
+        sources.update(res.accepted_sources)
+    assert len({(c.head, c.text_nodes > 0) for c in choices}) >= 2, choices
+    assert sources["text"] + sources["both"] > 0 and sources["head"] + sources["both"] > 0, sources
+
+
+def rng_keep(seed):
+    """How much of the planted answer is the true one: text worth drafting in some requests only."""
+    return (0.95, 0.3, 0.8, 0.0)[seed % 4]
+
+
+def test_the_adaptive_hybrid_samples_the_target_distribution(target, heads, sequences, monkeypatch):
+    """Sampling through the adaptive hybrid (the head's tree merged with the text's nodes): the
+    first two tokens follow the target's joint distribution, with drafts of both sources accepted;
+    a rule that accepts every draft in the target's support fails the same check."""
+    _, prompt, _, planted = planted_answer(target, sequences, 0, keep=1.0)
+    prompt = sequences[1:2, :12]
+    cheap = dataclasses.replace(RULE, verify_ms=(10.0,) * 7, overlap=0.5)  # every node free: both sources
+    policy = HybridPolicy(None, 8, 3, source="suffix", rule=cheap)
+    drafter = PlantedText(make_drafter(heads["eagle3", "trained"], static_tree([[0], [1], [0, 0]])), policy, planted)
+    temperature, top_p, n = 0.5, 0.9, 400
+    p1, p2 = first_two_probs(target, prompt, temperature, top_p)
+    counts, accepted = first_two_samples(target, drafter, prompt, n, temperature, top_p)
+    assert n * 0.15 < accepted[0] < n * 0.85, accepted
+    assert any(c.head and c.text_nodes for c in drafter.choices), drafter.choices  # merged trees
     assert_first_two_tokens_follow(counts, p1, p2, n)
     import specheads.decode.generate as generate
 

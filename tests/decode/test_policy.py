@@ -76,9 +76,12 @@ def test_hybrid_policies(tiny_target):
     """The hybrid split: tree=auto's, else the one stored with the head's calibration under
     tree=default, else the head's own tree and tree.ngram_nodes; text only without a head."""
     eagle = build_head(HeadConfig(family="eagle"), tiny_target)
-    assert hybrid_policy_for(None, TreeConfig()) == HybridPolicy(None, DEFAULT_NGRAM_NODES, 3, 8)
+    suffix = {"source": "suffix", "suffix_match": 8, "suffix_history": 16384}  # the default text source
+    assert hybrid_policy_for(None, TreeConfig()) == HybridPolicy(None, DEFAULT_NGRAM_NODES, 3, 8, **suffix)
+    ngram = hybrid_policy_for(None, TreeConfig(text_source="ngram"))
+    assert (ngram.source, ngram.rule) == ("ngram", None)
     plain = hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=2, ngram_nodes=5, ngram_max=2, text_alone=0))
-    assert plain == HybridPolicy(static_tree(chain_paths(2)), 5, 2, 0)
+    assert plain == HybridPolicy(static_tree(chain_paths(2)), 5, 2, 0, **suffix)
     eagle.calibration = {"hybrid": {"paths": [[0], [1]], "ngram_nodes": 6}}
     stored = hybrid_policy_for(eagle, TreeConfig(kind="default"))
     assert stored.head.paths == ((0,), (1,)) and stored.ngram_nodes == 6
@@ -91,17 +94,25 @@ def test_hybrid_policies(tiny_target):
     assert hybrid_policy_for(eagle, TreeConfig(kind="default", ngram_nodes=2)).ngram_nodes == 2
     assert hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=3)).head.size == 4  # asked for: not the stored one
     auto = hybrid_policy_for(eagle, TreeConfig(kind="static", paths=[[0]], hybrid_paths=[], ngram_nodes=4))
-    assert auto == HybridPolicy(None, 4, 3, 8)  # calibration gave the head no node
+    assert auto == HybridPolicy(None, 4, 3, 8, **suffix)  # calibration gave the head no node
     assert "hybrid: no head + up to 4 text" in describe_policy(auto)
     assert describe_policy(hybrid_policy_for(eagle, TreeConfig(kind="chain", depth=2))).endswith(
         "; up to 8 text nodes alone after a repeated 3-gram"
     )
-    assert describe_policy(given).endswith("text-continuation nodes (n-gram <= 3)")
+    assert describe_policy(given).endswith(
+        "text-continuation nodes (suffix, match <= 8, 16384 tokens of earlier answers)"
+    )
+    assert describe_policy(HybridPolicy(None, 4, 3)).endswith("text-continuation nodes (n-gram <= 3)")
     assert describe_policy(HybridPolicy(None, 4, 3, 6, 2)).endswith("up to 6 text nodes alone after a repeated 2+-gram")
     with pytest.raises(SpecHeadsError, match="text_alone"):
         validate(InferJobConfig(tree=TreeConfig(text_alone=-1)))
     with pytest.raises(SpecHeadsError, match="text_alone_ngram"):
-        validate(InferJobConfig(tree=TreeConfig(text_alone_ngram=4)))
+        validate(InferJobConfig(tree=TreeConfig(text_alone_ngram=9)))
+    with pytest.raises(SpecHeadsError, match="text_alone_ngram"):
+        validate(InferJobConfig(tree=TreeConfig(text_alone_ngram=4, text_source="ngram")))
+    for bad in ({"text_source": "trie"}, {"hybrid_rule": "always"}, {"suffix_match": 0}, {"suffix_history": -1}):
+        with pytest.raises(SpecHeadsError, match=next(iter(bad))):
+            validate(InferJobConfig(tree=TreeConfig(**bad)))
     with pytest.raises(SpecHeadsError, match="trigger"):
         HybridPolicy(None, 4, 2, 6, 3)
     assert "static tree (2 nodes" in describe_policy(stored)
