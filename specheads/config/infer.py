@@ -79,8 +79,8 @@ class TreeConfig:
     # up to suffix_history tokens of this process's earlier answers (0: the request's own text
     # only); ngram = prompt lookup's most recent matches of the last n-gram (n <= ngram_max)
     text_source: str = "suffix"
-    suffix_match: int = 8
-    suffix_history: int = 16384
+    suffix_match: int = 8  # suffix: the longest repeated suffix matched, in tokens
+    suffix_history: int = 16384  # suffix: tokens of earlier answers indexed (0: the request's own text only)
     # adaptive = each step chooses the head's tree, the text's nodes, both or neither, and how many
     # text nodes, from the calibrated costs and this request's acceptance so far (needs a tree=auto
     # calibration with a hybrid rule; without one, the fixed split); fixed = the calibrated split
