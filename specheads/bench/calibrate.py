@@ -63,6 +63,7 @@ from ..heads.io import CONFIG_NAME, draft_precision
 from ..provenance import portable_path
 from ..target import synchronize
 from .dynamic_trees import MAX_DEPTH, NODES, TOP_K, dynamic_choice, grow_along
+from .hybrid_fit import calibrate_rule
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
 from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
@@ -399,6 +400,46 @@ def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vector
     }
 
 
+def calibrate_adaptive_rule(
+    settings: InferJobConfig, prompts, contexts, vectors, top_probs, rows, target_s, fixed: dict, out
+) -> dict | None:
+    """Step 6: the adaptive hybrid rule (decode/hybrid_rule.py) over the suffix source, fitted on
+    the same answers (bench/hybrid_fit.py) with the head's best tree under its gate as the head's
+    part; its record (the hybrid record's "rule") when it is expected faster than the fixed split,
+    else None (one line says so)."""
+    t = settings.tree
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    paths = frozenset(tuple(p) for p in best["paths"])
+    depth = max(len(p) for p in paths)
+    head_acc = [
+        min(accepted_length(v, paths, depth), gated_depth(top, depth, best["min_path_prob"]))
+        for v, top in zip(vectors, top_probs)
+    ]
+    sizes = range(1, max(max(target_s), best["nodes"] + 2) + 1)
+    verify_ms = [1e3 * interpolate(target_s, n) for n in sizes if n <= max(target_s)]
+    params, sim = calibrate_rule(prompts, contexts, head_acc, best, verify_ms, t.suffix_match, t.suffix_history)
+    plain = 1 / target_s[1]
+    speedup = sim["tokens_per_s"] / plain
+    total = sum(sim["choices"].values()) or 1
+    shares = ", ".join(f"{k} {n / total:.0%}" for k, n in sorted(sim["choices"].items()))
+    keep = speedup > fixed["expected_speedup"]
+    out.write(
+        f"hybrid, adaptive per step ({best['nodes']} head nodes or none, suffix source): tau {sim['tau']:.2f}, "
+        f"expected speedup {speedup:.2f}x against the fixed split's {fixed['expected_speedup']:.2f}x "
+        f"(steps: {shares}){'' if keep else ': the fixed split is kept'}\n"
+    )
+    if not keep:
+        return None
+    return {
+        **params.to_record(),
+        "paths": best["paths"],
+        "min_path_prob": best["min_path_prob"],
+        "tau": round(sim["tau"], 4),
+        "expected_speedup": round(speedup, 4),
+        "choices": sim["choices"],
+    }
+
+
 def calibrate_dynamic(
     target, head, prompts, contexts, depth: int, top_k: int, gates, target_s, prompt, out
 ) -> dict | None:
@@ -566,6 +607,9 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"{dynamic['tokens_per_s'] / plain:.2f}x{'  <- chosen: tree=default drafts it' if use_dynamic else ''}\n"
         )
     hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, rows, target_s, out)
+    rule = calibrate_adaptive_rule(settings, prompts, contexts, vectors, top_probs, rows, target_s, hybrid, out)
+    if rule is not None:
+        hybrid["rule"] = rule
     kernels = getattr(session, "layouts", None) is not None
     record = {
         "calibrated_at": utc_now(),  # a cached tree older than the head's own calibration is not used

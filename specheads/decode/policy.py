@@ -171,11 +171,16 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
         alone_ngram = stored.get("text_alone_ngram") if alone_ngram is None else alone_ngram
     else:
         paths = None
+    rule = stored_rule(stored, tree) if head is not None else None
+    gate = tree.min_path_prob or 0.0
+    if rule is not None:  # the rule drafts the head's tree it was fitted with, under its gate
+        paths = stored["rule"]["paths"]
+        gate = tree.min_path_prob if tree.min_path_prob is not None else stored["rule"].get("min_path_prob", 0.0)
     if head is None:
         policy = None
     elif paths is not None:
         # [] : the calibration gave the head no node
-        policy = static_tree(paths, tree.min_path_prob or 0.0) if paths else None
+        policy = static_tree(paths, gate) if paths else None
         if policy is not None:
             check_depth(head, policy)
     else:
@@ -194,7 +199,7 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
         source=source,
         suffix_match=tree.suffix_match,
         suffix_history=tree.suffix_history,
-        rule=stored_rule(stored, tree) if head is not None else None,
+        rule=rule,
     )
 
 

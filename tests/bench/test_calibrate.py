@@ -355,7 +355,13 @@ def test_calibrate_tree_stores_a_tree_in_the_head_when_asked(family, tmp_path, t
     policy = hybrid_policy_for(reloaded, TreeConfig(kind="default"))
     assert (policy.text_alone, policy.alone_ngram) == (hybrid["text_alone"], hybrid["text_alone_ngram"])
     assert policy.ngram_nodes == chosen.ngram_nodes
-    assert (policy.head.paths if policy.head else ()) == tuple(tuple(p) for p in sorted(chosen.hybrid_paths, key=len))
+    # the adaptive rule, where calibration expected it faster than the fixed split, drafts the head's
+    # tree it was fitted with; else the split's own head part
+    assert "hybrid, adaptive per step" in out and (policy.rule is not None) == ("rule" in hybrid)
+    head_paths = hybrid["rule"]["paths"] if "rule" in hybrid else chosen.hybrid_paths
+    assert (policy.head.paths if policy.head else ()) == tuple(tuple(p) for p in sorted(head_paths, key=len))
+    fixed = hybrid_policy_for(reloaded, TreeConfig(kind="default", hybrid_rule="fixed"))
+    assert fixed.rule is None and fixed.head == (static_tree(chosen.hybrid_paths) if chosen.hybrid_paths else None)
 
 
 def test_calibrating_an_existing_head_leaves_it_as_shipped_and_caches_the_tree(

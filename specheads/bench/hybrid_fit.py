@@ -1,0 +1,166 @@
+"""tree=auto's fit of the adaptive hybrid rule (decode/hybrid_rule.py) on the calibration answers.
+
+At every answer position (the positions of replay.rank_vectors: a tree rooted at answer token i)
+the suffix source (decode/suffix.py) is asked what it would draft, with the calibration's earlier
+answers in its history as a serving process would have them, and the accepted length of its best g
+nodes is read off the true continuation. With the head's accepted length at the same positions
+(its part of the hybrid tree, under the gate it drafts with) that gives the rule's priors:
+
+  head_accept  the head's mean accepted drafts per step
+  text_ratio   accepted text tokens per expected one (the scores' sum), pooled over the budgets
+  overlap      least squares of max(A_head, A_text) - max(h, t) on min(h, t) over positions and
+               budgets, clipped to [0, 1]: what a merged tree gains over the better of its parts
+
+and, with the timed costs, the rule's parameters. The rule is then run over the positions in order
+(each position one step, its running estimates restarted per answer, as per request): its expected
+tokens per second is what tree=auto weighs against the fixed split.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from ..decode.hybrid_rule import TEXT_BUDGETS, AdaptiveRule, RuleParams
+from ..decode.suffix import SuffixIndex, TextDraft
+
+MAX_TEXT = max(TEXT_BUDGETS)
+
+
+def accepted_text(draft: TextDraft, truth: Sequence[int], budget: int) -> int:
+    """Tokens a tree of the draft's first `budget` nodes accepts along `truth` (greedy)."""
+    kept = set(draft.paths[:budget])
+    k = 0
+    while k < len(truth) and tuple(truth[: k + 1]) in kept:
+        k += 1
+    return k
+
+
+def text_positions(
+    prompts: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]], suffix_match: int, history_tokens: int
+) -> tuple[list[list[TextDraft]], list[list[tuple[int, ...]]], float]:
+    """Per answer, per position: the suffix source's draft and its accepted length for g = 0..MAX_TEXT
+    nodes; and the seconds one draft of the longest text took (the lookup's cost)."""
+    index = SuffixIndex(suffix_match, history_tokens)
+    drafts, accepted = [], []
+    for ids, full in zip(prompts, contexts):
+        full = list(full)
+        index.start_request(list(ids))
+        index.extend(full[len(ids) : len(ids) + 1])  # the answer's first token: the first root
+        mine, acc = [], []
+        for t in range(len(ids) - 1, len(full) - 2):  # the tree rooted at token t + 1
+            draft = index.draft(MAX_TEXT, MAX_TEXT)
+            truth = full[t + 2 :]
+            mine.append(draft)
+            acc.append(tuple(accepted_text(draft, truth, g) for g in range(MAX_TEXT + 1)))
+            index.extend([full[t + 2]])
+        drafts.append(mine)
+        accepted.append(acc)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        index.draft(MAX_TEXT, MAX_TEXT)
+        times.append(time.perf_counter() - t0)
+    return drafts, accepted, min(times)
+
+
+def fit_rule(
+    drafts: Sequence[Sequence[TextDraft]],
+    text_accepted: Sequence[Sequence[tuple[int, ...]]],
+    head_accepted: Sequence[Sequence[int]],
+    verify_ms: Sequence[float],
+    draft_ms: float,
+    head_nodes: float,
+    lookup_ms: float,
+) -> RuleParams:
+    """The rule's parameters from the positions (per answer, per position) and the costs."""
+    flat_heads = [a for answer in head_accepted for a in answer]
+    h = sum(flat_heads) / len(flat_heads) if flat_heads else 0.0
+    positions = [
+        (draft, acc, a_head)
+        for answer in zip(drafts, text_accepted, head_accepted)
+        for draft, acc, a_head in zip(*answer)
+    ]
+    budgets = [sorted({min(b, len(d.paths)) for b in TEXT_BUDGETS} - {0}) for d, _, _ in positions]
+    expected = sum(d.expected(g) for (d, _, _), gs in zip(positions, budgets) for g in gs)
+    observed = sum(acc[g] for (_, acc, _), gs in zip(positions, budgets) for g in gs)
+    ratio = observed / expected if expected else 1.0
+    pairs = []  # (x, y) of the overlap's least squares
+    for (draft, acc, a_head), gs in zip(positions, budgets):
+        for g in gs:
+            t = ratio * draft.expected(g)
+            pairs.append((min(h, t), max(a_head, acc[g]) - max(h, t)))
+    sxx = sum(x * x for x, _ in pairs)
+    overlap = min(max(sum(x * y for x, y in pairs) / sxx, 0.0), 1.0) if sxx else 0.0
+    return RuleParams(
+        verify_ms=tuple(float(v) for v in verify_ms),
+        draft_ms=float(draft_ms),
+        head_nodes=float(head_nodes),
+        head_accept=h,
+        text_ratio=ratio,
+        overlap=overlap,
+        lookup_ms=float(lookup_ms),
+    )
+
+
+def simulate(
+    params: RuleParams,
+    drafts: Sequence[Sequence[TextDraft]],
+    text_accepted: Sequence[Sequence[tuple[int, ...]]],
+    head_accepted: Sequence[Sequence[int]],
+    has_head: bool = True,
+) -> dict:
+    """The rule run over the positions in order, each one step: its tau and tokens per second, and
+    how often it made each kind of choice."""
+    rule = AdaptiveRule(params, has_head)
+    tokens = cost_ms = steps = 0.0
+    kinds: dict[str, int] = {}
+    for answer_drafts, answer_text, answer_head in zip(drafts, text_accepted, head_accepted):
+        rule.start()
+        for draft, acc, a_head in zip(answer_drafts, answer_text, answer_head):
+            choice = rule.choose(draft)
+            g = choice.text_nodes
+            a_text = acc[g]
+            got = max(a_head, a_text) if choice.head else a_text
+            nodes = 1 + g + (params.head_nodes if choice.head else 0)
+            tokens += 1 + got
+            cost_ms += params.verify(nodes) + (params.draft_ms if choice.head else 0) + (params.lookup_ms if g else 0)
+            steps += 1
+            kind = ("head+text" if g else "head") if choice.head else ("text" if g else "plain")
+            kinds[kind] = kinds.get(kind, 0) + 1
+            rule.observe(choice, draft.expected(g), a_head, a_text)
+    return {
+        "tau": tokens / steps if steps else 1.0,
+        "tokens_per_s": 1e3 * tokens / cost_ms if cost_ms else 0.0,
+        "choices": kinds,
+    }
+
+
+def per_answer(flat: Sequence, contexts: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]]) -> list[list]:
+    """A flat per-position list (rank_vectors' order) cut into one list per answer."""
+    out, start = [], 0
+    for ids, full in zip(prompts, contexts):
+        n = max(len(full) - len(ids) - 1, 0)
+        out.append(list(flat[start : start + n]))
+        start += n
+    return out
+
+
+def calibrate_rule(
+    prompts: Sequence[Sequence[int]],
+    contexts: Sequence[Sequence[int]],
+    head_accepted: Sequence[int],
+    head: dict,
+    verify_ms: Sequence[float],
+    suffix_match: int,
+    history_tokens: int,
+    has_head: bool = True,
+) -> tuple[RuleParams, dict]:
+    """The adaptive rule fitted on the calibration answers, and its simulated tau and tokens/s.
+
+    head_accepted: the head's accepted drafts at every position (rank_vectors' order) with the tree
+    `head` ({"nodes", "draft_ms"}) under its gate; verify_ms[n - 1]: a forward of n query tokens."""
+    drafts, text_acc, lookup_s = text_positions(prompts, contexts, suffix_match, history_tokens)
+    heads = per_answer(head_accepted, contexts, prompts) if has_head else [[0] * len(d) for d in drafts]
+    params = fit_rule(drafts, text_acc, heads, verify_ms, head["draft_ms"], head["nodes"], 1e3 * lookup_s)
+    return params, simulate(params, drafts, text_acc, heads, has_head)
