@@ -7,7 +7,8 @@ nodes is read off the true continuation. With the head's accepted length at the 
 (its part of the hybrid tree, under the gate it drafts with) that gives the rule's priors:
 
   head_accept  the head's mean accepted drafts per step
-  text_ratio   accepted text tokens per expected one (the scores' sum), pooled over the budgets
+  text_ratio   accepted text tokens per expected one (the scores' sum), pooled over the budgets,
+               and its table by matched length and budget (ratio_table)
   overlap      least squares of max(A_head, A_text) - max(h, t) on min(h, t) over positions and
                budgets, clipped to [0, 1]: what a merged tree gains over the better of its parts
 
@@ -18,6 +19,7 @@ tokens per second is what tree=auto weighs against the fixed split.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -85,22 +87,51 @@ def fit_rule(
     expected = sum(d.expected(g) for (d, _, _), gs in zip(positions, budgets) for g in gs)
     observed = sum(acc[g] for (_, acc, _), gs in zip(positions, budgets) for g in gs)
     ratio = observed / expected if expected else 1.0
+    ratios = ratio_table(positions, budgets, ratio, max((d.match for d, _, _ in positions), default=1))
+    params = RuleParams((1.0,), 0.0, 0.0, h, ratio, text_ratios=ratios)  # costs below
     pairs = []  # (x, y) of the overlap's least squares
     for (draft, acc, a_head), gs in zip(positions, budgets):
         for g in gs:
-            t = ratio * draft.expected(g)
+            t = params.text_expected(draft, g)
             pairs.append((min(h, t), max(a_head, acc[g]) - max(h, t)))
     sxx = sum(x * x for x, _ in pairs)
     overlap = min(max(sum(x * y for x, y in pairs) / sxx, 0.0), 1.0) if sxx else 0.0
-    return RuleParams(
+    return dataclasses.replace(
+        params,
         verify_ms=tuple(float(v) for v in verify_ms),
         draft_ms=float(draft_ms),
         head_nodes=float(head_nodes),
-        head_accept=h,
-        text_ratio=ratio,
         overlap=overlap,
         lookup_ms=float(lookup_ms),
     )
+
+
+MIN_EXPECTED = 20.0  # expected tokens a cell of the ratio table needs to stand on its own
+
+
+def ratio_table(positions, budgets, pooled: float, longest: int) -> tuple[tuple[float, ...], ...]:
+    """Accepted over expected text tokens by matched length (rows 1..longest) and text budget
+    (TEXT_BUDGETS' columns: a budget counts the positions whose nodes it was cut to). A cell with
+    under MIN_EXPECTED expected tokens is shrunk toward its budget's pooled ratio, by as much."""
+    cells: dict[tuple[int, int], list[float]] = {}
+    for (draft, acc, _), gs in zip(positions, budgets):
+        for g in gs:
+            col = next(j for j, b in enumerate(TEXT_BUDGETS) if b >= g)
+            for key in ((draft.match, col), (0, col)):  # row 0: the budget's pool
+                cell = cells.setdefault(key, [0.0, 0.0])
+                cell[0] += acc[g]
+                cell[1] += draft.expected(g)
+    table = []
+    for m in range(1, max(longest, 1) + 1):
+        row = []
+        for col in range(len(TEXT_BUDGETS)):
+            obs, exp = cells.get((m, col), (0.0, 0.0))
+            pool_obs, pool_exp = cells.get((0, col), (0.0, 0.0))
+            prior = pool_obs / pool_exp if pool_exp else pooled
+            shrink = max(MIN_EXPECTED - exp, 0.0)
+            row.append((obs + shrink * prior) / (exp + shrink) if exp + shrink else prior)
+        table.append(tuple(row))
+    return tuple(table)
 
 
 def simulate(
@@ -128,7 +159,7 @@ def simulate(
             steps += 1
             kind = ("head+text" if g else "head") if choice.head else ("text" if g else "plain")
             kinds[kind] = kinds.get(kind, 0) + 1
-            rule.observe(choice, draft.expected(g), a_head, a_text)
+            rule.observe(choice, params.text_expected(draft, g), a_head, a_text)
     return {
         "tau": tokens / steps if steps else 1.0,
         "tokens_per_s": 1e3 * tokens / cost_ms if cost_ms else 0.0,

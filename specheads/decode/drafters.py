@@ -509,7 +509,7 @@ class HybridDrafter:
             self.choices[choice] = self.choices.get(choice, 0) + 1
             base = self._head_tree(root, prefix_len, max_depth) if choice.head else ([root], TreeLayout((-1,)))
             tokens, layout = self._merged(*base, text.chains(choice.text_nodes))
-            self.last = (tokens, layout, choice, text.expected(choice.text_nodes))
+            self.last = (tokens, layout, choice, p.rule.text_expected(text, choice.text_nodes))
             return tokens, layout
         if p.source == "suffix":
             text = self.index.draft(max_depth, max(p.text_alone, p.ngram_nodes))

@@ -10,12 +10,14 @@ tokens per unit of cost:
   text alone, g   1 + t(g),                          verify(1 + g) + lookup
   head + text, g  1 + max(h, t(g)) + c min(h, t(g)), verify(1 + H + g) + draft + lookup
 
-where h is the head's expected accepted drafts per step, t(g) = r * (sum of the g best text scores)
-with r the text's accepted-to-expected ratio, H the head tree's nodes, and c (fitted at calibration)
-how much a merged tree gains over the better of its two parts. h and r are running estimates per
-request started from their calibrated values (RunningEstimate), so a request that copies its prompt
-soon trusts the text and one that does not soon stops paying for it. Costs only matter relative to
-each other, so the calibrated milliseconds serve on any machine the ratios hold on.
+where h is the head's expected accepted drafts per step, t(g) = r * R(m, g) * (sum of the g best
+text scores) with R the calibrated ratio of accepted to expected text tokens where the matched
+suffix is m tokens long, r this request's own correction of it, H the head tree's nodes, and c
+(fitted at calibration) how much a merged tree gains over the better of its two parts. h and r
+are running estimates per request started from their calibrated values (RunningEstimate), so a
+request that copies its prompt soon trusts the text and one that does not soon stops paying for it.
+Costs only matter relative to each other, so the calibrated milliseconds serve on any machine the
+ratios hold on.
 
 The choice is a function of the text and of the request's accepted counts so far, so every node is
 still a deterministic proposal given the past: greedy and speculative acceptance stay exact.
@@ -47,7 +49,11 @@ class RuleParams:
     draft_ms: float  # one step of the head's drafting of its tree
     head_nodes: float  # nodes of the head's tree (root excluded), on average where it is gated
     head_accept: float  # accepted drafts per step of the head's tree alone
-    text_ratio: float = 1.0  # accepted text tokens per expected one (TextDraft.expected)
+    text_ratio: float = 1.0  # accepted text tokens per expected one (TextDraft.expected), where no table is
+    # text_ratios[m - 1][j]: that ratio where the matched suffix is m tokens long (the last row: m or
+    # more) and the text drafts text_budgets[j] nodes (or fewer): long matches and few nodes are
+    # right more often than their scores say, one-token matches and long chains less
+    text_ratios: tuple[tuple[float, ...], ...] = ()
     overlap: float = 0.0  # c above: a merged tree's gain over the better part, per token of the lesser
     lookup_ms: float = 0.0  # one step of the text source
     prior_steps: float = 4.0  # how many steps' worth the calibrated values weigh against a request's own
@@ -69,10 +75,22 @@ class RuleParams:
         slope = (v[-1] - v[0]) / max(len(v) - 1, 1)
         return v[-1] + slope * (n - len(v))
 
+    def text_expected(self, text: TextDraft, nodes: int) -> float:
+        """The text's best `nodes` nodes: their expected accepted length, calibrated."""
+        if not nodes or not text.paths:
+            return 0.0
+        ratio = self.text_ratio
+        if self.text_ratios:
+            row = self.text_ratios[min(max(text.match, 1), len(self.text_ratios)) - 1]
+            col = next((j for j, b in enumerate(self.text_budgets) if b >= nodes), len(self.text_budgets) - 1)
+            ratio = row[col]
+        return ratio * text.expected(nodes)
+
     def to_record(self) -> dict:
         record = asdict(self)
         record["verify_ms"] = [round(x, 4) for x in self.verify_ms]
         record["text_budgets"] = list(self.text_budgets)
+        record["text_ratios"] = [[round(x, 4) for x in row] for row in self.text_ratios]
         return record
 
     @classmethod
@@ -81,6 +99,8 @@ class RuleParams:
         known["verify_ms"] = tuple(float(x) for x in known["verify_ms"])
         if "text_budgets" in known:
             known["text_budgets"] = tuple(int(x) for x in known["text_budgets"])
+        if "text_ratios" in known:
+            known["text_ratios"] = tuple(tuple(float(x) for x in row) for row in known["text_ratios"])
         return cls(**known)
 
 
@@ -121,8 +141,8 @@ class AdaptiveRule:
         """A new request: the estimates go back to their calibrated values."""
         p = self.params
         self.head = RunningEstimate(p.head_accept, p.prior_steps)
-        # the text's prior weighs as much as prior_steps expected tokens
-        self.text = RunningEstimate(p.text_ratio, p.prior_steps)
+        # a scale on the calibrated expectation (1: as calibrated), worth prior_steps expected tokens
+        self.text = RunningEstimate(1.0, p.prior_steps)
 
     def options(self, text: TextDraft) -> list[tuple[Choice, float, float]]:
         """Every option with its expected tokens and cost (ms)."""
@@ -131,7 +151,7 @@ class AdaptiveRule:
         out = [(Choice(False, 0), 1.0, p.verify(1))]
         budgets = sorted({min(g, len(text.paths)) for g in p.text_budgets})
         for g in budgets:
-            t = r * text.expected(g)
+            t = r * p.text_expected(text, g)
             lookup = p.lookup_ms if g else 0.0
             if g:
                 out.append((Choice(False, g), 1.0 + t, p.verify(1 + g) + lookup))
@@ -146,7 +166,8 @@ class AdaptiveRule:
 
     def observe(self, choice: Choice, expected_text: float, head_accepted: int, text_accepted: int) -> None:
         """What the step's verification accepted of each source it drafted (a source's accepted
-        length is the accepted path's nodes that source proposed, a prefix of the path)."""
+        length is the accepted path's nodes that source proposed, a prefix of the path);
+        expected_text: params.text_expected of the nodes drafted."""
         if choice.head:
             self.head.update(head_accepted)
         if choice.text_nodes and expected_text > 0:

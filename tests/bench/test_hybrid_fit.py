@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from specheads.bench.hybrid_fit import MAX_TEXT, fit_rule, per_answer, simulate, text_positions
+from specheads.bench.hybrid_fit import MAX_TEXT, MIN_EXPECTED, fit_rule, per_answer, simulate, text_positions
 from specheads.decode.hybrid_rule import TEXT_BUDGETS
 from specheads.decode.suffix import SuffixIndex
 from specheads.decode.tree import TreeLayout, merge_chains
@@ -69,9 +69,42 @@ def test_the_priors_follow_their_plain_formulas(seed):
     expected = sum(d.expected(g) for d, _, _, g in used)
     r = sum(a[g] for _, a, _, g in used) / expected if expected else 1.0
     assert params.text_ratio == pytest.approx(r)
-    xs = [min(h, r * d.expected(g)) for d, _, _, g in used]
-    ys = [max(x, a[g]) - max(h, r * d.expected(g)) for d, a, x, g in used]
+    xs = [min(h, params.text_expected(d, g)) for d, _, _, g in used]
+    ys = [max(x, a[g]) - max(h, params.text_expected(d, g)) for d, a, x, g in used]
     slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs) if any(xs) else 0.0
     assert params.overlap == pytest.approx(min(max(slope, 0.0), 1.0))
     sim = simulate(params, drafts, accepted, heads)
     assert sum(sim["choices"].values()) == len(flat) and sim["tau"] >= 1.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_ratio_table_counts_each_cell_plainly(seed):
+    """Each cell: accepted over expected text tokens of the positions with that matched length
+    whose nodes that budget's column holds, shrunk toward the column's pool where it is thin."""
+    rng, prompts, contexts = random_answers(seed)
+    drafts, accepted, _ = text_positions(prompts, contexts, suffix_match=4, history_tokens=100)
+    heads = [[0] * len(d) for d in drafts]
+    params = fit_rule(drafts, accepted, heads, (10.0,), 1.0, 1, 0.0)
+    flat = [(d, a) for answer in zip(drafts, accepted) for d, a in zip(*answer)]
+    for m, row in enumerate(params.text_ratios, start=1):
+        for col, budget in enumerate(TEXT_BUDGETS):
+            lower = TEXT_BUDGETS[col - 1] if col else -1
+            cell = [
+                (a[g], d.expected(g))
+                for d, a in flat
+                for g in {min(b, len(d.paths)) for b in TEXT_BUDGETS} - {0}
+                if lower < g <= budget
+            ]
+            pool = [(o, e) for o, e in cell]
+            mine = [
+                (a[g], d.expected(g))
+                for d, a in flat
+                if d.match == m
+                for g in {min(b, len(d.paths)) for b in TEXT_BUDGETS} - {0}
+                if lower < g <= budget
+            ]
+            obs, exp = sum(o for o, _ in mine), sum(e for _, e in mine)
+            pool_exp = sum(e for _, e in pool)
+            prior = sum(o for o, _ in pool) / pool_exp if pool_exp else params.text_ratio
+            shrink = max(MIN_EXPECTED - exp, 0.0)
+            assert row[col] == pytest.approx((obs + shrink * prior) / (exp + shrink)), (m, budget)

@@ -34,13 +34,14 @@ def random_text(rng):
 
 def history_estimates(params, steps):
     """(h, r) recomputed from every step at once: the head's prior plus its accepted drafts over the
-    prior's weight plus the steps it drafted; the text's prior ratio plus its accepted tokens over
-    the prior's weight plus the tokens it was expected to get accepted, on the steps it drafted."""
+    prior's weight plus the steps it drafted; the text's scale (prior 1: as calibrated) plus its
+    accepted tokens over the prior's weight plus the tokens it was expected to get accepted, on the
+    steps it drafted."""
     heads = [a for c, _, a, _ in steps if c.head]
     texts = [(e, a) for c, e, _, a in steps if c.text_nodes and e > 0]
     w = params.prior_steps
     h = (w * params.head_accept + sum(heads)) / (w + len(heads))
-    r = (w * params.text_ratio + sum(a for _, a in texts)) / (w + sum(e for e, _ in texts))
+    r = (w * 1.0 + sum(a for _, a in texts)) / (w + sum(e for e, _ in texts))
     return h, r
 
 
@@ -52,14 +53,14 @@ def check_running_estimates(make_rule, seed):
     for _ in range(rng.randint(1, 30)):
         text = random_text(rng)
         choice = rule.choose(text)
-        expected = text.expected(choice.text_nodes)
+        expected = params.text_expected(text, choice.text_nodes)
         head_acc, text_acc = rng.randint(0, 4), rng.randint(0, choice.text_nodes)
         rule.observe(choice, expected, head_acc, text_acc)
         steps.append((choice, expected, head_acc, text_acc))
         h, r = history_estimates(params, steps)
         assert rule.head.value == pytest.approx(h) and rule.text.value == pytest.approx(r)
     rule.start()  # a new request starts from the calibrated values again
-    assert (rule.head.value, rule.text.value) == pytest.approx((params.head_accept, params.text_ratio))
+    assert (rule.head.value, rule.text.value) == pytest.approx((params.head_accept, 1.0))
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -102,7 +103,7 @@ def plain_choice(params, h, r, text, has_head):
 
     best, best_rate = Choice(False, 0), 1.0 / verify(1)
     for g in sorted({min(b, len(text.paths)) for b in params.text_budgets}):
-        t = r * sum(text.scores[:g])
+        t = r * params.text_ratio * sum(text.scores[:g])  # no table: one calibrated ratio
         look = params.lookup_ms if g else 0.0
         options = [(Choice(False, g), 1 + t, verify(1 + g) + look)] if g else []
         if has_head:
@@ -140,3 +141,15 @@ def test_every_kind_of_choice_is_made_where_it_pays():
     assert AdaptiveRule(cheap, True).choose(unsure) == Choice(True, 2)
     round_trip = RuleParams.from_record(params.to_record())
     assert round_trip == params
+
+
+def test_the_text_ratio_is_read_by_matched_length_and_budget():
+    table = ((0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7), (1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7))
+    params = RuleParams((10.0,), 1.0, 1, 1.0, text_ratio=9.0, text_ratios=table)
+    draft = TextDraft(tuple((1,) * (i + 1) for i in range(16)), (0.5,) * 16, 1)
+    assert params.text_expected(draft, 3) == pytest.approx(0.4 * 1.5)  # budget 4's column holds 3 nodes
+    assert params.text_expected(draft, 16) == pytest.approx(0.7 * 8.0)
+    long = TextDraft(draft.paths, draft.scores, 7)  # longer matches read the last row
+    assert params.text_expected(long, 1) == pytest.approx(1.2 * 0.5)
+    assert params.text_expected(long, 0) == 0.0
+    assert RuleParams((10.0,), 1.0, 1, 1.0, text_ratio=0.5).text_expected(long, 2) == pytest.approx(0.5)
