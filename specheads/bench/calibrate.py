@@ -275,6 +275,29 @@ def interpolate(times: dict[int, float], n: int) -> float:
     return times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
 
 
+def head_steps(
+    vectors: Sequence[tuple[int, ...]], top_probs: Sequence[Sequence[float]] | None, row: dict
+) -> tuple[list[int], list[int], list[float]]:
+    """At each position, what the head's part of a hybrid tree (a hybrid_choice head row) does:
+    the drafts it accepts, the nodes it adds to the verified tree and its drafting seconds, under
+    the row's depth gate (min_path_prob, read from top_probs as gate_choice does; none: every
+    level drafted)."""
+    n = len(vectors)
+    if not row["nodes"]:
+        return [0] * n, [0] * n, [0.0] * n
+    tree = static_tree([list(p) for p in row["paths"]])
+    full, max_depth = frozenset(tree.paths), tree.layout.max_depth
+    gate = float(row.get("min_path_prob") or 0.0)
+    draft_s = row.get("draft_s") or {max_depth: row["draft_ms"] / 1e3}
+    if gate and top_probs is not None:
+        depths = [gated_depth(top, max_depth, gate) for top in top_probs]
+    else:
+        depths = [max_depth] * n
+    nodes = {d: pruned_tree(tree, d).size - 1 for d in set(depths)}
+    accepted = [min(accepted_length(v, full, max_depth), d) for v, d in zip(vectors, depths)]
+    return accepted, [nodes[d] for d in depths], [draft_s[d] for d in depths]
+
+
 def hybrid_choice(
     vectors: Sequence[tuple[int, ...]],
     text: Sequence[tuple[int, ...]],
@@ -283,16 +306,22 @@ def hybrid_choice(
     lookup_s: float,
     alone: dict[int, Sequence[tuple[int, ...]]] | None = None,
     alone_sizes: Sequence[int] = TEXT_NODES[1:],
+    top_probs: Sequence[Sequence[float]] | None = None,
+    text_nodes: Sequence[int] = TEXT_NODES,
 ) -> list[dict]:
     """Every hybrid setting scored: expected tau, tokens per second. head_rows: the head-only rows
-    (nodes, paths, draft_ms); vectors, text and each alone[m] hold the same positions.
+    (nodes, paths, draft_ms; optionally min_path_prob, the depth gate the head's part is drafted
+    with, and draft_s, its drafting seconds by the depth drafted); vectors, text, top_probs (the
+    head's top-1 chain, as for gate_choice) and each alone[m] hold the same positions.
 
     A setting is (head nodes n, text nodes g) and a text-alone rule: none, or (m, L): where the
     text's last m tokens (or more) occurred before (alone[m] = text_acceptance with min_ngram=m
     drafted something), the step verifies the text's L nodes alone, with no head drafting; every
-    other step verifies the merged tree, which accepts max(A_head(n), A_text(g)). Steps are
-    counted as positions, as for the head's tree; the head's catch-up after a skipped step (one
-    forward over a few more positions) is not priced.
+    other step verifies the merged tree, which accepts max(A_head(n), A_text(g)). Under a gate the
+    head's part is drafted as gate_choice counts it: at each position as deep as gated_depth says,
+    accepting at most that deep, verifying and drafting that many levels' nodes. Steps are counted
+    as positions, as for the head's tree; the head's catch-up after a skipped step (one forward
+    over a few more positions) is not priced. text_nodes: the text budgets g scored.
     """
     alone = alone or {}
     verify = {}
@@ -317,16 +346,16 @@ def hybrid_choice(
     out = []
     heads = [{"nodes": 0, "paths": [], "draft_ms": 0.0}, *head_rows]
     for h in heads:
-        tree = {tuple(p) for p in h["paths"]}
-        head_acc = [max([m for m in range(1, len(v) + 1) if v[:m] in tree], default=0) for v in vectors]
-        for g in TEXT_NODES:
+        head_acc, head_nodes, head_s = head_steps(vectors, top_probs, h)
+        gate = float(h.get("min_path_prob") or 0.0) if h["nodes"] else 0.0
+        for g in text_nodes:
             if h["nodes"] == 0 and g == 0:
                 continue
             step_tokens, step_cost = [], []
-            for a_h, a_t in zip(head_acc, text):
+            for a_h, nodes, drafting, a_t in zip(head_acc, head_nodes, head_s, text):
                 used = min(g, len(a_t) - 1)
                 step_tokens.append(1 + max(a_h, a_t[used]))
-                step_cost.append(cost(1 + h["nodes"] + used) + h["draft_ms"] / 1e3 + (lookup_s if g else 0.0))
+                step_cost.append(cost(1 + nodes + used) + drafting + (lookup_s if g else 0.0))
             rules = [(0, 0, sum(step_tokens), sum(step_cost))]
             if h["nodes"]:  # without a head there is nothing to skip
                 for m, fired in fires.items():
@@ -341,6 +370,7 @@ def hybrid_choice(
                         "head_nodes": h["nodes"],
                         "ngram_nodes": g,
                         "paths": h["paths"],
+                        "min_path_prob": gate,
                         "text_alone": size,
                         "text_alone_ngram": m,
                         "tau": tokens / len(text),
@@ -350,9 +380,13 @@ def hybrid_choice(
     return out
 
 
-def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vectors, rows, target_s, out) -> dict:
+def calibrate_hybrid(
+    target, settings: InferJobConfig, prompts, contexts, vectors, top_probs, rows, target_s, out
+) -> dict:
     """Step 4 of the module's recipe: the best split of a hybrid tree between head and text, and
-    the text-alone rule (tree.text_alone and tree.text_alone_ngram when given, else every rule)."""
+    the text-alone rule (tree.text_alone and tree.text_alone_ngram when given, else every rule).
+    Each of the head's trees (rows) is scored under the depth gate chosen with it (min_path_prob,
+    its drafting by depth in draft_s): the gate it is drafted with, stored in the record."""
     t = settings.tree
     top = max(TEXT_NODES)
     triggers = [t.text_alone_ngram] if t.text_alone_ngram is not None else range(1, t.ngram_max + 1)
@@ -379,18 +413,20 @@ def calibrate_hybrid(target, settings: InferJobConfig, prompts, contexts, vector
         t0 = time.perf_counter()
         text_continuations(context, t.ngram_max, top, top)
         times.append(time.perf_counter() - t0)
-    scored = hybrid_choice(vectors, text, rows, target_s, min(times), alone, sizes)
+    scored = hybrid_choice(vectors, text, rows, target_s, min(times), alone, sizes, top_probs)
     best = max(scored, key=lambda r: r["tokens_per_s"])
     plain = 1 / target_s[1]
     head_best = max(r["tokens_per_s"] for r in rows)
     rule = describe_text_alone(best["text_alone"], best["text_alone_ngram"], t.ngram_max) or "; no text-alone steps"
+    gate = f" (gate p >= {best['min_path_prob']:g})" if best["min_path_prob"] else ""
     out.write(
-        f"hybrid: {best['head_nodes']} head nodes + up to {best['ngram_nodes']} text nodes (n-gram <= {t.ngram_max})"
-        f"{rule}: tau {best['tau']:.2f}, expected speedup {best['tokens_per_s'] / plain:.2f}x "
+        f"hybrid: {best['head_nodes']} head nodes{gate} + up to {best['ngram_nodes']} text nodes "
+        f"(n-gram <= {t.ngram_max}){rule}: tau {best['tau']:.2f}, expected speedup {best['tokens_per_s'] / plain:.2f}x "
         f"(the head's tree alone {head_best / plain:.2f}x)\n"
     )
     return {
         "paths": best["paths"],
+        "min_path_prob": best["min_path_prob"],  # the depth gate of the head's part: tree=default drafts with it
         "ngram_nodes": best["ngram_nodes"],
         "ngram_max": t.ngram_max,
         "text_alone": best["text_alone"],
@@ -564,6 +600,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
                 "min_path_prob": gated["min_path_prob"],
                 "tokens_per_s": gated["tokens_per_s"],
                 "paths": paths,
+                "draft_s": draft_s,  # seconds by depth drafted: what the gate saves (the hybrid's head part too)
             }
         )
     best = max(rows, key=lambda r: r["tokens_per_s"])
@@ -606,7 +643,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"tau {dynamic['tau']:.2f}, draft {dynamic['draft_ms']:.1f} ms, expected speedup "
             f"{dynamic['tokens_per_s'] / plain:.2f}x{'  <- chosen: tree=default drafts it' if use_dynamic else ''}\n"
         )
-    hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, rows, target_s, out)
+    hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, top_probs, rows, target_s, out)
     rule = calibrate_adaptive_rule(settings, prompts, contexts, vectors, top_probs, rows, target_s, hybrid, out)
     if rule is not None:
         hybrid["rule"] = rule
@@ -669,6 +706,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         **chosen,
         paths=best["paths"],  # the static tree stored as the head's default_tree, chosen or not
         hybrid_paths=hybrid["paths"],
+        hybrid_min_path_prob=hybrid["min_path_prob"],
         ngram_nodes=hybrid["ngram_nodes"],
         text_alone=hybrid["text_alone"],
         text_alone_ngram=hybrid["text_alone_ngram"],

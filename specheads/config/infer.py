@@ -67,6 +67,8 @@ class TreeConfig:
     ngram_max: int = 3
     ngram_nodes: int | None = None  # hybrid: text nodes per step; None = the calibrated share, else 8
     hybrid_paths: list[Any] | None = None  # hybrid: the head's part of the tree (set by tree=auto)
+    # hybrid: the depth gate of hybrid_paths (set by tree=auto with them); None: tree.min_path_prob, else 0
+    hybrid_min_path_prob: float | None = None
     # > 0: when the text's last text_alone_ngram tokens (or more, up to ngram_max) occurred before,
     # the step drafts what followed them, text_alone nodes at most, without the head (a long repeat
     # is then verified as cheaply as prompt lookup's chain); 0: every step drafts the merged tree.
@@ -219,8 +221,9 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     t, b = settings.tree, settings.bench
     if settings.linear_layout not in ("auto", "stock"):
         raise SpecHeadsError(f"linear_layout must be auto or stock, got {settings.linear_layout!r}")
-    if t.min_path_prob is not None and not 0.0 <= t.min_path_prob < 1.0:
-        raise SpecHeadsError(f"tree.min_path_prob must be in [0, 1), got {t.min_path_prob}")
+    for name in ("min_path_prob", "hybrid_min_path_prob"):
+        if getattr(t, name) is not None and not 0.0 <= getattr(t, name) < 1.0:
+            raise SpecHeadsError(f"tree.{name} must be in [0, 1), got {getattr(t, name)}")
     check_draft_dtype(settings.head_dtype)
     if t.kind not in TREE_KINDS:
         raise SpecHeadsError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {t.kind!r}")

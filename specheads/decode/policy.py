@@ -156,23 +156,27 @@ class HybridPolicy:
 
 
 def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
-    """The hybrid tree to draft. tree=auto's split (tree.hybrid_paths, tree.ngram_nodes and the
-    text-alone rule, set by calibration) first; with tree=default, the split stored with the head's
-    calibration; else the head's own tree (tree_policy_for) and tree.ngram_nodes text nodes. A
-    setting given explicitly wins over a stored one. Without a head: text only."""
+    """The hybrid tree to draft. tree=auto's split (tree.hybrid_paths with their gate
+    tree.hybrid_min_path_prob, tree.ngram_nodes and the text-alone rule, set by calibration) first;
+    with tree=default, the split stored with the head's calibration, its head part gated as the
+    calibration scored it (the record's min_path_prob); else the head's own tree (tree_policy_for)
+    and tree.ngram_nodes text nodes. A setting given explicitly (tree.min_path_prob included) wins
+    over a stored one. Without a head: text only."""
     stored = ((getattr(head, "calibration", None) or {}).get("hybrid") or {}) if head is not None else {}
     nodes, alone, alone_ngram = tree.ngram_nodes, tree.text_alone, tree.text_alone_ngram
+    gate = tree.min_path_prob
     if tree.hybrid_paths is not None:
         paths = tree.hybrid_paths
+        gate = tree.hybrid_min_path_prob if tree.hybrid_min_path_prob is not None else gate
     elif tree.kind == "default" and stored.get("paths") is not None:
         paths = stored["paths"]
+        gate = stored.get("min_path_prob") if gate is None else gate
         nodes = stored.get("ngram_nodes") if nodes is None else nodes
         alone = stored.get("text_alone") if alone is None else alone
         alone_ngram = stored.get("text_alone_ngram") if alone_ngram is None else alone_ngram
     else:
         paths = None
     rule = stored_rule(stored, tree) if head is not None else None
-    gate = tree.min_path_prob or 0.0
     if rule is not None:  # the rule drafts the head's tree it was fitted with, under its gate
         paths = stored["rule"]["paths"]
         gate = tree.min_path_prob if tree.min_path_prob is not None else stored["rule"].get("min_path_prob", 0.0)
@@ -180,7 +184,7 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
         policy = None
     elif paths is not None:
         # [] : the calibration gave the head no node
-        policy = static_tree(paths, gate) if paths else None
+        policy = static_tree(paths, float(gate or 0.0)) if paths else None
         if policy is not None:
             check_depth(head, policy)
     else:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
+from conftest import fails_for_some_seed, quick_head  # noqa: E402  (the quick overfitting helper)
 
 from specheads.bench.calibrate import (
     BUILTIN_COPY_HEAVY,
@@ -32,7 +32,7 @@ from specheads.config.infer import InferJobConfig, TreeConfig
 from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import HybridDrafter, make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
-from specheads.decode.policy import HybridPolicy, hybrid_policy_for, tree_policy_for
+from specheads.decode.policy import HybridPolicy, hybrid_policy_for, policy_depth, tree_policy_for
 from specheads.decode.tree import static_tree
 from specheads.heads import load_head, save_head
 from specheads.heads.io import draft_precision
@@ -202,10 +202,12 @@ def test_the_text_alone_model_predicts_what_the_loop_accepts(trigger, tiny_targe
     assert checked[True] >= 2 and checked[False] >= 1, checked
 
 
-def plain_hybrid_score(vectors, text, alone, head, g, rule, target_s, lookup_s):
-    """One hybrid setting scored step by step: (tau, tokens per second)."""
+def plain_hybrid_score(vectors, text, alone, head, g, rule, target_s, lookup_s, tops=None):
+    """One hybrid setting scored step by step: (tau, tokens per second). With tops (the head's
+    top-1 chain at each position) and a gate in the head row, the head's part is the tree cut to
+    the depth the gate drafts there, verified and drafted (draft_s by depth) at that size."""
     size, m = rule
-    tree = {tuple(p) for p in head["paths"]}
+    gate = head.get("min_path_prob", 0.0)
     tokens = seconds = 0.0
     for i, v in enumerate(vectors):
         if size and len(alone[m][i]) > 1:  # a text-alone step
@@ -213,11 +215,16 @@ def plain_hybrid_score(vectors, text, alone, head, g, rule, target_s, lookup_s):
             tokens += 1 + alone[m][i][used]
             seconds += interpolate(target_s, 1 + used) + lookup_s
             continue
+        deepest = max((len(p) for p in head["paths"]), default=0)
+        depth = gated_depth(tops[i], deepest, gate) if head["paths"] and gate and tops is not None else deepest
+        kept = [p for p in head["paths"] if len(p) <= depth]
+        drafting = head["draft_s"][depth] if "draft_s" in head and kept else head["draft_ms"] / 1e3
+        tree = {tuple(p) for p in kept}
         a_h = max([k for k in range(1, len(v) + 1) if v[:k] in tree], default=0)
         used = min(g, len(text[i]) - 1)
         tokens += 1 + max(a_h, text[i][used])
         looked_up = g > 0 or size > 0
-        seconds += interpolate(target_s, 1 + head["nodes"] + used) + head["draft_ms"] / 1e3 + lookup_s * looked_up
+        seconds += interpolate(target_s, 1 + len(kept) + used) + drafting + lookup_s * looked_up
     return tokens / len(vectors), tokens / seconds
 
 
@@ -233,10 +240,11 @@ def random_acceptance(rng, n, nodes):
     return rows
 
 
-def check_hybrid_choice(score, seed):
+def check_hybrid_choice(score, seed, gated=False):
     rng = random.Random(seed)
     n = 40
     vectors = [tuple(rng.choice([0, 0, 1, 2]) for _ in range(rng.randint(1, 3))) for _ in range(n)]
+    tops = [tuple(rng.choice([0.2, 0.5, 0.9]) for _ in range(3)) for _ in range(n)]
     text = random_acceptance(rng, n, max(TEXT_NODES))
     alone = {1: random_acceptance(rng, n, 16)}
     alone[2] = [a if rng.random() < 0.6 else (0,) for a in alone[1]]  # a longer trigger fires less often
@@ -245,13 +253,20 @@ def check_hybrid_choice(score, seed):
         {"nodes": 2, "paths": [[0], [1]], "draft_ms": 1.5},
         {"nodes": 3, "paths": [[0], [0, 0], [1]], "draft_ms": 3.0},
     ]
-    scored = hybrid_choice(vectors, text, rows, target_s, 1e-4, alone, [4, 8, 16])
+    if gated:  # each head tree under its own gate, its drafting timed by depth
+        rows[0].update(min_path_prob=0.3, draft_s={1: 1.5e-3})
+        rows.append({"nodes": 5, "paths": [[0], [0, 0], [1], [0, 0, 0], [0, 1]], "draft_ms": 4.0})
+        rows[2].update(min_path_prob=0.4, draft_s={1: 1e-3, 2: 2.5e-3, 3: 4e-3})
+        rows[1].update(min_path_prob=0.15, draft_s={1: 1e-3, 2: 3e-3})
+    scored = hybrid_choice(vectors, text, rows, target_s, 1e-4, alone, [4, 8, 16], tops if gated else None)
     by_head = {r["nodes"]: r for r in [{"nodes": 0, "paths": [], "draft_ms": 0.0}, *rows]}
     rules = {(r["head_nodes"], r["ngram_nodes"], r["text_alone"], r["text_alone_ngram"]) for r in scored}
     assert (0, 4, 4, 1) not in rules and (2, 4, 4, 1) in rules and (2, 0, 0, 0) in rules  # no head: nothing to skip
     for r in scored:
+        head = by_head[r["head_nodes"]]
+        assert r["min_path_prob"] == (head.get("min_path_prob", 0.0) if head["nodes"] else 0.0)
         rule = (r["text_alone"], r["text_alone_ngram"])
-        tau, speed = score(vectors, text, alone, by_head[r["head_nodes"]], r["ngram_nodes"], rule, target_s, 1e-4)
+        tau, speed = score(vectors, text, alone, head, r["ngram_nodes"], rule, target_s, 1e-4, tops=tops)
         assert r["tau"] == pytest.approx(tau) and r["tokens_per_s"] == pytest.approx(speed), r
 
 
@@ -260,8 +275,23 @@ def test_hybrid_choice_scores_every_setting_as_a_plain_step_by_step_count(seed):
     check_hybrid_choice(plain_hybrid_score, seed)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_hybrid_choice_scores_a_gated_head_part_as_a_plain_step_by_step_count(seed):
+    """The head's part of a hybrid tree under the depth gate it is drafted with: each step
+    accepts, verifies and drafts only as deep as the gate lets it (as gate_choice counts the
+    head's tree alone)."""
+    check_hybrid_choice(plain_hybrid_score, seed, gated=True)
+
+
+def test_the_gated_hybrid_check_fails_when_the_head_part_is_scored_ungated():
+    def ungated(*args, tops=None):
+        return plain_hybrid_score(*args, tops=None)
+
+    assert fails_for_some_seed(lambda score, seed: check_hybrid_choice(score, seed, gated=True), ungated, range(5))
+
+
 def test_the_hybrid_choice_check_fails_when_alone_steps_still_pay_the_head():
-    def head_always(vectors, text, alone, head, g, rule, target_s, lookup_s):
+    def head_always(vectors, text, alone, head, g, rule, target_s, lookup_s, tops=None):
         tau, speed = plain_hybrid_score(vectors, text, alone, head, g, rule, target_s, lookup_s)
         fired = sum(len(a) > 1 for a in alone[rule[1]]) if rule[0] else 0
         seconds = tau * len(vectors) / speed + fired * head["draft_ms"] / 1e3
@@ -269,6 +299,21 @@ def test_the_hybrid_choice_check_fails_when_alone_steps_still_pay_the_head():
 
     with pytest.raises(AssertionError):
         check_hybrid_choice(head_always, 0)
+
+
+def fixed_costs(monkeypatch, verify_s=lambda n: 0.01 + 1e-5 * n, draft_s=1e-6):
+    """Calibration's timings replaced by fixed ones (a target forward of n tokens: verify_s(n); a
+    draft step: draft_s per level), so that what it chooses follows from acceptance alone."""
+    import specheads.bench.calibrate as calibrate_module
+
+    def time_target(target, context, sizes, repeats=5):
+        return {n: verify_s(n) for n in sizes}
+
+    def time_draft(target, head, policy, prompt, repeats=5, accepted=3):
+        return draft_s * policy_depth(policy)
+
+    monkeypatch.setattr(calibrate_module, "time_target", time_target)
+    monkeypatch.setattr(calibrate_module, "time_draft", time_draft)
 
 
 def calibrate(head, head_dir, target, **tree):
@@ -362,6 +407,38 @@ def test_calibrate_tree_stores_a_tree_in_the_head_when_asked(family, tmp_path, t
     assert (policy.head.paths if policy.head else ()) == tuple(tuple(p) for p in sorted(head_paths, key=len))
     fixed = hybrid_policy_for(reloaded, TreeConfig(kind="default", hybrid_rule="fixed"))
     assert fixed.rule is None and fixed.head == (static_tree(chosen.hybrid_paths) if chosen.hybrid_paths else None)
+
+
+def test_the_hybrid_split_is_scored_stored_and_drafted_under_one_gate(tmp_path, monkeypatch, tiny_target, sequences):
+    """calibrate_hybrid scores each head tree under the gate chosen with it (here tree.min_path_prob)
+    with the head's top-1 chains, and records that gate with the split; tree=auto's run and later
+    tree=default runs draft the split's head part under it."""
+    import specheads.bench.calibrate as calibrate_module
+
+    real, seen = calibrate_module.hybrid_choice, []
+
+    def spy(vectors, text, rows, *args, **kwargs):
+        scored = real(vectors, text, rows, *args, **kwargs)
+        seen.append((len(vectors), rows, args[4] if len(args) > 4 else kwargs.get("top_probs"), scored))
+        return scored
+
+    monkeypatch.setattr(calibrate_module, "hybrid_choice", spy)
+    # text that never repeats, cheap drafts and verification: the split gives the head nodes
+    real_text = calibrate_module.text_acceptance
+    monkeypatch.setattr(calibrate_module, "text_acceptance", lambda *a, **k: [(0,)] * len(real_text(*a, **k)))
+    fixed_costs(monkeypatch)
+    head = quick_head(tiny_target, "eagle3", sequences, steps=30)
+    head_dir = save_head(head, tmp_path / "head")
+    chosen, out = calibrate(head, head_dir, tiny_target, save="head", dynamic="off", min_path_prob=0.2)
+    ((positions, rows, tops, scored),) = seen
+    assert tops is not None and len(tops) == positions and {r["min_path_prob"] for r in rows} == {0.2}
+    hybrid = json.loads((head_dir / "config.json").read_text())["calibration"]["hybrid"]
+    best = max(scored, key=lambda r: r["tokens_per_s"])
+    assert hybrid["paths"] and hybrid["min_path_prob"] == best["min_path_prob"] == 0.2 and "(gate p >= 0.2)" in out
+    assert chosen.hybrid_min_path_prob == 0.2
+    assert hybrid_policy_for(head, chosen).head.min_path_prob == 0.2  # the tree=auto run
+    default = hybrid_policy_for(load_head(head_dir, tiny_target), TreeConfig(kind="default"))
+    assert default.head.min_path_prob == 0.2 and default.head.paths == static_tree(hybrid["paths"]).paths
 
 
 def test_calibrating_an_existing_head_leaves_it_as_shipped_and_caches_the_tree(

@@ -118,6 +118,26 @@ def test_hybrid_policies(tiny_target):
     assert "static tree (2 nodes" in describe_policy(stored)
 
 
+def test_a_stored_hybrid_split_is_drafted_under_the_gate_it_was_calibrated_with(tiny_target):
+    """The hybrid record's min_path_prob gates its head part (tree=default), tree=auto's split
+    carries its own (tree.hybrid_min_path_prob); tree.min_path_prob given explicitly wins over a
+    stored one; a record from before the gate was stored was scored ungated, and is drafted so."""
+    eagle = build_head(HeadConfig(family="eagle"), tiny_target)
+    eagle.default_tree = [[0], [1]]
+    eagle.calibration = {"min_path_prob": 0.05, "hybrid": {"paths": [[0], [0, 0], [1]], "min_path_prob": 0.2}}
+    assert hybrid_policy_for(eagle, TreeConfig(kind="default")).head.min_path_prob == 0.2
+    assert tree_policy_for(eagle, TreeConfig(kind="default")).min_path_prob == 0.05  # the head's tree: its own gate
+    assert hybrid_policy_for(eagle, TreeConfig(kind="default", min_path_prob=0.1)).head.min_path_prob == 0.1
+    del eagle.calibration["hybrid"]["min_path_prob"]
+    assert hybrid_policy_for(eagle, TreeConfig(kind="default")).head.min_path_prob == 0.0
+    auto = TreeConfig(
+        kind="static", paths=[[0]], min_path_prob=0.05, hybrid_paths=[[0], [0, 0]], hybrid_min_path_prob=0.3
+    )
+    assert hybrid_policy_for(eagle, auto).head.min_path_prob == 0.3
+    auto.hybrid_min_path_prob = None  # a split given by hand: the tree's gate, as before
+    assert hybrid_policy_for(eagle, auto).head.min_path_prob == 0.05
+
+
 @pytest.mark.parametrize("family", ["medusa", "hydra"])
 def test_an_explicit_min_path_prob_gates_the_fallback_tree(tiny_target, family):
     """A head with no stored tree drafts its family's fallback tree: tree.min_path_prob gates it as
