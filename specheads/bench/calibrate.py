@@ -51,7 +51,7 @@ import torch
 from tqdm import tqdm
 
 from ..atomic import write_json
-from ..config.infer import InferJobConfig, TreeConfig
+from ..config.infer import SEARCH_DEFAULTS, InferJobConfig, TreeConfig, resolve_search
 from ..decode.baselines import hf_generate
 from ..decode.drafters import make_drafter, text_continuations
 from ..decode.kv import new_cache, verify_tree
@@ -67,7 +67,16 @@ from .hybrid_fit import calibrate_rule
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
 from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
-from .trees import cache_path, machine_description, prompts_record, remove_cached_tree, store_in_cache, utc_now
+from .trees import (
+    cache_path,
+    existing_calibration,
+    machine_description,
+    prompts_record,
+    remove_cached_tree,
+    search_space,
+    store_in_cache,
+    utc_now,
+)
 
 BUILTIN_PROMPTS = [
     # half chat, half copy-heavy (BUILTIN_COPY_HEAVY): the copy-heavy ones give the text the answer
@@ -513,7 +522,7 @@ def calibration_texts(settings: InferJobConfig) -> tuple[str, list[str]]:
     """(where they come from, the prompt texts) of the calibration: tree.calibration_questions'
     first turns, taken from each category in turn (a few prompts still cover every category),
     else the built-in prompts."""
-    t = settings.tree
+    t = resolve_search(settings.tree)
     if t.calibration_questions:
         by_category: dict[str, list[str]] = {}
         for q in read_questions(t.calibration_questions):
@@ -550,9 +559,24 @@ def store_default_tree(head, head_dir: Path, paths: list[list[int]], calibration
 def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> TreeConfig:
     """Measure, choose, (store), and return the chosen tree as a TreeConfig: static, or dynamic
     when a floored dynamic tree is expected to be faster (its `paths` are still the best static
-    tree, the one stored as the head's default_tree)."""
-    t = settings.tree
+    tree, the one stored as the head's default_tree).
+
+    The search (SEARCH_DEFAULTS' keys) is the one the head's existing calibration made
+    (bench.trees.existing_calibration, search_space) wherever the settings leave a key None."""
     target, head = session.target, session.head
+    kernels = getattr(session, "layouts", None) is not None
+    head_dir = Path(session.head_dir) if session.head_dir is not None else None
+    before = existing_calibration(head, head_dir, target, kernels)
+    recorded = search_space(before[2]) if before is not None else {}
+    taken = {k: v for k, v in recorded.items() if getattr(settings.tree, k) is None}
+    if taken:
+        out.write(
+            f"tree=auto searches as {before[0]} did: "
+            + ", ".join(f"tree.{k}={v}" for k, v in taken.items())
+            + " (give a key to search otherwise)\n"
+        )
+    settings = dataclasses.replace(settings, tree=resolve_search(settings.tree, recorded))
+    t = settings.tree
     limit = head.max_draft_depth(head.spec)
     depth = min(t.depth, limit) if limit is not None else t.depth
     source, texts = calibration_texts(settings)
@@ -647,11 +671,11 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     rule = calibrate_adaptive_rule(settings, prompts, contexts, vectors, top_probs, rows, target_s, hybrid, out)
     if rule is not None:
         hybrid["rule"] = rule
-    kernels = getattr(session, "layouts", None) is not None
     record = {
         "calibrated_at": utc_now(),  # a cached tree older than the head's own calibration is not used
         "prompts": prompts_record(source, texts),
         "tokens": t.calibration_tokens,
+        "search": {k: getattr(t, k) for k in SEARCH_DEFAULTS},  # what a later tree=auto searches again
         "positions": n_pos,
         "depth": depth,
         "top_k": t.top_k,
@@ -679,7 +703,6 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     # what tree=default drafts: the static tree (default_tree, also what engines export) or this dynamic one
     record["policy"] = "dynamic" if use_dynamic else "static"
     head.calibration = record
-    head_dir = Path(session.head_dir) if session.head_dir is not None else None
     if t.save == "head" and head_dir is not None:
         if store_default_tree(head, head_dir, best["paths"], record):
             out.write(f"stored as the default tree of {head_dir} (tree.save=head)\n")

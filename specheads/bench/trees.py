@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import torch
 
 from ..atomic import write_json
+from ..config.infer import SEARCH_DEFAULTS
 from ..decode.policy import stored_dynamic
 from ..heads.io import CONFIG_NAME, draft_precision
 from ..kernels.linear_layout import cpu_model
@@ -152,6 +153,43 @@ def use_cached_tree(head, head_dir: str | Path, target, kernels: bool, out: Text
         f"({tree}, {path}; tree=auto calibrates again)\n"
     )
     return True
+
+
+def existing_calibration(head, head_dir: str | Path | None, target, kernels: bool) -> tuple[str, list, dict] | None:
+    """The calibration a new tree=auto is weighed against and whose search it repeats, as
+    tree=default would find it: this machine's cached one for the head unless it is older than the
+    head's own, else the head's own (config.json's calibration with its default_tree). (where it
+    is, its default_tree, its record), or None."""
+    own = getattr(head, "calibration", None)
+    if head_dir is not None and (Path(head_dir) / CONFIG_NAME).is_file():
+        path = cache_path(head_dir, target, kernels, draft_precision(head))
+        stored = read_cache(path)
+        if stored is not None and stored.get("calibration") and not older_than(stored["calibration"], own):
+            return f"this machine's cached calibration ({path})", stored["default_tree"], stored["calibration"]
+    if own and getattr(head, "default_tree", None):
+        return f"the calibration in {Path(head_dir) / CONFIG_NAME if head_dir else 'the head'}", head.default_tree, own
+    return None
+
+
+def search_space(calibration: dict | None) -> dict[str, Any]:
+    """What a calibration searched, as the tree.* keys of config.infer.SEARCH_DEFAULTS: its
+    `search` record, else (a record from before it) what every record says: its depth, top_k,
+    max_nodes, tokens and prompt count, and dynamic trees weighed when it has a `dynamic` record
+    (a `policy` without one: off)."""
+    if not calibration:
+        return {}
+    search = calibration.get("search")
+    if isinstance(search, dict):
+        return {k: v for k, v in search.items() if k in SEARCH_DEFAULTS and v is not None}
+    derived = {
+        "depth": calibration.get("depth"),
+        "top_k": calibration.get("top_k"),
+        "max_nodes": calibration.get("max_nodes"),
+        "calibration_tokens": calibration.get("tokens"),
+        "calibration_prompts": (calibration.get("prompts") or {}).get("count"),
+        "dynamic": "weigh" if "dynamic" in calibration else "off" if "policy" in calibration else None,
+    }
+    return {k: v for k, v in derived.items() if v is not None}
 
 
 def prompts_record(source: str, texts: Sequence[str]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ passes it on as `head_path` before Hydra composes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +44,10 @@ class TreeConfig:
     # auto: calibrate on this machine (target cost per tree size x head acceptance per rank)
     kind: str = "default"
     paths: list[Any] | None = None  # static: rank paths, Medusa's `choices` format ([[0],[1],[0,0]])
-    depth: int = 5  # levels drafted (chain: tokens; auto: the deepest path considered)
-    top_k: int = 8  # dynamic: children expanded per node (auto: the widest rank considered)
+    # levels drafted (chain: tokens; auto: the deepest path considered); None: 5, and for tree=auto
+    # the depth the head's calibration searched (like every key of its search: see SEARCH_DEFAULTS)
+    depth: int | None = None
+    top_k: int | None = None  # dynamic: children expanded per node (auto: the widest rank considered); None: 8
     total_tokens: int = 32  # dynamic: nodes kept and verified (the root is extra)
     # a static tree's next level is drafted only while a path into it has at least this probability
     # under the head (0: every level, every step); None: the value calibrated with the head's tree
@@ -53,13 +56,17 @@ class TreeConfig:
     min_path_prob: float | None = None
     # auto calibration
     calibration_questions: str | None = None  # question.jsonl; None = built-in prompts
-    calibration_prompts: int = 8  # auto: prompts the head's acceptance is measured on
-    calibration_tokens: int = 48  # auto: tokens answered per calibration prompt
-    max_nodes: int = 64  # auto: the largest tree (and target forward) timed
+    # auto: prompts the head's acceptance is measured on. tree=auto's search (this key, depth, top_k,
+    # max_nodes, dynamic, calibration_tokens): a key left None takes what the head's calibration
+    # searched (this machine's cached one, else config.json's), else its SEARCH_DEFAULTS value (here 8)
+    calibration_prompts: int | None = None
+    calibration_tokens: int | None = None  # auto: tokens answered per calibration prompt; None: 48
+    max_nodes: int | None = None  # auto: the largest tree (and target forward) timed; None: 64
     # tree=auto and EAGLE-2 dynamic trees with a floor (bench/dynamic_trees.py): weigh = choose one
     # when it is expected to be faster than the static tree; off = static trees only; only = the
-    # best dynamic tree (top_k up to tree.top_k). The static tree is stored either way (engines export it)
-    dynamic: str = "weigh"
+    # best dynamic tree (top_k up to tree.top_k). The static tree is stored either way (engines
+    # export it). None: weigh
+    dynamic: str | None = None
     # hybrid (the head's tree + what followed the text's last n-gram earlier in the prompt and
     # answer, one tree): the longest n-gram matched (shorter ones after it) and the text nodes per
     # step (None: the calibrated share, else 8); hybrid_paths is the head's part of the hybrid
@@ -92,6 +99,31 @@ class TreeConfig:
     # head here; the head directory keeps the tree it came with); head = the head directory's own
     # default tree (config.json rewritten: for a head you just trained); none = this run only
     save: str = "cache"
+
+
+# tree=auto's search (and tree=dynamic/chain's depth and top_k) where neither the command line nor
+# the head's calibration record sets a key
+SEARCH_DEFAULTS: dict[str, Any] = {
+    "depth": 5,
+    "top_k": 8,
+    "max_nodes": 64,
+    "dynamic": "weigh",
+    "calibration_prompts": 8,
+    "calibration_tokens": 48,
+}
+
+
+def resolve_search(tree: TreeConfig, recorded: dict[str, Any] | None = None) -> TreeConfig:
+    """The tree settings with every search key left None filled: from `recorded` (what a head's
+    calibration searched, bench.trees.search_space: tree=auto searches it again), else from
+    SEARCH_DEFAULTS. The one place these keys are resolved; a key given explicitly is kept."""
+    recorded = recorded or {}
+    fill = {
+        k: recorded[k] if recorded.get(k) is not None else default
+        for k, default in SEARCH_DEFAULTS.items()
+        if getattr(tree, k) is None
+    }
+    return dataclasses.replace(tree, **fill) if fill else tree
 
 
 @dataclass
@@ -228,7 +260,7 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     if t.kind not in TREE_KINDS:
         raise SpecHeadsError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {t.kind!r}")
     for name in ("depth", "top_k", "total_tokens", "max_nodes", "calibration_prompts", "calibration_tokens"):
-        if getattr(t, name) < 1:
+        if getattr(t, name) is not None and getattr(t, name) < 1:  # None: resolve_search
             raise SpecHeadsError(f"tree.{name} must be >= 1, got {getattr(t, name)}")
     if t.ngram_max < 1 or (t.ngram_nodes is not None and t.ngram_nodes < 0):
         raise SpecHeadsError(f"need tree.ngram_max >= 1 and tree.ngram_nodes >= 0, got {t.ngram_max}, {t.ngram_nodes}")
@@ -247,7 +279,7 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError(
             f"need 1 <= tree.text_alone_ngram <= {trigger[0]} ({trigger[1]}), got {t.text_alone_ngram}"
         )
-    if t.dynamic not in TREE_DYNAMIC:
+    if t.dynamic is not None and t.dynamic not in TREE_DYNAMIC:
         raise SpecHeadsError(f"tree.dynamic must be one of {', '.join(TREE_DYNAMIC)}, got {t.dynamic!r}")
     # true / false: the values of the boolean this key was before
     t.save = {"true": "cache", "false": "none"}.get(str(t.save).lower(), str(t.save))

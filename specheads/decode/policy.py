@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config.infer import TreeConfig
+from ..config.infer import TreeConfig, resolve_search
 from ..errors import SpecHeadsError
 from .hybrid_rule import RuleParams
 from .tree import StaticTree, chain_paths, static_tree
@@ -60,6 +60,7 @@ def fallback_policy(head, tree: TreeConfig) -> TreePolicy:
     draft and completed by the top-1 chain to that depth; else a dynamic tree. Either is gated by
     tree.min_path_prob as any other tree is."""
     gate = tree.min_path_prob or 0.0
+    tree = resolve_search(tree)  # depth and top_k left None: their defaults
     if head.fallback_tree is None:
         return DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, gate)
     limit = head.max_draft_depth(head.spec)
@@ -92,6 +93,7 @@ def min_path_prob_for(head, tree: TreeConfig) -> float:
 def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
     """The tree to draft: tree.kind, or for `default` the head's calibrated dynamic tree or stored
     tree, else a family default."""
+    tree = resolve_search(tree)  # depth and top_k left None: their defaults
     kind = tree.kind
     gate = min_path_prob_for(head, tree)
     if kind == "static":

@@ -441,6 +441,46 @@ def test_the_hybrid_split_is_scored_stored_and_drafted_under_one_gate(tmp_path, 
     assert default.head.min_path_prob == 0.2 and default.head.paths == static_tree(hybrid["paths"]).paths
 
 
+def with_calibration(head_dir, paths, record):
+    """The head directory as tree=auto tree.save=head would leave it: config.json with this tree and record."""
+    config = json.loads((head_dir / "config.json").read_text())
+    (head_dir / "config.json").write_text(json.dumps({**config, "default_tree": paths, "calibration": record}))
+    return head_dir
+
+
+def test_a_recalibration_searches_what_the_existing_calibration_searched_unless_told(
+    tmp_path, monkeypatch, tiny_target, sequences
+):
+    """tree=auto with its search keys left None searches what the head's calibration recorded
+    (its `search`), and records that search again; a key given explicitly is searched instead."""
+    fixed_costs(monkeypatch)
+    head_dir = save_head(quick_head(tiny_target, "eagle3", sequences, steps=30), tmp_path / "head")
+    search = {
+        "depth": 2,
+        "top_k": 2,
+        "max_nodes": 4,
+        "dynamic": "off",
+        "calibration_prompts": 3,
+        "calibration_tokens": 12,
+    }
+    with_calibration(head_dir, [[0]], {"search": search, "nodes": 1, "positions": 1, "policy": "static"})
+
+    def recalibrate(**given):
+        head = load_head(head_dir, tiny_target)
+        settings = InferJobConfig(head_path=str(head_dir), tree=TreeConfig(kind="auto", save="none", **given))
+        out = io.StringIO()
+        calibrate_tree(settings, Session(tiny_target, head, head_dir, {}), out=out)
+        return head.calibration, out.getvalue()
+
+    record, out = recalibrate()
+    assert record["search"] == search and "tree=auto searches as the calibration in" in out
+    assert (record["prompts"]["count"], record["tokens"], record["depth"], record["top_k"]) == (3, 12, 2, 2)
+    assert record["nodes"] <= 4 and "dynamic" not in record and "dynamic trees" not in out
+    record, out = recalibrate(calibration_tokens=8, calibration_prompts=2, dynamic="weigh")
+    assert record["search"] == {**search, "calibration_tokens": 8, "calibration_prompts": 2, "dynamic": "weigh"}
+    assert record["tokens"] == 8 and record["prompts"]["count"] == 2 and "dynamic" in record
+
+
 def test_calibrating_an_existing_head_leaves_it_as_shipped_and_caches_the_tree(
     tmp_path, monkeypatch, tiny_target, sequences
 ):

@@ -11,8 +11,8 @@ from conftest import write_questions
 from specheads.bench.questions import read_questions
 from specheads.bench.runner import run_benchmark
 from specheads.bench.session import Session
-from specheads.bench.trees import head_digest, overlap, prompt_digest, prompts_record, warn_overlap
-from specheads.config.infer import BenchConfig, InferJobConfig, TreeConfig
+from specheads.bench.trees import head_digest, overlap, prompt_digest, prompts_record, search_space, warn_overlap
+from specheads.config.infer import SEARCH_DEFAULTS, BenchConfig, InferJobConfig, TreeConfig, resolve_search
 from specheads.config.train import HeadConfig
 from specheads.heads import build_head, save_head
 
@@ -73,3 +73,35 @@ def test_the_benchmark_warns_when_a_heads_tree_was_calibrated_on_its_questions(t
     head.calibration = {"prompts": prompts_record("q.jsonl", texts[:2])}
     run_benchmark(settings, Session(tiny_target, head, None, {}), out=io.StringIO())
     assert "warning: spec's tree was calibrated on 2 of the 3 questions" in capsys.readouterr().err
+
+
+def test_the_search_a_calibration_made_is_read_from_its_record():
+    """search_space: a record's `search` as it is; a record from before it (the shipped head's)
+    derived from its depth, top_k, max_nodes, tokens, prompt count and dynamic record; resolve_search
+    fills only the keys left None."""
+    search = {
+        "depth": 3,
+        "top_k": 2,
+        "max_nodes": 16,
+        "dynamic": "off",
+        "calibration_prompts": 24,
+        "calibration_tokens": 96,
+    }
+    assert search_space({"search": search, "depth": 2, "tokens": 128}) == search
+    old = {"prompts": {"count": 16}, "tokens": 128, "depth": 2, "top_k": 3, "max_nodes": 64, "policy": "dynamic"}
+    derived = {"depth": 2, "top_k": 3, "max_nodes": 64, "calibration_tokens": 128, "calibration_prompts": 16}
+    assert search_space({**old, "dynamic": {"depth": 2}}) == {**derived, "dynamic": "weigh"}
+    assert search_space({**old, "policy": "static"}) == {**derived, "dynamic": "off"}  # weighed none
+    assert search_space({"nodes": 4}) == {} and search_space(None) == {}
+    resolved = resolve_search(TreeConfig(kind="auto", depth=4, dynamic="only"), search)
+    assert (resolved.depth, resolved.dynamic) == (4, "only")  # given: kept
+    assert (resolved.top_k, resolved.max_nodes, resolved.calibration_prompts, resolved.calibration_tokens) == (
+        2,
+        16,
+        24,
+        96,
+    )
+    assert (
+        resolve_search(TreeConfig(kind="auto"), {"depth": 2}).calibration_tokens
+        == SEARCH_DEFAULTS["calibration_tokens"]
+    )

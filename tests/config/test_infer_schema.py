@@ -2,14 +2,17 @@
 default, never the head directory unless asked); the old boolean values still read. bench.trees
 entries read as the tree settings they name, or are refused with the forms they take."""
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from specheads.bench.trees import search_space
 from specheads.config import register_configs, typed
-from specheads.config.infer import parse_tree_spec, validate
+from specheads.config.infer import SEARCH_DEFAULTS, parse_tree_spec, resolve_search, validate
 from specheads.errors import SpecHeadsError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -49,10 +52,31 @@ def test_a_bad_tree_save_is_one_line(hydra_conf):
 
 
 def test_tree_dynamic_weighs_dynamic_trees_unless_told(hydra_conf):
-    assert settings("tree=auto").tree.dynamic == "weigh"
+    assert resolve_search(settings("tree=auto").tree).dynamic == "weigh"
     assert settings("tree=auto", "tree.dynamic=only").tree.dynamic == "only"
     with pytest.raises(SpecHeadsError, match="tree.dynamic must be one of weigh, off, only, got 'yes'"):
         settings("tree=auto", "tree.dynamic=yes")
+
+
+def test_tree_auto_leaves_its_search_to_the_heads_record_unless_told(hydra_conf):
+    """tree=auto composes with every search key None (the head's recorded search, else
+    SEARCH_DEFAULTS); one given on the command line stays as given; README's command on the shipped
+    head searches what its calibration searched (16 prompts of 128 tokens, depth 2, top_k 3)."""
+    tree = settings("tree=auto").tree
+    assert all(getattr(tree, k) is None for k in SEARCH_DEFAULTS)
+    assert settings("tree=auto", "tree.calibration_tokens=32").tree.calibration_tokens == 32
+    shipped = json.loads((CONF.parent / "heads" / "smollm2-135m-eagle3" / "config.json").read_text())["calibration"]
+    searched = resolve_search(tree, search_space(shipped))
+    assert (searched.calibration_prompts, searched.calibration_tokens, searched.depth, searched.top_k) == (
+        16,
+        128,
+        2,
+        3,
+    )
+    assert (searched.max_nodes, searched.dynamic) == (64, "weigh")
+    assert resolve_search(tree) == dataclasses.replace(tree, **SEARCH_DEFAULTS)
+    # the other kinds keep their sizes
+    assert settings("tree=dynamic").tree.depth == 5 and settings("tree=chain").tree.depth == 4
 
 
 def test_allow_target_mismatch_is_off_unless_asked(hydra_conf):
