@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from specheads.decode.drafters import HybridDrafter
 from specheads.decode.policy import DynamicTreeSpec
 from specheads.decode.tree import chain_paths, full_paths, static_tree
 
@@ -225,3 +226,18 @@ def assert_first_two_tokens_follow(counts, p1, p2, n):
     exp.append(rest_e)
     exp = [e * sum(obs) / sum(exp) for e in exp]
     assert chisquare(obs, exp).pvalue > 0.01
+
+
+class PlantedText(HybridDrafter):
+    """A hybrid drafter whose text starts with `planted` (e.g. the prompt and the reference answer,
+    some of its tokens changed) before the real prompt: the text's repeats are found there with the
+    true continuation after them, so text nodes get accepted (and rejected) at random places."""
+
+    def __init__(self, inner, policy, planted):
+        super().__init__(inner, policy)
+        self.planted = planted
+
+    def start(self, prompt_ids, states, root):
+        super().start(prompt_ids, states, root)
+        self.index.start_request(self.planted + prompt_ids[0].tolist())
+        self.index.extend([int(root)])

@@ -449,36 +449,38 @@ def calibrate_adaptive_rule(
     settings: InferJobConfig, prompts, contexts, vectors, top_probs, rows, target_s, fixed: dict, out
 ) -> dict | None:
     """Step 6: the adaptive hybrid rule (decode/hybrid_rule.py) over the suffix source, fitted on
-    the same answers (bench/hybrid_fit.py) with the head's best tree under its gate as the head's
-    part; its record (the hybrid record's "rule") when it is expected faster than the fixed split,
-    else None (one line says so)."""
+    the same answers (bench/hybrid_fit.py) for each of the head's trees (under its gate) and for
+    no head, the fastest kept; its record (the hybrid record's "rule") when it is expected faster
+    than the fixed split, else None (one line says so)."""
     t = settings.tree
-    best = max(rows, key=lambda r: r["tokens_per_s"])
-    paths = frozenset(tuple(p) for p in best["paths"])
-    depth = max(len(p) for p in paths)
-    head_acc = [
-        min(accepted_length(v, paths, depth), gated_depth(top, depth, best["min_path_prob"]))
-        for v, top in zip(vectors, top_probs)
-    ]
-    sizes = range(1, max(max(target_s), best["nodes"] + 2) + 1)
-    verify_ms = [1e3 * interpolate(target_s, n) for n in sizes if n <= max(target_s)]
-    params, sim = calibrate_rule(prompts, contexts, head_acc, best, verify_ms, t.suffix_match, t.suffix_history)
+    heads = []
+    for row in rows:
+        paths = frozenset(tuple(p) for p in row["paths"])
+        depth = max(len(p) for p in paths)
+        accepted = [
+            min(accepted_length(v, paths, depth), gated_depth(top, depth, row["min_path_prob"]))
+            for v, top in zip(vectors, top_probs)
+        ]
+        heads.append((row, accepted))
+    verify_ms = [1e3 * interpolate(target_s, n) for n in range(1, max(target_s) + 1)]
+    tree, params, sim = calibrate_rule(prompts, contexts, heads, verify_ms, t.suffix_match, t.suffix_history)
     plain = 1 / target_s[1]
     speedup = sim["tokens_per_s"] / plain
     total = sum(sim["choices"].values()) or 1
     shares = ", ".join(f"{k} {n / total:.0%}" for k, n in sorted(sim["choices"].items()))
     keep = speedup > fixed["expected_speedup"]
+    head = f"{tree['nodes']} head nodes or none" if tree else "no head"
     out.write(
-        f"hybrid, adaptive per step ({best['nodes']} head nodes or none, suffix source): tau {sim['tau']:.2f}, "
-        f"expected speedup {speedup:.2f}x against the fixed split's {fixed['expected_speedup']:.2f}x "
-        f"(steps: {shares}){'' if keep else ': the fixed split is kept'}\n"
+        f"hybrid, adaptive per step ({head}, suffix source): tau {sim['tau']:.2f}, expected speedup "
+        f"{speedup:.2f}x against the fixed split's {fixed['expected_speedup']:.2f}x (steps: {shares})"
+        f"{'' if keep else ': the fixed split is kept'}\n"
     )
     if not keep:
         return None
     return {
         **params.to_record(),
-        "paths": best["paths"],
-        "min_path_prob": best["min_path_prob"],
+        "paths": tree["paths"] if tree else [],
+        "min_path_prob": tree["min_path_prob"] if tree else 0.0,
         "tau": round(sim["tau"], 4),
         "expected_speedup": round(speedup, 4),
         "choices": sim["choices"],

@@ -180,18 +180,25 @@ def per_answer(flat: Sequence, contexts: Sequence[Sequence[int]], prompts: Seque
 def calibrate_rule(
     prompts: Sequence[Sequence[int]],
     contexts: Sequence[Sequence[int]],
-    head_accepted: Sequence[int],
-    head: dict,
+    heads: Sequence[tuple[dict, Sequence[int]]],
     verify_ms: Sequence[float],
     suffix_match: int,
     history_tokens: int,
-    has_head: bool = True,
-) -> tuple[RuleParams, dict]:
-    """The adaptive rule fitted on the calibration answers, and its simulated tau and tokens/s.
+) -> tuple[dict | None, RuleParams, dict]:
+    """The adaptive rule fitted on the calibration answers for each candidate head tree and for
+    none, and the one with the most simulated tokens per second: (its head tree or None, its
+    parameters, its simulation).
 
-    head_accepted: the head's accepted drafts at every position (rank_vectors' order) with the tree
-    `head` ({"nodes", "draft_ms"}) under its gate; verify_ms[n - 1]: a forward of n query tokens."""
+    heads: (tree, accepted drafts at every position in rank_vectors' order) per candidate, the tree
+    as {"nodes", "draft_ms"} under its gate; verify_ms[n - 1]: a forward of n query tokens."""
     drafts, text_acc, lookup_s = text_positions(prompts, contexts, suffix_match, history_tokens)
-    heads = per_answer(head_accepted, contexts, prompts) if has_head else [[0] * len(d) for d in drafts]
-    params = fit_rule(drafts, text_acc, heads, verify_ms, head["draft_ms"], head["nodes"], 1e3 * lookup_s)
-    return params, simulate(params, drafts, text_acc, heads, has_head)
+    none = [[0] * len(d) for d in drafts]
+    params = fit_rule(drafts, text_acc, none, verify_ms, 0.0, 0, 1e3 * lookup_s)
+    best = (None, params, simulate(params, drafts, text_acc, none, has_head=False))
+    for tree, accepted in heads:
+        per = per_answer(accepted, contexts, prompts)
+        params = fit_rule(drafts, text_acc, per, verify_ms, tree["draft_ms"], tree["nodes"], 1e3 * lookup_s)
+        sim = simulate(params, drafts, text_acc, per)
+        if sim["tokens_per_s"] > best[2]["tokens_per_s"]:
+            best = (tree, params, sim)
+    return best

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fails_for_some_seed, quick_head  # noqa: E402  (the quick overfitting helper)
+from conftest import PlantedText, fails_for_some_seed, quick_head  # noqa: E402  (the quick overfitting helper)
 
 from specheads.bench.calibrate import (
     BUILTIN_COPY_HEAVY,
@@ -30,7 +30,7 @@ from specheads.bench.session import Session
 from specheads.bench.trees import cache_path, overlap, prompt_digest, prompts_record, store_in_cache, use_cached_tree
 from specheads.config.infer import InferJobConfig, TreeConfig
 from specheads.decode.baselines import PlainDrafter
-from specheads.decode.drafters import HybridDrafter, make_drafter
+from specheads.decode.drafters import make_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import HybridPolicy, hybrid_policy_for, policy_depth, tree_policy_for
 from specheads.decode.tree import static_tree
@@ -120,18 +120,6 @@ def test_gate_choice_counts_each_position_at_the_depth_its_gate_allows():
     assert [gated_depth(t, 3, 0.5) for t in tops] == [3, 2, 1, 2]
     assert gated["tau"] == pytest.approx((4 + 3 + 2 + 2) / 4)  # nothing lost: the cut drafts were wrong
     assert gated["tokens_per_s"] == pytest.approx(11 / ((1.4 + 0.3) + 2 * (1.3 + 0.2) + (1.2 + 0.1)))
-
-
-class PlantedText(HybridDrafter):
-    """A hybrid drafter whose text starts with `planted`: the text's n-grams are found there."""
-
-    def __init__(self, inner, policy, planted):
-        super().__init__(inner, policy)
-        self.planted = planted
-
-    def start(self, prompt_ids, states, root):
-        super().start(prompt_ids, states, root)
-        self.text = self.planted + self.text
 
 
 @pytest.mark.parametrize("family", ["eagle3", "medusa"])

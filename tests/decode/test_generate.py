@@ -7,7 +7,14 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import POLICIES, assert_first_two_tokens_follow, greedy_sequences, hf_greedy, quick_head
+from conftest import (
+    POLICIES,
+    PlantedText,
+    assert_first_two_tokens_follow,
+    greedy_sequences,
+    hf_greedy,
+    quick_head,
+)
 
 from specheads.bench.inputs import eos_token_ids
 from specheads.decode.baselines import PlainDrafter
@@ -441,21 +448,6 @@ def test_real_target_linear_kernels_match_greedy(kernel, smollm2_target):
         gqa_attention.uninstall(tgt.model)
     assert installed and res.output_ids == ref and res.tau > 2
     assert plain.output_ids == ref  # one row at a time on the kernel: the same greedy output
-
-
-class PlantedText(HybridDrafter):
-    """A hybrid drafter whose text starts with `planted` (the prompt and the reference answer,
-    some of its tokens changed) before the real prompt: the text's n-grams are found there with
-    the true continuation after them, so text nodes get accepted (and rejected) at random places."""
-
-    def __init__(self, inner, policy, planted):
-        super().__init__(inner, policy)
-        self.planted = planted
-
-    def start(self, prompt_ids, states, root):
-        super().start(prompt_ids, states, root)
-        self.index.start_request(self.planted + prompt_ids[0].tolist())
-        self.index.extend([int(root)])
 
 
 @pytest.mark.parametrize("drafts", ["random", *FAMILIES])
