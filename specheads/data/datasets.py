@@ -13,6 +13,7 @@ from ..errors import SpecHeadsError
 from .chat import tokenize_conversation
 from .decontaminate import decontaminate, resolve_eval_files
 from .formats import load_conversations
+from .packing import packed_layout
 from .repeats import answer_repeat_rate
 
 
@@ -105,6 +106,26 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         out["input_ids"][b, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
         out["attention_mask"][b, :n] = 1
         out["loss_mask"][b, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)
+    return out
+
+
+def collate_packed(packs: list[list[dict]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Packed rows, one per pack of conversations, right padded: input_ids, attention_mask and
+    loss_mask as collate's, plus each token's document (its conversation's place in the row, -1 on
+    padding) and position_ids restarting at 0 with every conversation (specheads.data.packing)."""
+    lengths = [[len(r["input_ids"]) for r in pack] for pack in packs]
+    width = max(sum(n) for n in lengths)
+    joined = [
+        {
+            "input_ids": [t for r in pack for t in r["input_ids"]],
+            "loss_mask": [m for r in pack for m in r["loss_mask"]],
+        }
+        for pack in packs
+    ]
+    out = collate(joined, pad_id)
+    layouts = [packed_layout(n, width) for n in lengths]
+    out["document"] = torch.stack([d for d, _ in layouts])
+    out["position_ids"] = torch.stack([p for _, p in layouts])
     return out
 
 

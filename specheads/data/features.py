@@ -33,6 +33,7 @@ from ..distributed import all_gather_objects, broadcast_object, process_rank
 from ..errors import SpecHeadsError
 from ..target import FLOAT_DTYPES, LAYER_CONVENTION, FrozenTarget
 from .datasets import row_lengths
+from .packing import packed_layout
 
 INDEX_NAME = "index.json"
 PLAN_NAME = "plan.json"  # in an unfinished cache only: what its shards belong to
@@ -383,6 +384,27 @@ def collate_features(rows: list[FeatureRow], pad_id: int, dtype: torch.dtype) ->
         for k, v in r.states.items():
             states[k][i, :n] = v.to(dtype)
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}, states
+
+
+def collate_features_packed(packs: list[list[FeatureRow]], pad_id: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Packed rows of cached conversations (specheads.data.packing): each pack's rows and states
+    joined end to end, then padded as collate_features pads, with document and position_ids as
+    collate_packed gives them. The states were cached one conversation at a time, so they are what
+    a packed target forward that keeps the conversations apart computes."""
+    joined = [
+        FeatureRow(
+            torch.cat([r.input_ids for r in pack]),
+            torch.cat([r.loss_mask for r in pack]),
+            {k: torch.cat([r.states[k] for r in pack]) for k in pack[0].states},
+        )
+        for pack in packs
+    ]
+    batch, states = collate_features(joined, pad_id, dtype)
+    width = batch["input_ids"].shape[1]
+    layouts = [packed_layout([r.input_ids.numel() for r in pack], width) for pack in packs]
+    batch["document"] = torch.stack([d for d, _ in layouts])
+    batch["position_ids"] = torch.stack([p for _, p in layouts])
+    return batch, states
 
 
 def split_dir(directory, split: str) -> Path:
