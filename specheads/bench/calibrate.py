@@ -389,8 +389,70 @@ def hybrid_choice(
     return out
 
 
+def with_sizes(target, context: Sequence[int], target_s: dict[int, float], sizes) -> dict[int, float]:
+    """target_s with the verification forwards of `sizes` it lacks timed too (two timing runs merged:
+    more tokens still never cost less)."""
+    missing = sorted(set(sizes) - set(target_s))
+    if not missing:
+        return target_s
+    merged = {**target_s, **time_target(target, context, missing)}
+    running = 0.0
+    for n in sorted(merged):
+        running = merged[n] = max(merged[n], running)
+    return merged
+
+
+def time_lookup(context: Sequence[int], ngram_max: int, nodes: int, repeats: int = 5) -> float:
+    """Seconds the text drafter spends finding up to `nodes` continuations in this text."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        text_continuations(context, ngram_max, nodes, nodes)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def score_hybrid_setting(
+    prompts, contexts, vectors, top_probs, hybrid: dict, gate: float, target_s, lookup_s, draft_by_depth
+) -> dict | None:
+    """One hybrid setting (a calibration record's "hybrid": the head's paths under `gate`, its text
+    nodes, n-gram length and text-alone rule) scored by hybrid_choice on these positions and costs
+    (target_s covering its sizes; lookup_s: the text drafter's seconds at its n-gram length), as
+    calibrate_hybrid scores the new ones; None when it drafts nothing."""
+    paths = [list(p) for p in hybrid.get("paths") or []]
+    g, ngram_max = int(hybrid.get("ngram_nodes") or 0), int(hybrid.get("ngram_max") or 3)
+    size, trigger = int(hybrid.get("text_alone") or 0), int(hybrid.get("text_alone_ngram") or ngram_max)
+    if not paths and not g:
+        return None
+    nodes = max(max(TEXT_NODES), g, size)  # as calibrate_hybrid lists them
+    text, alone = [], []
+    for ids, full in zip(prompts, contexts):
+        text += text_acceptance(full, len(ids), ngram_max, nodes)
+        if size:
+            alone += text_acceptance(full, len(ids), ngram_max, nodes, min_ngram=trigger)
+    head = []
+    if paths:
+        draft_s = draft_by_depth(paths)
+        head = [{"nodes": len(paths), "paths": paths, "min_path_prob": gate, "draft_s": draft_s}]
+        head[0]["draft_ms"] = 1e3 * draft_s[max(draft_s)]
+    rows = hybrid_choice(
+        vectors,
+        text,
+        head,
+        target_s,
+        lookup_s,
+        {trigger: alone} if size else {},
+        [size] if size else [],
+        top_probs,
+        (g,),
+    )
+    rule = (size, trigger) if size and paths else (0, 0)
+    found = [r for r in rows if r["head_nodes"] == len(paths) and (r["text_alone"], r["text_alone_ngram"]) == rule]
+    return found[0] if found else None
+
+
 def calibrate_hybrid(
-    target, settings: InferJobConfig, prompts, contexts, vectors, top_probs, rows, target_s, out
+    target, settings: InferJobConfig, prompts, contexts, vectors, top_probs, rows, target_s, out, lookup_s=None
 ) -> dict:
     """Step 4 of the module's recipe: the best split of a hybrid tree between head and text, and
     the text-alone rule (tree.text_alone and tree.text_alone_ngram when given, else every rule).
@@ -410,19 +472,10 @@ def calibrate_hybrid(
     if sizes and 1 in triggers:
         alone[1] = text
     longest = max(r["nodes"] for r in rows) + top + 1
-    missing = sorted(({n for n in SIZES if n <= longest} | {longest}) - set(target_s))
     context = max(contexts, key=len)
-    if missing:
-        target_s = {**target_s, **time_target(target, context, missing)}
-        running = 0.0
-        for n in sorted(target_s):  # two timing runs merged: more tokens still never cost less
-            running = target_s[n] = max(target_s[n], running)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        text_continuations(context, t.ngram_max, top, top)
-        times.append(time.perf_counter() - t0)
-    scored = hybrid_choice(vectors, text, rows, target_s, min(times), alone, sizes, top_probs)
+    target_s = with_sizes(target, context, target_s, {n for n in SIZES if n <= longest} | {longest})
+    lookup_s = time_lookup(context, t.ngram_max, top) if lookup_s is None else lookup_s
+    scored = hybrid_choice(vectors, text, rows, target_s, lookup_s, alone, sizes, top_probs)
     best = max(scored, key=lambda r: r["tokens_per_s"])
     plain = 1 / target_s[1]
     head_best = max(r["tokens_per_s"] for r in rows)
@@ -488,24 +541,41 @@ def calibrate_adaptive_rule(
 
 
 def calibrate_dynamic(
-    target, head, prompts, contexts, depth: int, top_k: int, gates, target_s, prompt, out
-) -> dict | None:
+    target, head, prompts, contexts, depth: int, top_k: int, gates, target_s, prompt, out, search=True, existing=None
+) -> tuple[dict | None, dict | None]:
     """The floored dynamic tree (bench/dynamic_trees.py) with the most expected tokens per second
-    on the calibration answers (depth and top_k at most those given), with its drafting time;
-    None when no answer has two tokens."""
+    on the calibration answers (depth and top_k at most those given), with its drafting time (None
+    when no answer has two tokens, or search is False: tree.dynamic=off); and `existing` (a
+    calibration record's dynamic tree: depth, top_k, total_tokens, min_path_prob) scored on the
+    same growths (None without it)."""
     depth = min(depth, MAX_DEPTH)
-    widths = [k for k in TOP_K if k <= top_k] or [top_k]
+    searched = ([k for k in TOP_K if k <= top_k] or [top_k]) if search else []
+    widths = sorted(set(searched) | ({int(existing["top_k"])} if existing else set()))
+    grown_depth = max(depth if search else 0, int(existing["depth"]) if existing else 0)
+    if not widths:
+        return None, None
     growths: dict[int, list] = {k: [] for k in widths}
     answered = [(ids, full) for ids, full in zip(prompts, contexts) if len(full) - len(ids) >= 2]
     for ids, full in tqdm(answered, desc="calibration: dynamic trees", unit="prompt", file=sys.stderr):
-        for k, grown in grow_along(target, head, full, len(ids), widths, depth).items():
+        for k, grown in grow_along(target, head, full, len(ids), widths, grown_depth).items():
             growths[k] += grown
     if not any(growths.values()):
-        return None
+        return None, None
     draft_s = {
-        k: {d: time_draft(target, head, DynamicTreeSpec(d, k, 1), prompt) for d in range(1, depth + 1)} for k in widths
+        k: {d: time_draft(target, head, DynamicTreeSpec(d, k, 1), prompt) for d in range(1, grown_depth + 1)}
+        for k in widths
     }
-    verify_s = [interpolate(target_s, max(m, 1)) for m in range(max(NODES) + 2)]
+    most = max(max(NODES), int(existing["total_tokens"]) if existing else 0)
+    verify_s = [interpolate(target_s, max(m, 1)) for m in range(most + 2)]
+    before = None
+    if existing:
+        k, d = int(existing["top_k"]), int(existing["depth"])
+        spec = ([int(existing["total_tokens"])], [float(existing.get("min_path_prob") or 0.0)])
+        before = [r for r in dynamic_choice({k: growths[k]}, verify_s, draft_s, d, *spec) if r["depth"] == d][0]
+        before = {**before, "draft_ms": 1e3 * draft_s[k][d]}
+    if not search:
+        return None, before
+    growths = {k: growths[k] for k in searched}
     rows = dynamic_choice(growths, verify_s, draft_s, depth, NODES, gates)
     plain = 1 / target_s[1]
     out.write("dynamic trees, the best of each depth (draft ms: all levels drafted):\n")
@@ -517,7 +587,7 @@ def calibrate_dynamic(
             f"{1e3 * draft_s[r['top_k']][d]:>8.1f} {r['tokens_per_s']:>7.1f}  ({r['tokens_per_s'] / plain:.2f}x)\n"
         )
     best = max(rows, key=lambda r: r["tokens_per_s"])
-    return {**best, "draft_ms": 1e3 * draft_s[best["top_k"]][best["depth"]]}
+    return {**best, "draft_ms": 1e3 * draft_s[best["top_k"]][best["depth"]]}, before
 
 
 def calibration_texts(settings: InferJobConfig) -> tuple[str, list[str]]:
@@ -558,13 +628,52 @@ def store_default_tree(head, head_dir: Path, paths: list[list[int]], calibration
     return True
 
 
+def tree_config_from(t: TreeConfig, paths: list, record: dict) -> TreeConfig:
+    """The tree settings a calibration record has this run draft: its dynamic tree (policy dynamic)
+    or its static tree under its gate, with `paths` (its default_tree) and its hybrid split; a
+    tree.min_path_prob given explicitly stays."""
+    dynamic = record.get("dynamic") if record.get("policy") == "dynamic" else None
+    if dynamic:
+        chosen = {k: dynamic[k] for k in ("depth", "top_k", "total_tokens")} | {"kind": "dynamic"}
+        chosen["min_path_prob"] = float(dynamic.get("min_path_prob") or 0.0)
+    else:
+        chosen = {"kind": "static", "min_path_prob": float(record.get("min_path_prob") or 0.0)}
+    hybrid = record.get("hybrid") or {}
+    gate = float(hybrid.get("min_path_prob") or 0.0)
+    if t.min_path_prob is not None:
+        chosen["min_path_prob"] = gate = t.min_path_prob
+    return dataclasses.replace(
+        t,
+        **chosen,
+        paths=paths,  # the static tree stored as the head's default_tree, chosen or not
+        hybrid_paths=hybrid.get("paths"),
+        hybrid_min_path_prob=gate if hybrid.get("paths") is not None else None,
+        ngram_nodes=hybrid.get("ngram_nodes"),
+        text_alone=hybrid.get("text_alone") if t.text_alone is None else t.text_alone,
+        text_alone_ngram=hybrid.get("text_alone_ngram") if t.text_alone_ngram is None else t.text_alone_ngram,
+    )
+
+
+def keep_calibration(t: TreeConfig, head, before: tuple[str, list, dict], out: TextIO) -> TreeConfig:
+    """This run drafts with the calibration before (nothing stored)."""
+    _, paths, record = before
+    head.default_tree, head.calibration = paths, record
+    out.flush()
+    return tree_config_from(t, paths, record)
+
+
 def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> TreeConfig:
     """Measure, choose, (store), and return the chosen tree as a TreeConfig: static, or dynamic
     when a floored dynamic tree is expected to be faster (its `paths` are still the best static
     tree, the one stored as the head's default_tree).
 
     The search (SEARCH_DEFAULTS' keys) is the one the head's existing calibration made
-    (bench.trees.existing_calibration, search_space) wherever the settings leave a key None."""
+    (bench.trees.existing_calibration, search_space) wherever the settings leave a key None. A
+    re-calibration never makes things worse (tree.replace=if_faster): the calibration before is
+    scored on the positions and costs just measured, as the new choices are (its static tree
+    under its gate, its dynamic tree, its hybrid split), and the new one replaces only the parts
+    it is expected to be faster in (the tree tree=default drafts; the hybrid split); measured on
+    fewer positions than the calibration before, it changes nothing."""
     target, head = session.target, session.head
     kernels = getattr(session, "layouts", None) is not None
     head_dir = Path(session.head_dir) if session.head_dir is not None else None
@@ -579,26 +688,57 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         )
     settings = dataclasses.replace(settings, tree=resolve_search(settings.tree, recorded))
     t = settings.tree
+    # the calibration before, as this run would draft it (an explicit gate or text-alone rule wins)
+    weigh = before is not None and t.replace != "always"
+    old_paths, old = (before[1], before[2]) if weigh else (None, {})
+    old_gate = t.min_path_prob if t.min_path_prob is not None else float(old.get("min_path_prob") or 0.0)
+    old_dynamic = old.get("dynamic") if old.get("policy") == "dynamic" else None
+    if old_dynamic is not None and t.min_path_prob is not None:
+        old_dynamic = {**old_dynamic, "min_path_prob": t.min_path_prob}
+    old_hybrid = dict(old.get("hybrid") or {}) or None
+    if old_hybrid is not None:
+        old_hybrid["min_path_prob"] = (
+            t.min_path_prob if t.min_path_prob is not None else old_hybrid.get("min_path_prob")
+        )
+        old_hybrid.update({k: getattr(t, k) for k in ("text_alone", "text_alone_ngram") if getattr(t, k) is not None})
     limit = head.max_draft_depth(head.spec)
     depth = min(t.depth, limit) if limit is not None else t.depth
+    # ranks as deep as the trees before reach too (up to what the head drafts): they are scored as
+    # deep as they draft, the new trees on ranks cut to the searched depth
+    old_depths = [len(p) for p in [*(old_paths or []), *((old_hybrid or {}).get("paths") or [])]]
+    reach = max([depth, *(d for d in old_depths if limit is None or d <= limit)])
     source, texts = calibration_texts(settings)
     prompts = [encode_prompt(target.tokenizer, x, settings.system, settings.chat) for x in texts]
     if not prompts:
         raise SpecHeadsError("tree=auto needs at least one calibration prompt")
     cfg = sampling_config(settings, t.calibration_tokens, eos_token_ids(target))
     cfg.temperature = 0.0
-    vectors, contexts, top_probs = [], [], []
+    ranks, contexts, top_probs = [], [], []
     for ids in tqdm(prompts, desc="calibration: acceptance", unit="prompt", file=sys.stderr):
         answer = hf_generate(target, torch.tensor([ids], device=target.device), cfg)["output_ids"]
         contexts.append(ids + answer)
-        vectors += rank_vectors(target, head, ids + answer, len(ids), depth, top_probs)
-    if not vectors:
+        ranks += rank_vectors(target, head, ids + answer, len(ids), reach, top_probs)
+    if not ranks:
         raise SpecHeadsError("tree=auto: the calibration answers were empty")
-    freq = path_frequencies(vectors, t.top_k)
+    vectors = [v[:depth] for v in ranks] if reach > depth else ranks
     n_pos = len(vectors)
+    needed = int(old.get("positions") or 0)
+    if n_pos < needed:
+        out.write(
+            f"tree=auto: too few positions to decide: {n_pos} measured here, {before[0]} was measured on {needed}; "
+            f"raise tree.calibration_prompts (now {t.calibration_prompts}) or tree.calibration_tokens (now "
+            f"{t.calibration_tokens}) to measure at least {needed} (tree.replace=always replaces it regardless); "
+            "nothing changed, this run drafts with it\n"
+        )
+        return keep_calibration(t, head, before, out)
+    freq = path_frequencies(vectors, t.top_k)
     candidates = [n for n in SIZES if n <= min(t.max_nodes, len(freq))] or [1]
+    old_tree = static_tree([list(p) for p in old_paths]) if old_paths and max(map(len, old_paths)) <= reach else None
+    old_sizes = {pruned_tree(old_tree, d).size for d in range(1, old_tree.layout.max_depth + 1)} if old_tree else set()
+    if old_dynamic is not None:
+        old_sizes.add(int(old_dynamic["total_tokens"]) + 1)
     context = max(contexts, key=len)
-    target_s = time_target(target, context, [1] + [n + 1 for n in candidates])
+    target_s = time_target(target, context, sorted({1, *(n + 1 for n in candidates), *old_sizes}))
     prompt = context[: max(len(context) // 2, 1)]
     drafting: dict[tuple, float] = {}  # tree paths -> seconds of its drafting
 
@@ -608,13 +748,17 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             drafting[key] = time_draft(target, head, static_tree([list(p) for p in key]), prompt)
         return drafting[key]
 
+    def draft_by_depth(paths) -> dict[int, float]:
+        """Drafting cut at each depth: what a depth gate saves where it stops early."""
+        tree = static_tree([list(p) for p in paths])
+        return {d: draft_time(pruned_tree(tree, d).paths) for d in range(1, tree.layout.max_depth + 1)}
+
     gates = GATES if t.min_path_prob is None else (t.min_path_prob,)
     rows = []
     for n in tqdm(candidates, desc="calibration: draft cost", unit="tree", file=sys.stderr):
         paths = best_paths(freq, n)
         tree = static_tree(paths)
-        # drafting cut at each depth: what a depth gate saves where it stops early
-        draft_s = {d: draft_time(pruned_tree(tree, d).paths) for d in range(1, tree.layout.max_depth + 1)}
+        draft_s = draft_by_depth(paths)
         gated = max(gate_choice(vectors, top_probs, paths, target_s, draft_s, gates), key=lambda r: r["tokens_per_s"])
         rows.append(
             {
@@ -630,6 +774,12 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             }
         )
     best = max(rows, key=lambda r: r["tokens_per_s"])
+    # the static tree before under its gate, on the same positions and costs
+    old_static = (
+        gate_choice(ranks, top_probs, old_paths, target_s, draft_by_depth(old_paths), (old_gate,))[0]
+        if old_tree is not None
+        else None
+    )
     plain = 1 / target_s[1]
     out.write(
         f"tree calibration on {target.device} ({n_pos} positions, {len(prompts)} prompts); "
@@ -654,10 +804,23 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
             f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n"
         )
-    dynamic = (
-        calibrate_dynamic(target, head, prompts, contexts, depth, t.top_k, gates, target_s, prompt, out)
-        if t.dynamic != "off"
-        else None
+    dynamic, old_dyn = (
+        calibrate_dynamic(
+            target,
+            head,
+            prompts,
+            contexts,
+            depth,
+            t.top_k,
+            gates,
+            target_s,
+            prompt,
+            out,
+            t.dynamic != "off",
+            old_dynamic,
+        )
+        if t.dynamic != "off" or old_dynamic is not None
+        else (None, None)
     )
     use_dynamic = dynamic is not None and (t.dynamic == "only" or dynamic["tokens_per_s"] > best["tokens_per_s"])
     if dynamic is not None:
@@ -669,7 +832,16 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"tau {dynamic['tau']:.2f}, draft {dynamic['draft_ms']:.1f} ms, expected speedup "
             f"{dynamic['tokens_per_s'] / plain:.2f}x{'  <- chosen: tree=default drafts it' if use_dynamic else ''}\n"
         )
-    hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, top_probs, rows, target_s, out)
+    # the hybrid splits, new and before, on the same verification costs and lookup time
+    top = max(TEXT_NODES)
+    longest = max(r["nodes"] for r in rows) + top + 1
+    need = {n for n in SIZES if n <= longest} | {longest}
+    if old_hybrid is not None:
+        g, alone = int(old_hybrid.get("ngram_nodes") or 0), int(old_hybrid.get("text_alone") or 0)
+        need |= {1 + len(old_hybrid.get("paths") or []) + g, 1 + alone}
+    hybrid_s = with_sizes(target, context, target_s, need)
+    lookup_s = time_lookup(context, t.ngram_max, top)
+    hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, top_probs, rows, hybrid_s, out, lookup_s)
     rule = calibrate_adaptive_rule(settings, prompts, contexts, vectors, top_probs, rows, target_s, hybrid, out)
     if rule is not None:
         hybrid["rule"] = rule
@@ -690,23 +862,103 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         "min_path_prob": best["min_path_prob"],  # the tree's depth gate: tree=default drafts with it
         "hybrid": hybrid,
     }
-    # the dynamic tree as TreeConfig's fields: what the record stores and tree=default drafts
-    dynamic_tree = (
-        {k: dynamic[k] for k in ("depth", "top_k", "min_path_prob")} | {"total_tokens": dynamic["nodes"]}
-        if dynamic is not None
-        else None
-    )
     if dynamic is not None:
         record["dynamic"] = {
-            **dynamic_tree,
+            **{k: dynamic[k] for k in ("depth", "top_k", "min_path_prob")},
+            "total_tokens": dynamic["nodes"],
             "tau": round(dynamic["tau"], 4),
             "expected_speedup": round(dynamic["tokens_per_s"] / plain, 4),
         }
     # what tree=default drafts: the static tree (default_tree, also what engines export) or this dynamic one
     record["policy"] = "dynamic" if use_dynamic else "static"
+    paths = best["paths"]
+    if weigh:
+        # each part scored as the one before is: the tree tree=default drafts, and the hybrid split
+        old_hybrid_lookup = lookup_s
+        if old_hybrid is not None and int(old_hybrid.get("ngram_max") or 3) != t.ngram_max:
+            old_hybrid_lookup = time_lookup(context, int(old_hybrid.get("ngram_max") or 3), top)
+        parts = {
+            "tree": (dynamic if use_dynamic else best, old_dyn if old_dynamic is not None else old_static),
+            "hybrid": (
+                score_hybrid_setting(
+                    prompts,
+                    contexts,
+                    ranks,
+                    top_probs,
+                    hybrid,
+                    hybrid["min_path_prob"],
+                    hybrid_s,
+                    lookup_s,
+                    draft_by_depth,
+                ),
+                score_hybrid_setting(
+                    prompts,
+                    contexts,
+                    ranks,
+                    top_probs,
+                    old_hybrid,
+                    float(old_hybrid.get("min_path_prob") or 0.0),
+                    hybrid_s,
+                    old_hybrid_lookup,
+                    draft_by_depth,
+                )
+                if old_hybrid is not None and all(d <= reach for d in map(len, old_hybrid.get("paths") or []))
+                else None,
+            ),
+        }
+        speed = {
+            part: [f"{r['tokens_per_s'] / plain:.2f}x" if r else "none" for r in pair] for part, pair in parts.items()
+        }
+        kept = [
+            part
+            for part, (new, was) in parts.items()
+            if was is not None and (new is None or was["tokens_per_s"] >= new["tokens_per_s"])
+        ]
+        told = "; ".join(f"{part} {speed[part][1]} against {speed[part][0]}" for part in parts)
+        if len(kept) == len(parts):
+            out.write(
+                f"tree=auto: {before[0]} is kept, expected as fast or faster on these {n_pos} positions "
+                f"(before against new: {told}); nothing stored (tree.replace=always stores the new one)\n"
+            )
+            return keep_calibration(t, head, before, out)
+        if "tree" in kept:
+            was = parts["tree"][1]
+            paths = old_paths
+            record.pop("dynamic", None)
+            record.update(
+                nodes=len(old_paths),
+                tau=round(old_static["tau"], 4) if old_static else old.get("tau"),
+                expected_speedup=round(old_static["tokens_per_s"] / plain, 4)
+                if old_static
+                else old.get("expected_speedup"),
+                min_path_prob=old_gate,
+                policy=old.get("policy", "static"),
+            )
+            if old_dynamic is not None:
+                record["dynamic"] = {
+                    **{k: old_dynamic[k] for k in ("depth", "top_k", "total_tokens", "min_path_prob")},
+                    "tau": round(was["tau"], 4),
+                    "expected_speedup": round(was["tokens_per_s"] / plain, 4),
+                }
+        if "hybrid" in kept:
+            was = parts["hybrid"][1]
+            record["hybrid"] = {
+                **old_hybrid,
+                "tau": round(was["tau"], 4),
+                "expected_speedup": round(was["tokens_per_s"] / plain, 4),
+            }
+        if kept:
+            record["kept"] = kept  # the parts kept from the calibration before (expected faster here)
+        out.write(
+            f"tree=auto: the new calibration replaces {before[0]}"
+            + (f" except its {' and '.join(kept)}" if kept else "")
+            + f", expected faster where it replaces it (before against new: {told})\n"
+        )
+    elif before is not None:
+        out.write(f"tree=auto: the new calibration replaces {before[0]} (tree.replace=always)\n")
     head.calibration = record
     if t.save == "head" and head_dir is not None:
-        if store_default_tree(head, head_dir, best["paths"], record):
+        if store_default_tree(head, head_dir, paths, record):
             out.write(f"stored as the default tree of {head_dir} (tree.save=head)\n")
             # this machine's cached tree for the head would still win at tree=default: it goes
             cached = cache_path(head_dir, target, kernels, record["head_dtype"])
@@ -718,21 +970,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             out.write(f"{head_dir} is not writable here: pass the tree as tree=static 'tree.paths=...'\n")
     elif t.save == "cache" and head_dir is not None and (head_dir / CONFIG_NAME).is_file():
         # the head directory keeps its own tree: this one fits this machine only
-        path = store_in_cache(cache_path(head_dir, target, kernels, record["head_dtype"]), best["paths"], record)
+        path = store_in_cache(cache_path(head_dir, target, kernels, record["head_dtype"]), paths, record)
         out.write(f"stored for this machine in {path}: tree=default uses it for this head here\n")
     out.flush()
-    chosen = (
-        {"kind": "dynamic", **dynamic_tree}
-        if use_dynamic
-        else {"kind": "static", "min_path_prob": best["min_path_prob"]}
-    )
-    return dataclasses.replace(
-        t,
-        **chosen,
-        paths=best["paths"],  # the static tree stored as the head's default_tree, chosen or not
-        hybrid_paths=hybrid["paths"],
-        hybrid_min_path_prob=hybrid["min_path_prob"],
-        ngram_nodes=hybrid["ngram_nodes"],
-        text_alone=hybrid["text_alone"],
-        text_alone_ngram=hybrid["text_alone_ngram"],
-    )
+    return tree_config_from(t, paths, record)

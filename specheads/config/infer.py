@@ -29,6 +29,7 @@ METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "suffix", "spec", "hy
 DEFAULT_METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
 TREE_SAVES = ("cache", "head", "none")
 TREE_DYNAMIC = ("weigh", "off", "only")
+TREE_REPLACES = ("if_faster", "always")
 HYBRID_RULES = ("adaptive", "fixed")
 TEXT_SOURCES = ("suffix", "ngram")
 BENCH_MODES = ("timed", "replay")
@@ -99,6 +100,12 @@ class TreeConfig:
     # head here; the head directory keeps the tree it came with); head = the head directory's own
     # default tree (config.json rewritten: for a head you just trained); none = this run only
     save: str = "cache"
+    # when tree=auto calibrates a head that has a calibration already (this machine's cached one, else
+    # config.json's): if_faster = the new one replaces it only where it is expected faster on the
+    # positions and costs just measured, each part on its own (the tree tree=default drafts, the
+    # hybrid split), and only when measured on at least as many positions (else nothing changes);
+    # one line says what is kept. always (or true) = the new one replaces it whatever they measure
+    replace: str = "if_faster"
 
 
 # tree=auto's search (and tree=dynamic/chain's depth and top_k) where neither the command line nor
@@ -285,6 +292,9 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
     t.save = {"true": "cache", "false": "none"}.get(str(t.save).lower(), str(t.save))
     if t.save not in TREE_SAVES:
         raise SpecHeadsError(f"tree.save must be one of {', '.join(TREE_SAVES)}, got {t.save!r}")
+    t.replace = {"true": "always", "false": "if_faster"}.get(str(t.replace).lower(), str(t.replace))
+    if t.replace not in TREE_REPLACES:
+        raise SpecHeadsError(f"tree.replace must be one of {', '.join(TREE_REPLACES)}, got {t.replace!r}")
     if b.mode not in BENCH_MODES:
         raise SpecHeadsError(f"bench.mode must be one of {', '.join(BENCH_MODES)}, got {b.mode!r}")
     if b.mode == "replay" and not b.questions:

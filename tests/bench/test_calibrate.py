@@ -291,7 +291,8 @@ def test_the_hybrid_choice_check_fails_when_alone_steps_still_pay_the_head():
 
 def fixed_costs(monkeypatch, verify_s=lambda n: 0.01 + 1e-5 * n, draft_s=1e-6):
     """Calibration's timings replaced by fixed ones (a target forward of n tokens: verify_s(n); a
-    draft step: draft_s per level), so that what it chooses follows from acceptance alone."""
+    draft step: draft_s per level; the text's lookup: 0.1 ms), so that what it chooses follows from
+    acceptance alone."""
     import specheads.bench.calibrate as calibrate_module
 
     def time_target(target, context, sizes, repeats=5):
@@ -302,6 +303,7 @@ def fixed_costs(monkeypatch, verify_s=lambda n: 0.01 + 1e-5 * n, draft_s=1e-6):
 
     monkeypatch.setattr(calibrate_module, "time_target", time_target)
     monkeypatch.setattr(calibrate_module, "time_draft", time_draft)
+    monkeypatch.setattr(calibrate_module, "time_lookup", lambda context, ngram_max, nodes, repeats=5: 1e-4)
 
 
 def calibrate(head, head_dir, target, **tree):
@@ -517,7 +519,9 @@ def test_a_tree_saved_to_the_head_wins_over_this_machines_older_cached_tree(
     head_dir = save_head(quick_head(tiny_target, "eagle3", sequences, steps=30), tmp_path / "head")
     head = load_head(head_dir, tiny_target)
     cached = cache_path(head_dir, tiny_target, False, draft_precision(head))
-    # a tree cached for this machine before (an earlier tree=auto, with no calibrated_at)
+    # a tree cached for this machine before (an earlier tree=auto, with no calibrated_at), one that
+    # never accepts: the new tree replaces it (fixed costs: expected faster whatever the machine does)
+    fixed_costs(monkeypatch)
     store_in_cache(cached, [[150]], {"nodes": 1, "positions": 1})
     chosen, out = calibrate(head, head_dir, tiny_target, save="head", dynamic="off")
     assert not cached.exists() and "removed this machine's earlier tree" in out
@@ -535,6 +539,88 @@ def test_a_tree_saved_to_the_head_wins_over_this_machines_older_cached_tree(
     store_in_cache(cached, [[150]], {"nodes": 1, "calibrated_at": "2999-01-01T00:00:00+00:00"})
     assert use_cached_tree(fresh, head_dir, tiny_target, kernels=False, out=io.StringIO())
     assert fresh.default_tree == [[150]]
+
+
+def recalibrate(head_dir, target, **tree):
+    """tree=auto on the head directory as infer.py runs it (the head loaded from it): (the settings
+    it returns, its output, the head)."""
+    head = load_head(head_dir, target)
+    given = {"kind": "auto", "depth": 3, "top_k": 3, "calibration_prompts": 2, "calibration_tokens": 16}
+    settings = InferJobConfig(head_path=str(head_dir), tree=TreeConfig(**(given | tree)))
+    out = io.StringIO()
+    chosen = calibrate_tree(settings, Session(target, head, head_dir, {}), out=out)
+    return chosen, out.getvalue(), head
+
+
+def lines_with(text, words):
+    return [line for line in text.splitlines() if words in line]
+
+
+def test_a_recalibration_expected_slower_keeps_the_calibration_before(tmp_path, monkeypatch, tiny_target, sequences):
+    """The calibration before, scored on the positions and costs just measured, is expected faster
+    than (or as fast as) a re-calibration that may not search as large trees: it is kept, one line
+    says so with both speedups, nothing is stored, and this run drafts with it."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    fixed_costs(monkeypatch)
+    head_dir = save_head(quick_head(tiny_target, "medusa", sequences, steps=60), tmp_path / "head")
+    first, _, _ = recalibrate(head_dir, tiny_target, max_nodes=8, dynamic="off", save="head")
+    stored = (head_dir / "config.json").read_bytes()
+    record = json.loads(stored)["calibration"]
+    assert record["nodes"] > 1  # what the second search below cannot reach
+    chosen, out, head = recalibrate(head_dir, tiny_target, max_nodes=1, dynamic="off", save="head")
+    (line,) = lines_with(out, "is kept")
+    assert "tree " in line and "hybrid " in line and line.count("x against") == 2 and "nothing stored" in line
+    assert (head_dir / "config.json").read_bytes() == stored and not (tmp_path / "cache").exists()
+    assert chosen.paths == first.paths and head.calibration == record and head.default_tree == first.paths
+    assert tree_policy_for(head, chosen).paths == tree_policy_for(head, TreeConfig(kind="default")).paths
+    assert (chosen.hybrid_paths, chosen.hybrid_min_path_prob) == (first.hybrid_paths, first.hybrid_min_path_prob)
+
+
+def test_a_recalibration_expected_faster_replaces_the_calibration_before_part_by_part(
+    tmp_path, monkeypatch, tiny_target, sequences
+):
+    """A calibration before whose tree and hybrid split never accept (rank 150) is replaced; one whose
+    tree is the best there is but whose split never accepts keeps its tree and takes the new split."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    fixed_costs(monkeypatch)
+    head_dir = save_head(quick_head(tiny_target, "medusa", sequences, steps=60), tmp_path / "head")
+    first, _, _ = recalibrate(head_dir, tiny_target, max_nodes=8, dynamic="off", save="head")
+    best = json.loads((head_dir / "config.json").read_text())["calibration"]
+    never = {"paths": [[150]], "min_path_prob": 0.0, "ngram_nodes": 0, "ngram_max": 3, "text_alone": 0}
+    with_calibration(head_dir, [[150]], {**best, "nodes": 1, "min_path_prob": 0.0, "hybrid": never})
+    chosen, out, _ = recalibrate(head_dir, tiny_target, max_nodes=8, dynamic="off", save="head")
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["default_tree"] == chosen.paths == first.paths and "kept" not in config["calibration"]
+    assert config["calibration"]["hybrid"]["paths"] == first.hybrid_paths and not lines_with(out, "is kept")
+    assert len(lines_with(out, "the new calibration replaces")) == 1
+    # the best tree before, with a split that never accepts: only the split is replaced
+    with_calibration(head_dir, first.paths, {**best, "calibrated_at": "2020-01-01T00:00:00+00:00", "hybrid": never})
+    chosen, out, _ = recalibrate(head_dir, tiny_target, max_nodes=1, dynamic="off", save="head")
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["calibration"]["kept"] == ["tree"] and config["default_tree"] == chosen.paths == first.paths
+    assert config["calibration"]["nodes"] == best["nodes"] and config["calibration"]["hybrid"]["paths"] != [[150]]
+    assert config["calibration"]["calibrated_at"] > "2020" and "except its tree" in out
+
+
+def test_too_few_positions_to_decide_change_nothing(tmp_path, monkeypatch, tiny_target, sequences):
+    """A re-calibration measured on fewer positions than the calibration before says so in one line
+    (how many it needs) and changes nothing: this run drafts with the calibration before;
+    tree.replace=always replaces it regardless."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    fixed_costs(monkeypatch)
+    head_dir = save_head(quick_head(tiny_target, "eagle3", sequences, steps=30), tmp_path / "head")
+    record = {"positions": 5000, "nodes": 2, "min_path_prob": 0.1, "policy": "static", "tokens": 16}
+    with_calibration(head_dir, [[0], [1]], record)
+    stored = (head_dir / "config.json").read_bytes()
+    for save in ("head", "cache"):
+        chosen, out, head = recalibrate(head_dir, tiny_target, max_nodes=8, save=save)
+        (line,) = lines_with(out, "too few positions")
+        assert "5000" in line and "tree.calibration_prompts" in line and "nothing changed" in line
+        assert "<- chosen" not in out and (head_dir / "config.json").read_bytes() == stored
+        assert not (tmp_path / "cache").exists() and head.calibration == record
+        assert (chosen.kind, chosen.paths, chosen.min_path_prob) == ("static", [[0], [1]], 0.1)
+    chosen, out, _ = recalibrate(head_dir, tiny_target, max_nodes=8, save="head", replace="always")
+    assert "too few" not in out and json.loads((head_dir / "config.json").read_text())["calibration"] != record
 
 
 # Scripted seconds of each timed verification forward, per query-token count: the warm-up call
@@ -663,8 +749,10 @@ def test_calibration_chooses_a_dynamic_tree_when_it_is_faster_and_tree_default_d
         accepted += sum(res.accepted_drafts)
     assert accepted > 0
     monkeypatch.setattr(calibrate_module, "gate_choice", real_gate_choice)
-    chosen, _ = calibrate(load_head(head_dir, tiny_target), head_dir, tiny_target, save="none", dynamic="off")
+    # (replace=always: what each search chooses, not the calibration stored above where it is faster)
+    again = {"save": "none", "replace": "always"}
+    chosen, _ = calibrate(load_head(head_dir, tiny_target), head_dir, tiny_target, dynamic="off", **again)
     assert chosen.kind == "static"
     # only: a dynamic tree whatever the static trees are priced at, no wider than tree.top_k
-    chosen, out = calibrate(load_head(head_dir, tiny_target), head_dir, tiny_target, save="none", dynamic="only")
+    chosen, out = calibrate(load_head(head_dir, tiny_target), head_dir, tiny_target, dynamic="only", **again)
     assert chosen.kind == "dynamic" and chosen.top_k in (2, 3) and "drafts it" in out

@@ -79,6 +79,14 @@ def test_tree_auto_leaves_its_search_to_the_heads_record_unless_told(hydra_conf)
     assert settings("tree=dynamic").tree.depth == 5 and settings("tree=chain").tree.depth == 4
 
 
+def test_tree_replace_keeps_a_faster_calibration_unless_told(hydra_conf):
+    assert settings("tree=auto").tree.replace == "if_faster"
+    assert settings("tree=auto", "tree.replace=always").tree.replace == "always"
+    assert settings("tree=auto", "tree.replace=true").tree.replace == "always"
+    with pytest.raises(SpecHeadsError, match="tree.replace must be one of if_faster, always, got 'never'"):
+        settings("tree=auto", "tree.replace=never")
+
+
 def test_allow_target_mismatch_is_off_unless_asked(hydra_conf):
     assert settings().allow_target_mismatch is False
     assert settings("allow_target_mismatch=true").allow_target_mismatch is True
