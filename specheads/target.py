@@ -217,6 +217,41 @@ class FrozenTarget:
         return TargetStates(hidden=hidden, final=store.get("final"), logits=out_logits)
 
 
+def forward_masks(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The attention arguments of the target's forward over a batch: its attention_mask, or for a
+    packed batch (specheads.data.packing: position_ids restarting with every conversation) no mask
+    and the positions, from which transformers builds the block-diagonal causal mask (and flash
+    attention its sequence bounds); without a KV cache, since a cache turns that detection off."""
+    if "position_ids" in batch:
+        return {"attention_mask": None, "position_ids": batch["position_ids"], "use_cache": False}
+    return {"attention_mask": batch["attention_mask"]}
+
+
+def check_packing(target: FrozenTarget) -> None:
+    """Refuse, in one line, a target whose forward lets packed conversations see each other: two
+    short sequences packed in one row must give the second the states it has alone (a model whose
+    own code ignores the restarting positions would leak attention across conversations)."""
+    vocab = target.info.vocab_size
+    first = [(7 * i + 3) % vocab for i in range(6)]
+    second = [(11 * i + 5) % vocab for i in range(9)]
+    layer = min(1, target.info.num_layers)
+    device = target.device
+    ids = torch.tensor([first + second], device=device)
+    positions = torch.tensor([list(range(len(first))) + list(range(len(second)))], device=device)
+    packed = target.states(ids, **forward_masks({"position_ids": positions}), layer_ids=[layer], final=True)
+    alone = target.states(torch.tensor([second], device=device), layer_ids=[layer], final=True)
+    tolerance = 1e-3 if target.dtype == torch.float32 else 5e-2
+    for name, a, b in (("layer", packed.hidden[layer], alone.hidden[layer]), ("final", packed.final, alone.final)):
+        a, b = a[0, len(first) :].float(), b[0].float()
+        error = float((a - b).norm() / b.norm().clamp(min=1e-6))
+        if error > tolerance:
+            raise SpecHeadsError(
+                f"data.pack=true: target {target.info.name!r} does not keep packed conversations apart (its "
+                f"{name} states of a packed sequence are {error:.2g} off its states alone: its forward ignores "
+                "restarting position_ids); drop data.pack"
+            )
+
+
 def embedded_gguf(key: str) -> tuple[Path, str, str]:
     """(directory, gguf file name, original Hub id) of a target shipped inside a PyPI package."""
     if key not in EMBEDDED_TARGETS:

@@ -16,20 +16,23 @@ from typing import Any, Protocol
 
 import torch
 
-from ..data.datasets import collate
+from ..data.datasets import collate, collate_packed
 from ..data.features import (
     INDEX_NAME,
     FeatureCache,
     check_key,
     collate_features,
+    collate_features_packed,
     feature_cache_key,
     split_dir,
     state_names,
 )
 from ..errors import SpecHeadsError
-from ..target import FrozenTarget
+from ..target import FrozenTarget, check_packing, forward_masks
 
-Batch = dict[str, torch.Tensor]  # input_ids, attention_mask, loss_mask: LongTensor [B, T], right padded
+# input_ids, attention_mask, loss_mask: LongTensor [B, T], right padded; a packed batch also has
+# document and position_ids [B, T] (specheads.data.packing)
+Batch = dict[str, torch.Tensor]
 States = dict[Any, torch.Tensor]  # layer id -> [B, T, H] (our convention), "final" -> post-norm [B, T, H]
 
 
@@ -44,6 +47,10 @@ class StateSource(Protocol):
     def fetch(self, split: str, indices: Sequence[int]) -> tuple[Batch, States]:
         """The batch of rows `indices` and its states, on the training device."""
 
+    def fetch_packed(self, split: str, packs: Sequence[Sequence[int]]) -> tuple[Batch, States]:
+        """One packed row per pack of row indices (data.pack, specheads.data.packing): the batch,
+        with document and position_ids, and states computed for each conversation alone."""
+
 
 class OnlineStates:
     """States computed by the frozen target, one no-grad forward per batch (its matmuls in
@@ -55,6 +62,7 @@ class OnlineStates:
         self.target, self.splits, self.pad_id, self.autocast = target, splits, pad_id, autocast
         self.layer_ids: list[int] = []
         self.final = True
+        self.packing_checked = False
 
     def rows(self, split: str) -> Sequence[dict]:
         return self.splits[split]
@@ -65,14 +73,23 @@ class OnlineStates:
 
     def fetch(self, split: str, indices: Sequence[int]) -> tuple[Batch, States]:
         rows = self.splits[split]
-        batch = collate([rows[int(i)] for i in indices], self.pad_id)
+        return self._with_states(collate([rows[int(i)] for i in indices], self.pad_id))
+
+    def fetch_packed(self, split: str, packs: Sequence[Sequence[int]]) -> tuple[Batch, States]:
+        if not self.packing_checked:  # once: a target whose forward would leak across conversations is refused
+            check_packing(self.target)
+            self.packing_checked = True
+        rows = self.splits[split]
+        return self._with_states(collate_packed([[rows[int(i)] for i in pack] for pack in packs], self.pad_id))
+
+    def _with_states(self, batch: Batch) -> tuple[Batch, States]:
         batch = {k: v.to(self.target.device) for k, v in batch.items()}
         if not self.layer_ids and not self.final:
             return batch, {}  # a head that runs the target itself (Medusa-2) needs no states
         device = batch["input_ids"].device.type
         with torch.autocast(device, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             captured = self.target.states(
-                batch["input_ids"], batch["attention_mask"], layer_ids=self.layer_ids, final=self.final
+                batch["input_ids"], **forward_masks(batch), layer_ids=self.layer_ids, final=self.final
             )
         states: States = dict(captured.hidden)
         if self.final:
@@ -131,10 +148,19 @@ class OfflineStates:
             )
         self.wanted = set(int(k) for k in layer_ids) | ({"final"} if final else set())
 
+    def _read(self, split: str, i: int):
+        row = self.caches[split][int(i)]
+        row.states = {k: v for k, v in row.states.items() if k in self.wanted}
+        return row
+
     def fetch(self, split: str, indices):
-        cache = self.caches[split]
-        rows = [cache[int(i)] for i in indices]
-        for r in rows:
-            r.states = {k: v for k, v in r.states.items() if k in self.wanted}
-        batch, states = collate_features(rows, self.pad_id, self.dtype)
+        batch, states = collate_features([self._read(split, i) for i in indices], self.pad_id, self.dtype)
+        return self._on_device(batch, states)
+
+    def fetch_packed(self, split: str, packs):
+        # the cached states were computed one conversation at a time: joined, they are a packed row's
+        rows = [[self._read(split, i) for i in pack] for pack in packs]
+        return self._on_device(*collate_features_packed(rows, self.pad_id, self.dtype))
+
+    def _on_device(self, batch, states):
         return ({k: v.to(self.device) for k, v in batch.items()}, {k: v.to(self.device) for k, v in states.items()})
