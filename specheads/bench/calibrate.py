@@ -63,7 +63,7 @@ from ..heads.io import CONFIG_NAME, draft_precision
 from ..provenance import portable_path
 from ..target import synchronize
 from .dynamic_trees import MAX_DEPTH, NODES, TOP_K, dynamic_choice, grow_along
-from .hybrid_fit import calibrate_rule
+from .hybrid_fit import calibrate_rule, score_rule, text_positions
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
 from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
@@ -498,25 +498,37 @@ def calibrate_hybrid(
     }
 
 
-def calibrate_adaptive_rule(
-    settings: InferJobConfig, prompts, contexts, vectors, top_probs, rows, target_s, fixed: dict, out
-) -> dict | None:
-    """Step 6: the adaptive hybrid rule (decode/hybrid_rule.py) over the suffix source, fitted on
-    the same answers (bench/hybrid_fit.py) for each of the head's trees (under its gate) and for
-    no head, the fastest kept; its record (the hybrid record's "rule") when it is expected faster
-    than the fixed split, else None (one line says so)."""
-    t = settings.tree
-    heads = []
-    for row in rows:
-        paths = frozenset(tuple(p) for p in row["paths"])
-        depth = max(len(p) for p in paths)
-        accepted = [
-            min(accepted_length(v, paths, depth), gated_depth(top, depth, row["min_path_prob"]))
-            for v, top in zip(vectors, top_probs)
-        ]
-        heads.append((row, accepted))
+def head_accepted(vectors, top_probs, paths, gate: float) -> list[int]:
+    """The head's accepted drafts at every position with the tree `paths` under its depth gate."""
+    tree = frozenset(tuple(p) for p in paths)
+    depth = max(len(p) for p in tree)
+    return [min(accepted_length(v, tree, depth), gated_depth(top, depth, gate)) for v, top in zip(vectors, top_probs)]
+
+
+def score_old_rule(record: dict, prompts, contexts, text, vectors, top_probs, target_s, draft_by_depth) -> dict:
+    """A calibration record's adaptive rule scored on these positions and costs (hybrid_fit.score_rule):
+    its head tree under its gate drafted and verified at the costs measured now."""
+    paths = [list(p) for p in record.get("paths") or []]
     verify_ms = [1e3 * interpolate(target_s, n) for n in range(1, max(target_s) + 1)]
-    tree, params, sim = calibrate_rule(prompts, contexts, heads, verify_ms, t.suffix_match, t.suffix_history)
+    if not paths:
+        return score_rule(record, prompts, contexts, text, None, verify_ms, 0.0)
+    gate = float(record.get("min_path_prob") or 0.0)
+    draft_s = draft_by_depth(paths)
+    accepted = head_accepted(vectors, top_probs, paths, gate)
+    return score_rule(record, prompts, contexts, text, accepted, verify_ms, 1e3 * draft_s[max(draft_s)])
+
+
+def calibrate_adaptive_rule(
+    settings: InferJobConfig, prompts, contexts, vectors, top_probs, rows, target_s, fixed: dict, text, out
+) -> tuple[dict | None, dict]:
+    """Step 6: the adaptive hybrid rule (decode/hybrid_rule.py) over the suffix source, fitted on
+    the same answers (bench/hybrid_fit.py; text: its text_positions) for each of the head's trees
+    (under its gate) and for no head, the fastest kept. Returns its record (the hybrid record's
+    "rule") when it is expected faster than the fixed split, else None (one line says so), and its
+    expected tau and tokens/s."""
+    heads = [(row, head_accepted(vectors, top_probs, row["paths"], row["min_path_prob"])) for row in rows]
+    verify_ms = [1e3 * interpolate(target_s, n) for n in range(1, max(target_s) + 1)]
+    tree, params, sim = calibrate_rule(prompts, contexts, text, heads, verify_ms)
     plain = 1 / target_s[1]
     speedup = sim["tokens_per_s"] / plain
     total = sum(sim["choices"].values()) or 1
@@ -528,9 +540,10 @@ def calibrate_adaptive_rule(
         f"{speedup:.2f}x against the fixed split's {fixed['expected_speedup']:.2f}x (steps: {shares})"
         f"{'' if keep else ': the fixed split is kept'}\n"
     )
+    score = {"tau": sim["tau"], "tokens_per_s": sim["tokens_per_s"]}
     if not keep:
-        return None
-    return {
+        return None, score
+    record = {
         **params.to_record(),
         "paths": tree["paths"] if tree else [],
         "min_path_prob": tree["min_path_prob"] if tree else 0.0,
@@ -538,6 +551,7 @@ def calibrate_adaptive_rule(
         "expected_speedup": round(speedup, 4),
         "choices": sim["choices"],
     }
+    return record, score
 
 
 def calibrate_dynamic(
@@ -705,7 +719,8 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     depth = min(t.depth, limit) if limit is not None else t.depth
     # ranks as deep as the trees before reach too (up to what the head drafts): they are scored as
     # deep as they draft, the new trees on ranks cut to the searched depth
-    old_depths = [len(p) for p in [*(old_paths or []), *((old_hybrid or {}).get("paths") or [])]]
+    old_rule_paths = ((old_hybrid or {}).get("rule") or {}).get("paths") or []
+    old_depths = [len(p) for p in [*(old_paths or []), *((old_hybrid or {}).get("paths") or []), *old_rule_paths]]
     reach = max([depth, *(d for d in old_depths if limit is None or d <= limit)])
     source, texts = calibration_texts(settings)
     prompts = [encode_prompt(target.tokenizer, x, settings.system, settings.chat) for x in texts]
@@ -842,7 +857,10 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     hybrid_s = with_sizes(target, context, target_s, need)
     lookup_s = time_lookup(context, t.ngram_max, top)
     hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, top_probs, rows, hybrid_s, out, lookup_s)
-    rule = calibrate_adaptive_rule(settings, prompts, contexts, vectors, top_probs, rows, target_s, hybrid, out)
+    text = text_positions(prompts, contexts, t.suffix_match, t.suffix_history)
+    rule, rule_score = calibrate_adaptive_rule(
+        settings, prompts, contexts, vectors, top_probs, rows, hybrid_s, hybrid, text, out
+    )
     if rule is not None:
         hybrid["rule"] = rule
     record = {
@@ -877,34 +895,30 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         old_hybrid_lookup = lookup_s
         if old_hybrid is not None and int(old_hybrid.get("ngram_max") or 3) != t.ngram_max:
             old_hybrid_lookup = time_lookup(context, int(old_hybrid.get("ngram_max") or 3), top)
+        new_split = score_hybrid_setting(
+            prompts, contexts, ranks, top_probs, hybrid, hybrid["min_path_prob"], hybrid_s, lookup_s, draft_by_depth
+        )
+        old_rule = (old_hybrid or {}).get("rule")
+        if old_rule and all(d <= reach for d in map(len, old_rule.get("paths") or [])):
+            old_split = score_old_rule(old_rule, prompts, contexts, text, ranks, top_probs, hybrid_s, draft_by_depth)
+        elif old_hybrid is not None and all(d <= reach for d in map(len, old_hybrid.get("paths") or [])):
+            old_split = score_hybrid_setting(
+                prompts,
+                contexts,
+                ranks,
+                top_probs,
+                old_hybrid,
+                float(old_hybrid.get("min_path_prob") or 0.0),
+                hybrid_s,
+                old_hybrid_lookup,
+                draft_by_depth,
+            )
+        else:
+            old_split = None
         parts = {
             "tree": (dynamic if use_dynamic else best, old_dyn if old_dynamic is not None else old_static),
-            "hybrid": (
-                score_hybrid_setting(
-                    prompts,
-                    contexts,
-                    ranks,
-                    top_probs,
-                    hybrid,
-                    hybrid["min_path_prob"],
-                    hybrid_s,
-                    lookup_s,
-                    draft_by_depth,
-                ),
-                score_hybrid_setting(
-                    prompts,
-                    contexts,
-                    ranks,
-                    top_probs,
-                    old_hybrid,
-                    float(old_hybrid.get("min_path_prob") or 0.0),
-                    hybrid_s,
-                    old_hybrid_lookup,
-                    draft_by_depth,
-                )
-                if old_hybrid is not None and all(d <= reach for d in map(len, old_hybrid.get("paths") or []))
-                else None,
-            ),
+            # the hybrid as it drafts: its adaptive rule where it has one, else its fixed split
+            "hybrid": (rule_score if rule is not None else new_split, old_split),
         }
         speed = {
             part: [f"{r['tokens_per_s'] / plain:.2f}x" if r else "none" for r in pair] for part, pair in parts.items()

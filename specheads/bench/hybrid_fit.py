@@ -180,18 +180,18 @@ def per_answer(flat: Sequence, contexts: Sequence[Sequence[int]], prompts: Seque
 def calibrate_rule(
     prompts: Sequence[Sequence[int]],
     contexts: Sequence[Sequence[int]],
+    text: tuple[list, list, float],
     heads: Sequence[tuple[dict, Sequence[int]]],
     verify_ms: Sequence[float],
-    suffix_match: int,
-    history_tokens: int,
 ) -> tuple[dict | None, RuleParams, dict]:
     """The adaptive rule fitted on the calibration answers for each candidate head tree and for
     none, and the one with the most simulated tokens per second: (its head tree or None, its
     parameters, its simulation).
 
-    heads: (tree, accepted drafts at every position in rank_vectors' order) per candidate, the tree
-    as {"nodes", "draft_ms"} under its gate; verify_ms[n - 1]: a forward of n query tokens."""
-    drafts, text_acc, lookup_s = text_positions(prompts, contexts, suffix_match, history_tokens)
+    text: text_positions' (drafts, accepted, lookup seconds); heads: (tree, accepted drafts at every
+    position in rank_vectors' order) per candidate, the tree as {"nodes", "draft_ms"} under its
+    gate; verify_ms[n - 1]: a forward of n query tokens."""
+    drafts, text_acc, lookup_s = text
     none = [[0] * len(d) for d in drafts]
     params = fit_rule(drafts, text_acc, none, verify_ms, 0.0, 0, 1e3 * lookup_s)
     best = (None, params, simulate(params, drafts, text_acc, none, has_head=False))
@@ -202,3 +202,23 @@ def calibrate_rule(
         if sim["tokens_per_s"] > best[2]["tokens_per_s"]:
             best = (tree, params, sim)
     return best
+
+
+def score_rule(
+    record: dict,
+    prompts: Sequence[Sequence[int]],
+    contexts: Sequence[Sequence[int]],
+    text: tuple[list, list, float],
+    accepted: Sequence[int] | None,
+    verify_ms: Sequence[float],
+    draft_ms: float,
+) -> dict:
+    """A stored rule (a calibration record's hybrid.rule) run over these positions at these costs:
+    its priors as stored, its head tree's accepted drafts (`accepted`, None: no head) and drafting,
+    the verification and lookup as measured now."""
+    drafts, text_acc, lookup_s = text
+    params = dataclasses.replace(
+        RuleParams.from_record(record), verify_ms=tuple(verify_ms), draft_ms=draft_ms, lookup_ms=1e3 * lookup_s
+    )
+    heads = per_answer(accepted, contexts, prompts) if accepted is not None else [[0] * len(d) for d in drafts]
+    return simulate(params, drafts, text_acc, heads, has_head=accepted is not None)
