@@ -1,6 +1,7 @@
 """Temperature / top-k / top-p: the distribution the verifier compares against is transformers'
 own, and the batched sampler draws from exactly that nucleus."""
 
+import pytest
 import torch
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
@@ -9,6 +10,8 @@ from transformers.generation.logits_process import (
 )
 
 from specheads.sampling import TOP_P_CANDIDATES, nucleus, sample, sampling_probs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_sampling_probs_matches_transformers_warpers():

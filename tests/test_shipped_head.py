@@ -20,6 +20,8 @@ from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import tree_policy_for
 from specheads.export import open_head
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "heads" / "smollm2-135m-eagle3"
 

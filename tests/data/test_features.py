@@ -10,6 +10,8 @@ from specheads.data.features import (
 )
 from specheads.errors import SpecHeadsError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def rows(n=5, seed=0):
     g = torch.Generator().manual_seed(seed)

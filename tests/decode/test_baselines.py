@@ -1,9 +1,12 @@
 """The transformers baselines: the target's own output, with decode-phase forwards counted."""
 
+import pytest
 import torch
 
 from specheads.decode.baselines import hf_generate
 from specheads.decode.generate import SamplingConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_hf_baseline_counts_decode_forwards(tiny_target):

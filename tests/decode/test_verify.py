@@ -15,6 +15,8 @@ from specheads.decode.tree import FROM_HEAD, FROM_TEXT, TreeLayout, merge_chains
 from specheads.decode.verify import greedy_accept, one_hot_nodes, speculative_accept, typical_accept
 from specheads.sampling import sampling_probs
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 V = 6  # synthetic vocabulary
 
 

@@ -20,6 +20,8 @@ from specheads.export import check_directory, export_head, load_exported, open_h
 from specheads.heads import build_head, load_head, save_head
 from specheads.target import load_target
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"input_ids": list(range(40, 200)), "loss_mask": [1] * 160}]
 EAGLE3 = dict(layer_ids=[1, 3, 5], draft_vocab_size=96)

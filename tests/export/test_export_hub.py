@@ -23,6 +23,8 @@ from specheads.export import export_head, open_head, resolve_head_path
 from specheads.export.model_card import bench_context, bench_table, check_bench_summary
 from specheads.heads import build_head, load_head
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 

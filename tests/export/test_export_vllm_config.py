@@ -12,6 +12,8 @@ from test_export import EAGLE3, make_head_dir
 
 from specheads.export import export_head
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 

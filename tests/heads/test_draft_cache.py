@@ -11,6 +11,8 @@ from specheads.decode.drafters import make_drafter
 from specheads.decode.policy import DynamicTreeSpec
 from specheads.heads.layers import DraftCache
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 class ConcatCache:
     def __init__(self, num_layers: int):

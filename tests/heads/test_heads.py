@@ -14,6 +14,8 @@ from specheads.heads.spec import HeadSpec, default_layer_ids
 from specheads.heads.vocab import vocab_from_counts
 from specheads.target import load_target
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAMILIES = ["medusa", "eagle", "eagle3", "peagle", "dflash"]
 
 

@@ -7,6 +7,8 @@ from conftest import batch_rows, head_states, overfit
 from specheads.config.train import HeadConfig
 from specheads.heads import HydraHead, build_head, load_head, save_head
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def make_hydra(target, batch, seed=0, nudge=0.0, **overrides):
     torch.manual_seed(seed)

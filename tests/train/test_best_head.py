@@ -14,6 +14,8 @@ from specheads.config.train import DataConfig, HeadConfig, TrackerConfig, TrainC
 from specheads.train import run
 from specheads.train.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # eval/sim_tau at each evaluated step: the best (step 4) is neither the first nor the last
 TAUS = {2: 1.2, 4: 1.9, 6: 1.5, 8: 1.4}
 

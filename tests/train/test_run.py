@@ -12,6 +12,8 @@ from specheads.config.train import DataConfig, HeadConfig, TrainConfig, TrainJob
 from specheads.errors import SpecHeadsError
 from specheads.train import run
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_every_head_of_a_run_records_the_commit_it_started_at(tmp_path, monkeypatch):
     """A commit made while the run trains does not rename the code that trained it: the checkpoint

@@ -19,6 +19,8 @@ from specheads.train import run
 from specheads.train.metrics import MetricsLog, read_metrics
 from specheads.train.trackers import check_trackers
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 RUN_CONFIG = {"train": {"lr": 0.002, "betas": [0.9, 0.95]}, "seed": 0, "wandb": {"entity": None}}
 
