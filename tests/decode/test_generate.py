@@ -693,7 +693,7 @@ def test_a_parallel_head_samples_the_target_distribution(family, target, heads, 
     rule that accepts every draft in the target's support fails the same check."""
     drafter = make_drafter(heads[family, "trained"], static_tree([[0], [1], [2], [0, 0]]))
     prompt = sequences[1:2, :12]  # inside the text the head was fitted on: its drafts get accepted
-    temperature, top_p, n = 0.5, 0.9, 400
+    temperature, top_p, n = 0.5, 0.9, 200
     p1, p2 = first_two_probs(target, prompt, temperature, top_p)
     counts, accepted = first_two_samples(target, drafter, prompt, n, temperature, top_p)
     assert n * 0.15 < accepted[0] < n * 0.85, accepted
@@ -823,7 +823,7 @@ def test_the_adaptive_hybrid_samples_the_target_distribution(target, heads, sequ
     cheap = dataclasses.replace(RULE, verify_ms=(10.0,) * 7, overlap=0.5)  # every node free: both sources
     policy = HybridPolicy(None, 8, 3, source="suffix", rule=cheap)
     drafter = PlantedText(make_drafter(heads["eagle3", "trained"], static_tree([[0], [1], [0, 0]])), policy, planted)
-    temperature, top_p, n = 0.5, 0.9, 400
+    temperature, top_p, n = 0.5, 0.9, 200
     p1, p2 = first_two_probs(target, prompt, temperature, top_p)
     counts, accepted = first_two_samples(target, drafter, prompt, n, temperature, top_p)
     assert n * 0.15 < accepted[0] < n * 0.85, accepted

@@ -326,7 +326,7 @@ def sample_two_tokens_hybrid(gen, rng, rule, through):
     return tuple(out[:2])
 
 
-def hybrid_two_token_p_value(rule: str, n: int = 10_000) -> tuple[float, Counter]:
+def hybrid_two_token_p_value(rule: str, n: int = 3_000) -> tuple[float, Counter]:
     gen = torch.Generator().manual_seed(4321)
     rng = random.Random(5)
     counts, through = Counter(), Counter()
