@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,12 +42,14 @@ def run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     return proc
 
 
-def run_together(*cmds: list[str], jobs: int = 2) -> list[subprocess.CompletedProcess]:
-    """run() on several commands, `jobs` at a time, in the order given. Each child is single-threaded
-    (clean_env), so two of them use the cores that one leaves idle; plain runs meet in a store of
-    their own, with no port to share (tests/test_distributed.py)."""
-    with ThreadPoolExecutor(jobs) as pool:
-        return list(pool.map(run, cmds))
+def run_together(*jobs, workers: int = 2) -> list:
+    """Several jobs, `workers` at a time, in the order given: a command is run(), a callable is
+    called (runs that depend on each other, one after another in one slot); their results in the
+    same order. Each child is single-threaded (clean_env), so two of them use the cores that one
+    leaves idle; plain runs meet in a store of their own, with no port to share
+    (tests/test_distributed.py)."""
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda job: job() if callable(job) else run(job), jobs))
 
 
 def assert_head_written(proc: subprocess.CompletedProcess, out: Path, last: bool = True) -> None:
@@ -61,20 +64,58 @@ WRITING_FAMILIES = ["medusa", "eagle", "eagle3", "peagle", "dflash"]
 
 
 @pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory) -> dict:
-    """The module's plain train.py runs, two at a time (run_together): hydra, medusa2 and one per
-    writing family; then infer.py on the hydra and medusa2 heads, the two together. Name ->
-    (finished process, output directory)."""
+def chats(tmp_path_factory) -> Path:
+    return write_conversations(tmp_path_factory.mktemp("chats") / "chats.jsonl", n=32)
+
+
+def then_infer(cmd: list[str], out: Path) -> Callable[[], tuple]:
+    """The train.py run, then infer.py on its head: both processes."""
+
+    def job():
+        trained = run(cmd)
+        return trained, run([sys.executable, "infer.py", f"head={out / 'head'}", "prompt=hi", "max_new_tokens=8"])
+
+    return job
+
+
+def then_again(cmd: list[str], out: Path) -> Callable[[], dict]:
+    """The train.py run, then the same command again (nothing left to train: the head is written
+    again, this time with its weights stored in bf16), then once more with a save_dtype it refuses;
+    what the first run left (metrics, weights, training record) read before the second."""
+
+    def job():
+        first = run(cmd)
+        left = {
+            "logged": (out / "metrics.jsonl").read_text(),
+            "weights": load_file(out / "head" / "model.safetensors"),
+            "training": json.loads((out / "head" / "config.json").read_text())["training"],
+        }
+        again = run([*cmd, "save_dtype=bfloat16"])
+        bad = subprocess.run(
+            [*cmd, "save_dtype=int8"], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240
+        )
+        return {"first": first, **left, "again": again, "bad": bad}
+
+    return job
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory, chats) -> dict:
+    """The module's one-process train.py runs, two at a time (run_together): hydra and medusa2,
+    each followed by infer.py on its head; one per writing family, medusa's followed by the same
+    command twice more (then_again); and the one-rank reference of the ZeRO-3 test (eagle3, the
+    2-rank runs' data and global batch). Name -> (finished process, output directory); "medusa
+    again" -> then_again's record, "<name> infer" -> infer.py's process."""
     tmp = tmp_path_factory.mktemp("plain")
     data = write_conversations(tmp / "chats.jsonl")
     medusa2_stages = ["head.heads_only_steps=1", "head.lm_loss_warmup_steps=1", "head.lora_r=4", "head.merge_lora=true"]
-    runs = {  # the two longest first
+    commands = {
         "hydra": [sys.executable, "train.py", "head=hydra", "train.max_steps=3", *tiny_args(data, tmp / "hydra")],
         "medusa2": [sys.executable, "train.py", "head=medusa2", "train.max_steps=3", *medusa2_stages]
         + ["train.log_every=1", *tiny_args(data, tmp / "medusa2")],
     }
     for family in WRITING_FAMILIES:
-        runs[family] = [
+        commands[family] = [
             sys.executable,
             "train.py",
             f"head={family}",
@@ -85,12 +126,23 @@ def plain_runs(tmp_path_factory) -> dict:
             if family == "eagle3"
             else ["wandb.mode=disabled"]
         )
-    outs = {name: tmp / name for name in runs}
-    done = dict(zip(runs, zip(run_together(*runs.values()), outs.values())))
-    served = ("hydra", "medusa2")
-    infers = [[sys.executable, "infer.py", f"head={outs[n] / 'head'}", "prompt=hi", "max_new_tokens=8"] for n in served]
-    for name, proc in zip(served, run_together(*infers)):
-        done[f"{name} infer"] = (proc, outs[name])
+    commands["one-rank"] = [sys.executable, "train.py", "head=eagle3", "train.max_steps=3", "train.batch_size=4"]
+    commands["one-rank"] += ["train.log_every=1", *tiny_args(chats, tmp / "one-rank")]
+    outs = {name: tmp / name for name in commands}
+    jobs = dict(commands)
+    for name in ("hydra", "medusa2"):
+        jobs[name] = then_infer(commands[name], outs[name])
+    jobs["medusa"] = then_again(commands["medusa"], outs["medusa"])
+    # the chains first, the longest first, then the single runs
+    order = ["hydra", "medusa2", "medusa", "eagle3", "peagle", "dflash", "eagle", "one-rank"]
+    done = {}
+    for name, result in zip(order, run_together(*(jobs[n] for n in order))):
+        if name in ("hydra", "medusa2"):
+            done[name], done[f"{name} infer"] = (result[0], outs[name]), (result[1], outs[name])
+        elif name == "medusa":
+            done[name], done["medusa again"] = (result["first"], outs[name]), result
+        else:
+            done[name] = (result, outs[name])
     return done
 
 
@@ -116,20 +168,19 @@ def test_train_py_writes_the_head_and_prints_its_path_last(family, plain_runs):
         assert all(torch.equal(at_3[k], final[k]) for k in final)
         assert not all(torch.equal(at_2[k], final[k]) for k in final)
     if family == "medusa":  # the same command again: nothing left to train, the head is written again
-        logged = (out / "metrics.jsonl").read_text()
-        fp32 = load_file(out / "head" / "model.safetensors")
-        assert "segments" not in json.loads((out / "head" / "config.json").read_text())["training"]  # one process
-        again = run([*proc.args, "save_dtype=bfloat16"])  # this time with its weights stored in bf16
+        before = plain_runs["medusa again"]
+        assert "segments" not in before["training"]  # one process
+        again = before["again"]  # this time with its weights stored in bf16
         assert "resuming from step 3" in again.stderr
-        assert (out / "metrics.jsonl").read_text() == logged  # no step was trained twice
+        assert (out / "metrics.jsonl").read_text() == before["logged"]  # no step was trained twice
         assert_head_written(again, out)
         record = json.loads((out / "head" / "config.json").read_text())["training"]
         assert [s["steps"] for s in record["segments"]] == [[0, 3], [3, 3]]  # who trained what
         assert record["segments"][1]["command"] == record["command"] != record["segments"][0]["command"]
-        bf16 = load_file(out / "head" / "model.safetensors")
+        bf16, fp32 = load_file(out / "head" / "model.safetensors"), before["weights"]
         assert {t.dtype for t in bf16.values()} == {torch.bfloat16}
         assert all(torch.equal(bf16[k], fp32[k].to(torch.bfloat16)) for k in fp32)
-        bad = subprocess.run([*proc.args, "save_dtype=int8"], cwd=ROOT, env=clean_env(), capture_output=True, text=True)
+        bad = before["bad"]
         assert bad.returncode == 2 and "save_dtype must be auto or one of" in bad.stderr
 
 
@@ -188,17 +239,22 @@ def losses(out: Path) -> list[float]:
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-@pytest.fixture(scope="module")
-def chats(tmp_path_factory) -> Path:
-    return write_conversations(tmp_path_factory.mktemp("chats") / "chats.jsonl", n=32)
+def deepspeed_launcher() -> list[str]:
+    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
 
 
 @pytest.fixture(scope="module")
-def zero2_run(chats, tmp_path_factory) -> Path:
-    """The reference 2-rank run: ZeRO-2, the whole target on each rank (logged every step)."""
+def zero2_launch(chats, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The reference 2-rank run: ZeRO-2, the whole target on each rank (logged every step),
+    started by the `deepspeed` launcher."""
     out = tmp_path_factory.mktemp("zero2") / "run"
-    two_rank_run(out, chats, TORCHRUN, "deepspeed=zero2", "train.log_every=1")
-    return out
+    proc = two_rank_run(out, chats, deepspeed_launcher(), "deepspeed=zero2", "train.log_every=1", last=False)
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def zero2_run(zero2_launch) -> Path:
+    return zero2_launch[1]
 
 
 def test_two_ranks_zero2_on_cpu(zero2_run):
@@ -214,7 +270,7 @@ def test_two_ranks_zero1_trains_like_zero2(zero2_run, chats, tmp_path):
     assert losses(out) == pytest.approx(losses(zero2_run), rel=1e-5)
 
 
-def test_zero3_with_a_sharded_target_trains_like_the_whole_target(zero2_run, chats, tmp_path):
+def test_zero3_with_a_sharded_target_trains_like_the_whole_target(zero2_run, chats, plain_runs, tmp_path):
     """ZeRO-3 for the head and the frozen target partitioned over the ranks: the same losses as
     ZeRO-2 with the whole target on each rank, and as one rank taking the same global batch."""
     out = tmp_path / "run"
@@ -224,26 +280,17 @@ def test_zero3_with_a_sharded_target_trains_like_the_whole_target(zero2_run, cha
     assert {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"} <= files
     sharded, whole = losses(out), losses(zero2_run)
     assert len(sharded) == 4 and sharded == pytest.approx(whole, rel=1e-5)
-    one = tmp_path / "one"
-    run(
-        [
-            sys.executable,
-            "train.py",
-            "head=eagle3",
-            "train.max_steps=3",
-            "train.batch_size=4",
-            "train.log_every=1",
-            *tiny_args(chats, one),
-        ]
-    )
+    one = plain_runs["one-rank"][1]  # one process, the same data, batch_size=4
     # one rank averages the loss over the 4 rows' tokens, two ranks average their 2-row means
     assert losses(one) == pytest.approx(sharded, rel=2e-3) and losses(one) != sharded
 
 
-def test_the_deepspeed_launcher_runs_two_cpu_ranks(tmp_path):
-    """The README's `deepspeed` form (it appends --local_rank=N, which train.py moves to the env)."""
-    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    two_rank_run(tmp_path / "run", write_conversations(tmp_path / "chats.jsonl", n=32), launcher, last=False)
+def test_the_deepspeed_launcher_runs_two_cpu_ranks(zero2_launch):
+    """The README's `deepspeed` form (it appends --local_rank=N, which train.py moves to the env):
+    the reference ZeRO-2 run is started so (two_rank_run checked its head, its world of 2 and both
+    ranks' reports); train.py's head path is among the launcher's lines."""
+    proc, out = zero2_launch
+    assert_head_written(proc, out, last=False)
 
 
 def free_port() -> int:
