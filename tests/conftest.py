@@ -1,6 +1,9 @@
 import json
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +11,8 @@ import torch
 from specheads.decode.drafters import HybridDrafter
 from specheads.decode.policy import DynamicTreeSpec
 from specheads.decode.tree import chain_paths, full_paths, static_tree
+
+ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,6 +71,50 @@ def smollm2_target():
     from specheads.target import load_target
 
     return load_target(ModelConfig(), device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def head_dir(tmp_path_factory):
+    """A head directory written by train.py (3 steps on the tiny target), shared by the session
+    (tests/test_infer.py, tests/bench/test_replay.py): a test must not change it."""
+    out = tmp_path_factory.mktemp("train")
+    chats = out / "chats.jsonl"
+    words = "the cat sat on a warm mat and the dog ran to the red barn near a river".split()
+    write_jsonl(
+        chats,
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": " ".join(words[i % 7 : i % 7 + 4])},
+                    {"role": "assistant", "content": " ".join(words[i % 5 : i % 5 + 10])},
+                ]
+            }
+            for i in range(16)
+        ],
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "model=tiny-random",
+            "head=eagle3",
+            "train.max_steps=3",
+            f"output_dir={out / 'run'}",
+            f"data.path={chats}",
+            "data.max_length=96",
+            "data.eval_fraction=0.25",
+            "wandb.mode=disabled",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path = Path(proc.stdout.strip().splitlines()[-1])
+    assert (path / "config.json").is_file()
+    return path
 
 
 def greedy_sequences(target):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import write_jsonl, write_questions
+from conftest import write_questions
 
 from specheads.config import register_configs, typed
 from specheads.errors import SpecHeadsError
@@ -19,49 +19,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, tiny_target):
-    """A head directory written by train.py (3 steps on the tiny target)."""
-    out = tmp_path_factory.mktemp("train")
-    chats = out / "chats.jsonl"
-    words = "the cat sat on a warm mat and the dog ran to the red barn near a river".split()
-    write_jsonl(
-        chats,
-        [
-            {
-                "messages": [
-                    {"role": "user", "content": " ".join(words[i % 7 : i % 7 + 4])},
-                    {"role": "assistant", "content": " ".join(words[i % 5 : i % 5 + 10])},
-                ]
-            }
-            for i in range(16)
-        ],
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "model=tiny-random",
-            "head=eagle3",
-            "train.max_steps=3",
-            f"output_dir={out / 'run'}",
-            f"data.path={chats}",
-            "data.max_length=96",
-            "data.eval_fraction=0.25",
-            "wandb.mode=disabled",
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    path = Path(proc.stdout.strip().splitlines()[-1])
-    assert (path / "config.json").is_file()
-    return path
 
 
 def run_infer(*args, timeout=300):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from conftest import fails_for_some_seed, quick_head, write_questions
-from test_infer import CONF, head_dir, run_infer  # noqa: F401  (head_dir: train.py's tiny head fixture)
+from test_infer import CONF, run_infer
 
 from specheads.bench.replay import (
     MISS,
@@ -111,7 +111,7 @@ def test_replay_counts_what_the_loop_does(tiny_target, heads, sequences):
     assert fails_for_some_seed(check, no_cap, range(24))
 
 
-def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path):  # noqa: F811
+def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path):
     questions = tmp_path / "question.jsonl"
     write_questions(questions, ["Tell me about cats.", "Count to five."], ("writing", "math"), later_turns=("More.",))
     out = tmp_path / "bench" / "out.jsonl"
