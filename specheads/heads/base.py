@@ -210,6 +210,50 @@ def shifted(x: torch.Tensor, k: int, fill: Any = 0) -> torch.Tensor:
     return torch.cat([x[:, k:], tail], dim=1)
 
 
+# -- packed batches (data.pack, specheads.data.packing) -----------------------------------------
+# A packed row holds several conversations; its batch adds `document` (each token's conversation
+# in the row, -1 on padding) and `position_ids` (restarting at 0 with every conversation). An
+# unpacked row is one document (padding aside) at positions 0, 1, 2, ...; the helpers below give
+# both kinds in one form, so a head's loss keeps attention, positions and shifted targets inside
+# one conversation either way.
+
+
+def documents(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, T] each token's document in its row (-1: padding)."""
+    document = batch.get("document")
+    if document is not None:
+        return document
+    return torch.where(batch["attention_mask"].bool(), 0, -1)
+
+
+def positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, T] each token's position in its own conversation."""
+    position_ids = batch.get("position_ids")
+    if position_ids is not None:
+        return position_ids
+    b, t = batch["input_ids"].shape
+    return torch.arange(t, device=batch["input_ids"].device).expand(b, t)
+
+
+def within(batch: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+    """Bool [B, T]: tokens t and t+k are both tokens of one conversation (for an unpacked row:
+    both are real tokens). What every shifted target is cut by."""
+    document = documents(batch)
+    return (shifted(document, k, -1) == document) & (document >= 0)
+
+
+def document_causal_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Bool [B, 1, T, T] for a packed batch: query t sees keys s <= t of its own document (padding
+    sees the padding before it, never a conversation); None for an unpacked batch (a plain causal
+    mask over the row already keeps its one conversation from the padding after it)."""
+    document = batch.get("document")
+    if document is None:
+        return None
+    t = document.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=document.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+
+
 def chain_metrics(hits: torch.Tensor, counted: torch.Tensor) -> dict[str, torch.Tensor]:
     """hits, counted: bool [D, N] per depth. accept_lengths counts leading hits per position.
 

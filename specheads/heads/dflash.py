@@ -30,7 +30,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 from ..target import FrozenTarget, TargetInfo
-from .base import DraftHead, chain_metrics, shifted
+from .base import DraftHead, chain_metrics, documents, positions, shifted, within
 from .layers import DraftAttention, DraftCache, Rotary, draft_llama_config
 from .mask_token import resolve_mask_token_id
 from .medusa import MedusaHead
@@ -202,12 +202,16 @@ class DFlashHead(DraftHead):
         return self.draft_logits(h[0, 1 : 1 + max(positions, 1)])
 
     # -- training --------------------------------------------------------------------------
-    def packed_hidden(self, input_ids, features, anchors: list[torch.Tensor], doc0: torch.Tensor):
+    def packed_hidden(
+        self, input_ids, features, anchors: list[torch.Tensor], doc0: torch.Tensor, pos0: torch.Tensor | None = None
+    ):
         """All blocks of each row in one forward: the final-normed states [B, N, H] of the N = A x
         block_size elements (A: the most anchors of a row; shorter rows padded with padding blocks),
         and each element's anchor, slot and document [B, N] (document < 0: padding).
 
-        anchors[r]: row r's anchors; doc0 [B, T]: the document of each position (< 0: padding)."""
+        anchors[r]: row r's anchors; doc0 [B, T]: the document of each position (< 0: padding);
+        pos0 [B, T]: its position in its document (None: positions 0, 1, ... of the row): context
+        position p sits at RoPE position pos0[p], slot k of anchor t at pos0[t] + 1 + k."""
         b, t = input_ids.shape
         size, device = self.spec.block_size, input_ids.device
         a = max(1, max(len(x) for x in anchors))
@@ -221,22 +225,33 @@ class DFlashHead(DraftHead):
         doc = torch.where(real, doc0.gather(1, anchor), -1)
         first = shifted(input_ids, 1).gather(1, anchor)  # token anchor + 1
         ids = torch.where(slot == 0, first, torch.full_like(first, self.spec.mask_token_id))
-        context = self.context_kv(features, torch.arange(t, device=device).expand(b, -1))
+        if pos0 is None:
+            pos0 = torch.arange(t, device=device).expand(b, -1)
+        context = self.context_kv(features, pos0)
         mask = block_attention_mask(doc0, doc, anchor, block)[:, None]
-        return self.block_forward(ids, anchor + 1 + slot, context, mask), anchor, slot, doc
+        return self.block_forward(ids, pos0.gather(1, anchor) + 1 + slot, context, mask), anchor, slot, doc
 
     def loss(self, batch, states):
         input_ids = batch["input_ids"]
         t = input_ids.shape[1]
-        valid = batch["attention_mask"].bool()
-        counted = valid & batch["loss_mask"].bool()
-        doc0 = torch.where(valid, 0, -1)
-        # anchor t: token t+1 exists (slot 0) and the first draft's token t+2 counts
-        candidates = valid & shifted(valid, 1, False) & shifted(counted, 2, False)
-        anchors = [  # drawn from the global RNG, which the trainer seeds
-            sample_block_anchors(candidates[r], self.spec.anchors_per_sequence, None) for r in range(len(input_ids))
+        doc0 = documents(batch)
+        counted = (doc0 >= 0) & batch["loss_mask"].bool()
+        # anchor t: token t+1 of its conversation exists (slot 0) and the first draft's token t+2 counts
+        candidates = within(batch, 1) & within(batch, 2) & shifted(counted, 2, False)
+        # drawn from the global RNG, which the trainer seeds: anchors_per_sequence per conversation,
+        # so a packed row draws for each of its conversations what it would draw alone
+        anchors = [
+            torch.cat(
+                [
+                    sample_block_anchors(candidates[r] & (doc0[r] == d), self.spec.anchors_per_sequence, None)
+                    for d in range(max(int(doc0[r].max()) + 1, 1))
+                ]
+            )
+            for r in range(len(input_ids))
         ]
-        h, anchor, slot, doc = self.packed_hidden(input_ids, self.input_features(states), anchors, doc0)
+        h, anchor, slot, doc = self.packed_hidden(
+            input_ids, self.input_features(states), anchors, doc0, positions(batch)
+        )
         where = (anchor + 1 + slot).clamp(max=t - 1)  # slot k predicts token anchor + 1 + k
         kept = (
             (slot >= 1)
@@ -260,17 +275,19 @@ class DFlashHead(DraftHead):
             metrics[f"acc_{d}"] = ((hit & at).sum() / n).item()
         return total, metrics
 
-    def teacher_forced_logits(self, input_ids, states, depth):
+    def teacher_forced_logits(self, input_ids, states, depth, doc0=None, pos0=None):
         """Every position an anchor (in chunks): [B, T, V] per depth 1..depth; at depth d position t
-        holds slot d of the block anchored at t, the draft for token t+1+d."""
+        holds slot d of the block anchored at t, the draft for token t+1+d. doc0, pos0 [B, T]: a
+        packed row's documents and positions (None: one document per row)."""
         depth = min(depth, self.spec.block_size - 1)
         b, t = input_ids.shape
         features = self.input_features(states)
-        doc0 = torch.zeros(b, t, dtype=torch.long, device=input_ids.device)
+        if doc0 is None:
+            doc0 = torch.zeros(b, t, dtype=torch.long, device=input_ids.device)
         outs = [None] * depth
         for start in range(0, t, TEACHER_FORCED_CHUNK):
             chunk = torch.arange(start, min(start + TEACHER_FORCED_CHUNK, t), device=input_ids.device)
-            h, _, _, _ = self.packed_hidden(input_ids, features, [chunk] * b, doc0)
+            h, _, _, _ = self.packed_hidden(input_ids, features, [chunk] * b, doc0, pos0)
             h = h.view(b, len(chunk), self.spec.block_size, -1)
             for d in range(depth):
                 logits = self.draft_logits(h[:, :, d + 1])
@@ -282,11 +299,10 @@ class DFlashHead(DraftHead):
     @torch.no_grad()
     def evaluate(self, batch, states):
         greedy = self.target_logits(states["final"]).argmax(-1)  # greedy[t] = token t+1
-        outs = self.teacher_forced_logits(batch["input_ids"], states, self.spec.eval_depth)
-        valid = batch["attention_mask"].bool()
-        counted = batch["loss_mask"].bool() & valid
+        layout = (documents(batch), positions(batch)) if "document" in batch else (None, None)
+        outs = self.teacher_forced_logits(batch["input_ids"], states, self.spec.eval_depth, *layout)
         hits, seen = [], []
         for j, logits in enumerate(outs):  # depth j+1 at position t drafts token t+2+j
             hits.append(logits.argmax(-1) == shifted(greedy, 1 + j))
-            seen.append(shifted(counted, 2 + j, False) & valid)
+            seen.append(shifted(batch["loss_mask"].bool(), 2 + j, False) & within(batch, 2 + j))
         return chain_metrics(torch.stack(hits).flatten(1), torch.stack(seen).flatten(1))

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..target import TargetInfo
-from .base import DraftHead, chain_metrics, shifted
+from .base import DraftHead, chain_metrics, document_causal_mask, positions, shifted, within
 from .layers import DraftCache, DraftDecoderLayer, Rotary, draft_llama_config
 from .spec import HeadSpec
 
@@ -79,14 +79,25 @@ class AutoregressiveHead(DraftHead):
             h = layer(x, residual, cos, sin, cache, i, attention_mask)
         return h, self.draft_logits(h)
 
-    def unrolled(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unrolled(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        steps: int,
+        position_ids: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
         """Training-time test: `steps` chained draft steps at every position at once.
 
         Step j at position t reads token t+1+j and its own step j-1 output, sits at RoPE position
-        t+j, and attends to the step-0 keys 0..t plus its own chain, as a depth-j draft does.
+        t+j, and attends to the step-0 keys 0..t plus its own chain, as a depth-j draft does. A
+        packed row passes its position_ids and document mask (heads.base.document_causal_mask):
+        positions restart, and the step-0 keys seen are those of the query's own conversation.
         """
         b, t = input_ids.shape
-        positions = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
+        positions = position_ids
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
         context: list[tuple | None] = [None] * len(self.layers)
         chains: list[list] = [[] for _ in self.layers]
         outputs, feat = [], features.to(self.dtype)
@@ -96,7 +107,7 @@ class AutoregressiveHead(DraftHead):
             cos, sin = self.rotary(h, positions + j)
             for i, layer in enumerate(self.layers):
                 x, residual = self._layer_inputs(i, emb, h)
-                h, kv = layer.forward_unrolled(x, residual, cos, sin, context[i], chains[i])
+                h, kv = layer.forward_unrolled(x, residual, cos, sin, context[i], chains[i], mask)
                 if j == 0:
                     context[i] = kv
                 else:
@@ -111,14 +122,20 @@ class AutoregressiveHead(DraftHead):
 
     # -- evaluation shared by both families ----------------------------------------------------
     def _counted(self, batch: dict[str, torch.Tensor], j: int) -> torch.Tensor:
-        """Positions t whose step-j prediction (token t+2+j) exists and is an assistant token."""
-        valid = batch["attention_mask"].bool()
-        return shifted(batch["loss_mask"].bool() & valid, 2 + j, False) & valid
+        """Positions t whose step-j prediction (token t+2+j) exists in t's conversation and is an
+        assistant token."""
+        return shifted(batch["loss_mask"].bool(), 2 + j, False) & within(batch, 2 + j)
+
+    def unrolled_batch(self, batch: dict[str, torch.Tensor], features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """`unrolled` over a batch, packed or not."""
+        if "document" not in batch:
+            return self.unrolled(batch["input_ids"], features, steps)
+        return self.unrolled(batch["input_ids"], features, steps, positions(batch), document_causal_mask(batch))
 
     @torch.no_grad()
     def evaluate(self, batch, states):
         greedy = self.target_logits(states["final"]).argmax(-1)  # greedy[t] = token t+1
-        outs = self.unrolled(batch["input_ids"], self.input_features(states), self.spec.eval_depth)
+        outs = self.unrolled_batch(batch, self.input_features(states), self.spec.eval_depth)
         hits, counted = [], []
         for j, h in enumerate(outs):
             pred = self.draft_to_target(self.draft_logits(h).argmax(-1))
@@ -170,7 +187,7 @@ class EagleHead(AutoregressiveHead):
     def loss(self, batch, states):
         final = states["final"]
         features = self._noisy(final.to(self.dtype))
-        pred = self.unrolled(batch["input_ids"], features, 1)[0]  # predicts final[t + 1]
+        pred = self.unrolled_batch(batch, features, 1)[0]  # predicts final[t + 1]
         target_feat = shifted(final, 1).to(pred.dtype)
         mask = self._counted(batch, 0)
         n = mask.sum().clamp(min=1)

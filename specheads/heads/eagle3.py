@@ -82,7 +82,7 @@ class Eagle3Head(AutoregressiveHead):
         target_logits = self.target_logits(states["final"])  # [B,T,V]; position t predicts t+1
         in_vocab_logits = target_logits[..., self.t2d]
         in_vocab_top = self.t2d[target_logits.argmax(-1)]
-        outs = self.unrolled(batch["input_ids"], self.input_features(states), self.spec.ttt_steps)
+        outs = self.unrolled_batch(batch, self.input_features(states), self.spec.ttt_steps)
         total = target_logits.new_zeros(())
         metrics = {}
         for j, h in enumerate(outs):

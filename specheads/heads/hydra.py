@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..target import TargetInfo
-from .base import DraftHead, chain_metrics, shifted
+from .base import DraftHead, chain_metrics, document_causal_mask, positions, shifted, within
 from .layers import DraftCache, DraftDecoderLayer, Rotary, draft_llama_config
 from .medusa import MedusaHead, ResBlock
 from .spec import HeadSpec
@@ -92,18 +92,23 @@ class HydraHead(DraftHead):
     def new_prefix_cache(self) -> DraftCache | None:
         return DraftCache(1) if self.prefix is not None else None
 
-    def base_states(self, final: torch.Tensor, cache: DraftCache | None = None) -> torch.Tensor:
+    def base_states(self, final: torch.Tensor, cache: DraftCache | None = None, batch=None) -> torch.Tensor:
         """[B, T, H] the heads' base state at every position: the final state itself, or the prefix
-        layer's output (causal; with `cache`, the positions continue after the cached ones)."""
+        layer's output (causal; with `cache`, the positions continue after the cached ones; a
+        packed `batch` keeps it inside each conversation, at the conversation's positions)."""
         x = final.to(self.dtype)
         if self.prefix is None:
             return x
         b, t, _ = x.shape
-        start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + t, device=x.device).unsqueeze(0).expand(b, t)
-        cos, sin = self.rotary(x, positions)
+        mask = None
+        if batch is not None and "document" in batch:
+            position_ids, mask = positions(batch), document_causal_mask(batch)
+        else:
+            start = cache.length if cache is not None else 0
+            position_ids = torch.arange(start, start + t, device=x.device).unsqueeze(0).expand(b, t)
+        cos, sin = self.rotary(x, position_ids)
         # the final state is already normalised: no input norm, as in EAGLE-1's layer
-        return self.prefix(x, x, cos, sin, cache, 0)
+        return self.prefix(x, x, cos, sin, cache, 0, mask)
 
     def head_logits(self, k: int, base: torch.Tensor, path_ids: torch.Tensor) -> torch.Tensor:
         """[..., V] head k's logits from base [..., H] and path_ids [..., k+1] (root first)."""
@@ -114,8 +119,10 @@ class HydraHead(DraftHead):
         lm = self.lm_heads[k] if self.lm_heads is not None else self.frozen.lm_head
         return lm(y.to(lm.weight.dtype)).float()
 
-    def teacher_forced_logits(self, input_ids, states, depth):
-        base = self.base_states(states["final"])
+    def teacher_forced_logits(self, input_ids, states, depth, batch=None):
+        """As DraftHead's; a packed `batch` (of these input_ids) keeps the prefix layer inside each
+        conversation (a path running past a conversation's end is cut from the loss by _counted)."""
+        base = self.base_states(states["final"], batch=batch)
         out = []
         for k in range(min(depth, self.spec.num_heads)):
             # at position t the path is the true x_{t+1}..x_{t+k+1}; the tail past the end is 0
@@ -125,14 +132,14 @@ class HydraHead(DraftHead):
 
     # -- training ----------------------------------------------------------------------------
     def _counted(self, batch) -> torch.Tensor:
-        """[K, B, T]: position t counts for head k when token t+k+2 exists and is an assistant token."""
-        valid = batch["attention_mask"].bool()
-        mask = batch["loss_mask"].bool() & valid
-        return torch.stack([shifted(mask, k + 2, False) & valid for k in range(self.spec.num_heads)])
+        """[K, B, T]: position t counts for head k when token t+k+2 exists in its conversation and
+        is an assistant token."""
+        mask = batch["loss_mask"].bool()
+        return torch.stack([shifted(mask, k + 2, False) & within(batch, k + 2) for k in range(self.spec.num_heads)])
 
     def loss(self, batch, states):
         input_ids = batch["input_ids"]
-        logits = self.teacher_forced_logits(input_ids, states, self.spec.num_heads)
+        logits = self.teacher_forced_logits(input_ids, states, self.spec.num_heads, batch)
         counted = self._counted(batch)
         # Hydra++: the target's distribution of token t+1 sits at position t
         teacher = self.target_logits(states["final"]) if self.spec.hydra_teacher_loss else None
@@ -158,7 +165,7 @@ class HydraHead(DraftHead):
     @torch.no_grad()
     def evaluate(self, batch, states):
         greedy = self.target_logits(states["final"]).argmax(-1)  # greedy[t] is the token t+1
-        logits = self.teacher_forced_logits(batch["input_ids"], states, self.spec.num_heads)
+        logits = self.teacher_forced_logits(batch["input_ids"], states, self.spec.num_heads, batch)
         # greedy acceptance compares head k with the target's argmax for token t+k+2
         hits = torch.stack([lg.argmax(-1) == shifted(greedy, k + 1) for k, lg in enumerate(logits)])
         return chain_metrics(hits.flatten(1), self._counted(batch).flatten(1))

@@ -166,27 +166,26 @@ class DraftDecoderLayer(nn.Module):
             mask = causal_mask_with_past(t, past, q.device)
         return self.finish(residual, attn.output(attn.attend(q, k, v, mask)))
 
-    def forward_unrolled(self, x, residual, cos, sin, context: tuple | None, chain: list):
+    def forward_unrolled(self, x, residual, cos, sin, context: tuple | None, chain: list, mask=None):
         """One training-time-test step.
 
         context: (k0, v0) of step 0, or None at step 0 (then this step's keys become the context).
         chain: (k_j, v_j) of steps 1..j-1 at the same positions; this step's keys are appended.
+        mask: which context keys each query sees, bool [B, 1, T, T] (a packed row's conversations
+        apart, heads.base.document_causal_mask); None: causal over the row.
         Returns (output, (k, v) of this step).
         """
         attn = self.self_attn
         q, k, v = attn.project(x, cos, sin)
         scale = 1.0 / math.sqrt(attn.head_dim)
+        t = q.shape[2]
+        seen = mask if mask is not None else causal_mask_with_past(t, 0, q.device)
         if context is None:
-            t = q.shape[2]
-            out = F.scaled_dot_product_attention(
-                q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=causal_mask_with_past(t, 0, q.device)
-            )
+            out = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=seen)
             return self.finish(residual, attn.output(out)), (k, v)
         k0, v0 = context
-        t = q.shape[2]
         ctx_scores = torch.matmul(q, attn.expand_kv(k0).transpose(-1, -2)) * scale  # [B,h,T,T]
-        causal = causal_mask_with_past(t, 0, q.device)
-        ctx_scores = ctx_scores.masked_fill(~causal, float("-inf"))
+        ctx_scores = ctx_scores.masked_fill(~seen, float("-inf"))
         diag_keys = [kk for kk, _ in chain] + [k]
         diag_values = [vv for _, vv in chain] + [v]
         diag_scores = torch.stack([(q * attn.expand_kv(kk)).sum(-1) * scale for kk in diag_keys], dim=-1)  # [B,h,T,j]

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..target import FrozenTarget, TargetInfo
-from .base import DraftHead, chain_metrics, shifted
+from .base import DraftHead, chain_metrics, shifted, within
 from .spec import HeadSpec
 
 
@@ -104,13 +104,12 @@ class MedusaHead(DraftHead):
     def _targets(self, batch, states):
         """Per head k: labels (the target's greedy token t+k+2) and which positions count."""
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        valid = batch["attention_mask"].bool()
         greedy = self.target_logits(states["final"]).argmax(-1)  # greedy[t] is the token t+1
         labels, counted = [], []
         for k in range(self.spec.num_heads):
             labels.append(shifted(input_ids, k + 2))
-            # a position counts when token t+k+2 exists and is an assistant token
-            counted.append(shifted(loss_mask & valid, k + 2, False) & valid)
+            # a position counts when token t+k+2 exists in its conversation and is an assistant token
+            counted.append(shifted(loss_mask, k + 2, False) & within(batch, k + 2))
         return torch.stack(labels), torch.stack(counted), greedy
 
     def loss(self, batch, states):

@@ -31,8 +31,8 @@ from torch import nn
 
 from ..atomic import write_directory
 from ..errors import SpecHeadsError
-from ..target import FrozenTarget, TargetInfo
-from .base import shifted
+from ..target import FrozenTarget, TargetInfo, forward_masks
+from .base import shifted, within
 from .medusa import MedusaHead
 from .spec import HeadSpec
 
@@ -106,13 +106,12 @@ class Medusa2Head(MedusaHead):
 
     def adapted_final(self, batch) -> torch.Tensor:
         """[B, T, H] the adapted target's post-norm final states; with grad through the LoRA in stage 2."""
-        return self._target.states(batch["input_ids"], batch["attention_mask"], final=True, grad=self.joint()).final
+        return self._target.states(batch["input_ids"], **forward_masks(batch), final=True, grad=self.joint()).final
 
     def lm_loss(self, batch, final: torch.Tensor) -> torch.Tensor:
         """The adapted target's own loss at the positions that predict an assistant token: KL from the
         original target's next-token distribution (head.lm_loss=kl), or cross-entropy on the data."""
-        valid = batch["attention_mask"].bool()
-        counted = (shifted(batch["loss_mask"].bool() & valid, 1, False) & valid).flatten().nonzero().squeeze(1)
+        counted = (shifted(batch["loss_mask"].bool(), 1, False) & within(batch, 1)).flatten().nonzero().squeeze(1)
         # only the counted positions go through the LM head: prompts and padding would cost a
         # vocabulary-wide row each for nothing
         logits = self.target_logits(final.flatten(0, 1)[counted])
@@ -128,7 +127,7 @@ class Medusa2Head(MedusaHead):
     def original_final(self, batch) -> torch.Tensor:
         """[B, T, H] the original target's final states: the same forward with the LoRA switched off."""
         with self._peft.disable_adapter():
-            return self._target.states(batch["input_ids"], batch["attention_mask"], final=True).final
+            return self._target.states(batch["input_ids"], **forward_masks(batch), final=True).final
 
     def loss(self, batch, states):
         final = self.adapted_final(batch)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..target import FrozenTarget, TargetInfo
-from .base import chain_metrics, shifted
+from .base import chain_metrics, documents, positions, shifted
 from .eagle3 import Eagle3Head
 from .mask_token import resolve_mask_token_id
 from .medusa import MedusaHead
@@ -125,12 +125,20 @@ class PEagleHead(Eagle3Head):
         return logits[0, n - 1 :]
 
     # -- training --------------------------------------------------------------------------
-    def packed_forward(self, input_ids, features, anchors: list[list[torch.Tensor]], doc0: torch.Tensor):
+    def packed_forward(
+        self,
+        input_ids,
+        features,
+        anchors: list[list[torch.Tensor]],
+        doc0: torch.Tensor,
+        pos0: torch.Tensor | None = None,
+    ):
         """Draft logits [B, N, Vd] of the packed elements, and their (anchor, depth, doc) [B, N].
 
         anchors[b][d-1]: the depth-d anchors of row b; depth 0 is every position, doc0 [B, T] its
-        document id per position (< 0: padding). Rows are padded to the longest with padding
-        elements."""
+        document id per position (< 0: padding), pos0 [B, T] its position in its document (None:
+        the row is one document, positions 0, 1, ...); element (t, d) sits at RoPE position
+        pos0[t] + d. Rows are padded to the longest with padding elements."""
         b, t = input_ids.shape
         device = input_ids.device
         rows = []
@@ -155,11 +163,9 @@ class PEagleHead(Eagle3Head):
         feats = features.to(self.dtype).gather(1, anchor[..., None].expand(-1, -1, features.shape[-1]))
         feats = torch.where(real[..., None], feats, self.mask_feature().expand_as(feats))
         mask = packed_depth_mask(doc, anchor, depth)[:, None]
-        _, logits = self.draft_step(ids, feats, anchor + depth, None, attention_mask=mask)
+        where = anchor if pos0 is None else pos0.gather(1, anchor)
+        _, logits = self.draft_step(ids, feats, where + depth, None, attention_mask=mask)
         return logits, anchor, depth, doc
-
-    def _doc0(self, batch) -> torch.Tensor:
-        return torch.where(batch["attention_mask"].bool(), 0, -1)
 
     def loss(self, batch, states):
         target_logits = self.target_logits(states["final"])  # [B,T,V]; position t predicts t+1
@@ -172,7 +178,7 @@ class PEagleHead(Eagle3Head):
             for r in range(counted.shape[1])
         ]
         logits, anchor, depth, doc = self.packed_forward(
-            batch["input_ids"], self.input_features(states), anchors, self._doc0(batch)
+            batch["input_ids"], self.input_features(states), anchors, documents(batch), positions(batch)
         )
         t = in_vocab_logits.shape[1]
         # element (t, d) predicts token t+2+d, whose target distribution sits at t+1+d
@@ -194,20 +200,23 @@ class PEagleHead(Eagle3Head):
             metrics[f"acc_{d}"] = ((hit & m).sum() / n).item()
         return total, metrics
 
-    def teacher_forced_logits(self, input_ids, states, depth):
-        """Every position drafted at every depth (no sampling): [B, T, Vd] per depth 1..depth."""
+    def teacher_forced_logits(self, input_ids, states, depth, doc0=None, pos0=None):
+        """Every position drafted at every depth (no sampling): [B, T, Vd] per depth 1..depth.
+        doc0, pos0 [B, T]: a packed row's documents and positions (None: one document per row)."""
         depth = min(depth, self.spec.parallel_depths)
         b, t = input_ids.shape
         every = torch.arange(t, device=input_ids.device)
         anchors = [[every] * (depth - 1) for _ in range(b)]
-        doc0 = torch.zeros(b, t, dtype=torch.long, device=input_ids.device)
-        logits, _, _, _ = self.packed_forward(input_ids, self.input_features(states), anchors, doc0)
+        if doc0 is None:
+            doc0 = torch.zeros(b, t, dtype=torch.long, device=input_ids.device)
+        logits, _, _, _ = self.packed_forward(input_ids, self.input_features(states), anchors, doc0, pos0)
         return [logits[:, d * t : (d + 1) * t].float() for d in range(depth)]
 
     @torch.no_grad()
     def evaluate(self, batch, states):
         greedy = self.target_logits(states["final"]).argmax(-1)  # greedy[t] = token t+1
-        outs = self.teacher_forced_logits(batch["input_ids"], states, self.spec.eval_depth)
+        layout = (documents(batch), positions(batch)) if "document" in batch else (None, None)
+        outs = self.teacher_forced_logits(batch["input_ids"], states, self.spec.eval_depth, *layout)
         hits, counted = [], []
         for j, logits in enumerate(outs):
             pred = self.draft_to_target(logits.argmax(-1))
