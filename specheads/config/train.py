@@ -157,6 +157,11 @@ class DataConfig:
     format: str = "auto"  # auto | sharegpt | openai
     split: str = "train"  # the split of a Hub dataset
     max_length: int = 512  # tokens per conversation (longer ones are cut)
+    # pack the training conversations into rows of up to max_length tokens (first-fit decreasing),
+    # each conversation kept apart in the target's forward and in the head's attention, positions and
+    # targets, so no compute goes to padding; train.batch_size then counts packed rows. The
+    # evaluation split stays one conversation per row (its numbers compare with unpacked runs)
+    pack: bool = False
     eval_fraction: float = 0.05  # the share held out as the evaluation split
     max_examples: int | None = None  # at most this many conversations in all; null = all
     shuffle_seed: int = 0  # the seed of the shuffle and of the train/eval split

@@ -115,7 +115,9 @@ def layer_activations(info: TargetInfo, tokens: int, weight_bytes: int, width: i
     return tokens * weight_bytes * (width + 2 * q + 2 * kv + 3 * info.hidden_size + 4 * intermediate)
 
 
-def activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weight_bytes: int, online: bool) -> float:
+def activations(
+    info: TargetInfo, spec: HeadSpec, batch: int, length: int, weight_bytes: int, online: bool, packed: bool = False
+) -> float:
     """An estimate (not a measurement) of a micro-batch's peak, bytes per rank.
 
     Counted: the target states the head reads (captured by a forward, or read from the cache);
@@ -125,7 +127,8 @@ def activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weigh
     EAGLE-1's one step, EAGLE-3's ttt_steps) the draft layers' saved tensors, the fp32 draft logits
     with their log-softmax and target distribution, and, for EAGLE-3's steps after the first, the
     attention scores the unrolled draft computes explicitly ([B, heads, T, T]). Left out: the
-    padding-free small tensors, and the evaluation passes (no grad, smaller).
+    padding-free small tensors, and the evaluation passes (no grad, smaller). `packed` (data.pack):
+    a row holds several conversations, and DFlash draws its anchors for each of them.
     """
     h, v, n = info.hidden_size, info.vocab_size, batch * length
     head = HEADS[spec.family]
@@ -134,7 +137,7 @@ def activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weigh
         layers = info.num_layers if head.adapts_target else 1
         total += layers * layer_activations(info, n, weight_bytes, h, info.intermediate_size)
     if spec.family == "dflash":
-        return total + dflash_activations(info, spec, batch, length, weight_bytes)
+        return total + dflash_activations(info, spec, batch, length, weight_bytes, packed)
     if head.draft_kind not in ("autoregressive", "parallel_decoder"):  # Medusa, Hydra: a block stack per head
         per_head = n * v * (weight_bytes + 8) + spec.num_layers * 2 * n * h * weight_bytes
         return total + spec.num_heads * per_head
@@ -161,12 +164,15 @@ def activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weigh
     return total
 
 
-def dflash_activations(info: TargetInfo, spec: HeadSpec, batch: int, length: int, weight_bytes: int) -> float:
+def dflash_activations(
+    info: TargetInfo, spec: HeadSpec, batch: int, length: int, weight_bytes: int, packed: bool = False
+) -> float:
     """DFlash: the fused context (fc input and output, its keys and values in every layer), one
-    forward over anchors x block_size rows (at most one anchor per position), its masked attention
-    over context + rows, and the fp32 logits with their log-softmax of the drafting rows."""
+    forward over anchors x block_size rows (at most one anchor per position; a packed row draws
+    anchors_per_sequence for each of its conversations, so up to one per position), its masked
+    attention over context + rows, and the fp32 logits with their log-softmax of the drafting rows."""
     h, n = info.hidden_size, batch * length
-    rows = batch * min(spec.anchors_per_sequence, length) * spec.block_size
+    rows = batch * (length if packed else min(spec.anchors_per_sequence, length)) * spec.block_size
     kv = info.num_key_value_heads * info.head_dim
     context = (len(spec.layer_ids) + 2) * n * h * weight_bytes + spec.dflash_layers * 2 * n * kv * weight_bytes
     layers = spec.dflash_layers * layer_activations(info, rows, weight_bytes, h, spec.intermediate_size)
@@ -237,7 +243,7 @@ def make_plan(cfg: TrainJobConfig, arch: TargetArch, gpus: Gpus | None, world: i
     batch, length = cfg.train.batch_size, cfg.data.max_length
 
     def usage(target_params: float, online: bool) -> Usage:
-        acts = activations(info, spec, batch, length, weight_bytes, online)
+        acts = activations(info, spec, batch, length, weight_bytes, online, cfg.data.pack)
         return Usage(target_params * weight_bytes, params, grads, optimizer, acts)
 
     layers = info.num_layers * arch.layer_parameters

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from ..config.train import DeepSpeedConfig, HeadConfig, TrainConfig, TrainJobConfig
 from ..data.datasets import row_lengths
 from ..data.features import rows_digest
+from ..data.packing import pack_lengths, pack_rows
 from ..distributed import Dist, all_gather_objects, all_reduce_sum, peak_memory_gb, per_rank
 from ..errors import SpecHeadsError
 from ..heads import save_head
@@ -106,6 +107,8 @@ BEST_DIR = "best"
 
 # fingerprint keys a checkpoint written before them lacks: not compared there (its train_rows still is)
 ADDED_LATER = ("train_data", "group_by_length")
+# fingerprint keys a checkpoint written before them lacks, with the value its run had
+ADDED_LATER_AS = {"pack": None}
 
 
 def fingerprint_diffs(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -116,11 +119,11 @@ def fingerprint_diffs(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     for key, value in now.items():
         if key in ADDED_LATER and key not in saved:
             continue
-        old = saved.get(key)
+        old = saved.get(key, ADDED_LATER_AS.get(key))
         if key == "head" and isinstance(old, dict) and isinstance(value, dict):
             old = {**{k: v for k, v in defaults.items() if k in value}, **old}
         if old != value:
-            diffs.append(f"{key} {saved.get(key)!r} -> {value!r}")
+            diffs.append(f"{key} {saved.get(key, ADDED_LATER_AS.get(key))!r} -> {value!r}")
     return diffs
 
 
@@ -149,8 +152,23 @@ class Trainer:
         if t.batch_size < 1 or t.grad_accum < 1:
             raise SpecHeadsError("train.batch_size and train.grad_accum must be >= 1")
         source.require(*head.training_states())
+        lengths = row_lengths(source.rows("train"))
+        # data.pack: the rows a micro-batch reads are packs of conversations (a pure function of
+        # their lengths, so a resumed run packs alike); None: one conversation per row
+        self.packs: list[list[int]] | None = None
+        if cfg.data.pack:
+            self.packs = pack_rows(lengths, cfg.data.max_length)
+            conversations, tokens = len(lengths), sum(lengths)
+            lengths = pack_lengths(lengths, self.packs)
+            if d.is_main:
+                full = tokens / max(1, len(self.packs) * cfg.data.max_length)
+                print(
+                    f"data: {conversations} training conversations packed into {len(self.packs)} rows of up to "
+                    f"{cfg.data.max_length} tokens ({full:.0%} full)",
+                    file=sys.stderr,
+                )
         self.batches = TrainBatches(
-            row_lengths(source.rows("train")),
+            lengths,
             t.batch_size,
             d.rank,
             d.world_size,
@@ -210,6 +228,8 @@ class Trainer:
             "train_data": self.data_digest,
             "group_by_length": c.train.group_by_length,
             "init_from": c.train.init_from,
+            # the packed rows' length (data.pack), None: one conversation per row
+            "pack": c.data.max_length if c.data.pack else None,
         }
 
     def resume(self) -> int:
@@ -282,7 +302,10 @@ class Trainer:
         self.head.steps_done = self.step
         for k in range(grad_accum):
             rows = self.batches[self.step * grad_accum + k]
-            batch, states = self.source.fetch("train", rows)
+            if self.packs is None:
+                batch, states = self.source.fetch("train", rows)
+            else:
+                batch, states = self.source.fetch_packed("train", [self.packs[i] for i in rows])
             loss, metrics = self.engine(batch, states)
             self.engine.backward(loss)
             self.engine.step()

@@ -4,11 +4,16 @@ cache's packed rows, the resume fingerprint, and train.py end to end. Each equal
 failing on a variant that lets attention or a shifted target cross from one conversation into the
 next."""
 
+import os
 import random
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_conversations
 
 import specheads.heads.dflash as dflash
 import specheads.heads.eagle as eagle
@@ -22,6 +27,7 @@ from specheads.errors import SpecHeadsError
 from specheads.heads import build_head
 from specheads.target import load_target
 from specheads.train.state_source import OfflineStates, OnlineStates
+from specheads.train.trainer import fingerprint_diffs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,7 +214,7 @@ def test_medusa2_packed_loss_runs_the_adapted_target_per_conversation():
         assert_same_loss(head, plain, one_document(head, *packed, target))
 
 
-# -- the feature cache ----------------------------------------------------------------
+# -- the feature cache, resume, train.py ----------------------------------------------------------------
 
 
 def test_cached_states_pack_like_a_packed_target_forward(tiny_target, tmp_path):
@@ -228,3 +234,25 @@ def test_cached_states_pack_like_a_packed_target_forward(tiny_target, tmp_path):
     for key in (2, "final"):
         # fp32 noise only: the cache ran each conversation alone, unpadded (matmuls of other shapes)
         torch.testing.assert_close(s1[key][real], s2[key][real], rtol=1e-4, atol=1e-4)
+
+
+def test_a_checkpoint_resumes_only_a_run_packed_alike():
+    assert fingerprint_diffs({}, {"pack": None}) == []  # a checkpoint from before packing was unpacked
+    assert fingerprint_diffs({}, {"pack": 96}) == ["pack None -> 96"]
+    assert fingerprint_diffs({"pack": 96}, {"pack": 128}) == ["pack 96 -> 128"]
+
+
+def test_train_py_trains_on_packed_rows(tmp_path):
+    data = write_conversations(tmp_path / "chats.jsonl", n=24)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "model=tiny-random", "head=eagle3", "head.ttt_steps=2"]
+    cmd += [f"data.path={data}", "data.max_length=96", "data.eval_fraction=0.25", "data.pack=true"]
+    cmd += ["train.max_steps=3", "train.batch_size=2", "train.log_every=1", f"output_dir={out}", "wandb.mode=disabled"]
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(out / "head")
+    assert re.search(r"data: 18 training conversations packed into \d+ rows of up to 96 tokens", proc.stderr)
+    metrics = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"train/loss"' in line]
+    assert len(metrics) == 3
