@@ -319,7 +319,7 @@ def test_sampled_tokens_follow_the_target_distribution(temperature, top_p, targe
     """End to end: the first two tokens (the second decided by a tree verification)."""
 
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
-    n = 800
+    n = 400
     drafter = self_drafter(target, static_tree([[0], [1], [2], [0, 0]]))
     counts, depths = first_two_samples(target, drafter, prompt, n, temperature, top_p)
     assert depths[0] > n * 0.1 and depths[1] + depths[2] > n * 0.3  # drafts both accepted and rejected
