@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -308,15 +309,14 @@ def test_distill_cli_end_to_end(tmp_path):
 
 
 def test_distill_cli_bad_input_is_one_line(tmp_path):
-    proc = run_cli("model=tiny-random", "distill.no_such_key=1", cwd=tmp_path)
-    assert proc.returncode != 0
-    assert len(proc.stderr.strip().splitlines()) == 1 and "no_such_key" in proc.stderr
-    proc = run_cli(
-        "model=tiny-random",
-        f"distill.prompts={tmp_path / 'missing.jsonl'}",
-        f"distill.output={tmp_path / 'o'}",
-        cwd=tmp_path,
-    )
+    commands = [  # side by side
+        ("model=tiny-random", "distill.no_such_key=1"),
+        ("model=tiny-random", f"distill.prompts={tmp_path / 'missing.jsonl'}", f"distill.output={tmp_path / 'o'}"),
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        unknown, proc = pool.map(lambda args: run_cli(*args, cwd=tmp_path), commands)
+    assert unknown.returncode != 0
+    assert len(unknown.stderr.strip().splitlines()) == 1 and "no_such_key" in unknown.stderr
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error:") and "does not exist" in proc.stderr
     assert not (tmp_path / "o").exists()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -299,13 +300,17 @@ def run_cli(*args, cwd):
 
 def test_cli_exports_and_rejects_a_typo_in_one_line(tiny_target, tmp_path):
     src = make_head_dir(tiny_target, tmp_path / "head", "medusa", shared_lm_head=True)
-    ok = run_cli(f"head={src}", "format=medusa", f"out={tmp_path / 'out'}", "model=tiny-random", cwd=tmp_path)
+    commands = [  # side by side (the typo is refused while composing)
+        (f"head={src}", "format=medusa", f"out={tmp_path / 'out'}", "model=tiny-random"),
+        (f"head={src}", "format=medusa", "outt=x"),
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        ok, typo = pool.map(lambda args: run_cli(*args, cwd=tmp_path), commands)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip().splitlines()[-1] == str(tmp_path / "out")
     assert "trtllm: ok" in ok.stdout and "tgi: ok" in ok.stdout
     assert check_directory(tmp_path / "out", "medusa") == {"trtllm": [], "tgi": []}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head", "out"]  # no Hydra outputs or logs
-    typo = run_cli(f"head={src}", "format=medusa", "outt=x", cwd=tmp_path)
     assert typo.returncode == 2 and typo.stderr.strip().count("\n") == 0, typo.stderr
     assert "outt" in typo.stderr
 

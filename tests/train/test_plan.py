@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -330,8 +331,21 @@ def train_py(tmp_path, *args):
     )
 
 
-def test_train_py_dry_run_prints_the_plan_and_exits_0(tmp_path):
-    proc = train_py(tmp_path, "model=llama-70b", "head=eagle", "dry_run=true", "plan.gpus=8", "plan.gpu_memory=80GB")
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory) -> dict:
+    """The module's train.py dry runs, side by side: name -> (finished process, its directory)."""
+    commands = {
+        "plan": ("model=llama-70b", "head=eagle", "dry_run=true", "plan.gpus=8", "plan.gpu_memory=80GB"),
+        "unreachable": ("model=llama-70b", "model.arch=null", "dry_run=true"),
+    }
+    dirs = {name: tmp_path_factory.mktemp(name) for name in commands}
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda name: train_py(dirs[name], *commands[name]), commands))
+    return {name: (proc, dirs[name]) for name, proc in zip(commands, procs)}
+
+
+def test_train_py_dry_run_prints_the_plan_and_exits_0(dry_runs):
+    proc, tmp_path = dry_runs["plan"]
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("target  llama-3.3-70b: 70.6B parameters") and "(sizes from model.arch)" in lines[0]
@@ -340,8 +354,8 @@ def test_train_py_dry_run_prints_the_plan_and_exits_0(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "hf" / "hub").exists()
 
 
-def test_train_py_dry_run_of_an_unreachable_hub_id_is_one_line(tmp_path):
-    proc = train_py(tmp_path, "model=llama-70b", "model.arch=null", "dry_run=true")
+def test_train_py_dry_run_of_an_unreachable_hub_id_is_one_line(dry_runs):
+    proc, _ = dry_runs["unreachable"]
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot fetch the config.json of"), proc.stderr
