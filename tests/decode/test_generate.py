@@ -1,6 +1,7 @@
 """The generation loop: tree-verified greedy decoding must equal the target's own greedy decoding,
 token for token, whatever the drafts; sampled decoding must follow the target's distribution."""
 
+import copy
 import dataclasses
 import random
 from collections import Counter
@@ -203,11 +204,12 @@ def test_a_floored_dynamic_tree_gives_exact_greedy_output(family, target, heads,
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_bf16_or_int8_head_on_an_fp32_target_gives_exact_greedy_output(family, precision, target, sequences):
+def test_a_bf16_or_int8_head_on_an_fp32_target_gives_exact_greedy_output(family, precision, target, heads, sequences):
     """infer.py's head_dtype=auto drafts in bf16 under an fp32 target on CPUs with native bf16, and
     head_dtype=int8 on int8 weights: the drafts may change, the output must not, and the head's
     drafts must still be accepted."""
-    head = quick_head(target, family, sequences, steps=60).to(torch.bfloat16)
+    # a copy of the module's trained head (the same 60 steps), attached to the target as a fresh head is
+    head = copy.deepcopy(heads[family, "trained"]).attach(target).to(torch.bfloat16)
     if precision == "int8":
         assert weight_int8.install(head) > 0
     assert head.dtype == torch.bfloat16 and target.dtype == torch.float32
