@@ -1,3 +1,4 @@
+import copy
 import json
 import os
 import random
@@ -175,11 +176,34 @@ def hf_greedy(target, prompt, n, eos=None):
     return out[0, prompt.shape[1] :].tolist()
 
 
+# quick_head's trained heads, one per target, family, sequences and step count:
+# (target, family, steps, sequences, head, torch's RNG states after its training)
+TRAINED_HEADS: list = []
+
+
+def rng_states():
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
 def quick_head(target, family, sequences=None, steps=0):
-    """A head of `family` on `target`, optionally overfitted on `sequences` for `steps` steps."""
+    """A head of `family` on `target`, optionally overfitted on `sequences` for `steps` steps.
+    A trained head is trained once per session (TRAINED_HEADS): every call gets its own copy,
+    attached to the target as a fresh head is, and leaves torch's RNG where the training left it."""
     from specheads.config.train import HeadConfig
     from specheads.heads import build_head
 
+    for t, f, n, seqs, trained, (cpu, cuda) in TRAINED_HEADS if steps else ():
+        if (
+            t is target
+            and f == family
+            and n == steps
+            and seqs.shape == sequences.shape
+            and torch.equal(seqs, sequences)
+        ):
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+            return copy.deepcopy(trained).attach(target)
     torch.manual_seed(0)
     rows = [{"input_ids": list(range(320)), "loss_mask": [1] * 320}]
     # eagle3 with a reduced draft vocab: the d2t mapping is exercised
@@ -197,6 +221,8 @@ def quick_head(target, family, sequences=None, steps=0):
         states = head_states(target, head, batch)
         head.train()
         overfit(head, batch, states, steps)
+        if not head.adapts_target:  # a Medusa-2 head's adapter lives in the target: trained afresh
+            TRAINED_HEADS.append((target, family, steps, sequences.clone(), copy.deepcopy(head.eval()), rng_states()))
     return head.eval()
 
 
