@@ -81,6 +81,18 @@ class TargetInfo:
         return asdict(self)
 
 
+def check_layer_ids(info: TargetInfo, layer_ids: Iterable[int]) -> list[int]:
+    """The ids sorted and distinct, or one line naming those out of range for the target `info`."""
+    ids = sorted(set(int(k) for k in layer_ids))
+    bad = [k for k in ids if not 0 <= k <= info.num_layers]
+    if bad:
+        raise SpecHeadsError(
+            f"layer ids {bad} out of range for a {info.num_layers}-layer target "
+            f"(valid: 0..{info.num_layers}, {LAYER_CONVENTION})"
+        )
+    return ids
+
+
 @dataclass
 class TargetStates:
     """Captured states of one target forward. hidden[k] follows the layer-id convention above."""
@@ -156,14 +168,7 @@ class FrozenTarget:
         return self.model.get_output_embeddings()
 
     def check_layer_ids(self, layer_ids: Iterable[int]) -> list[int]:
-        ids = sorted(set(int(k) for k in layer_ids))
-        bad = [k for k in ids if not 0 <= k <= self.info.num_layers]
-        if bad:
-            raise SpecHeadsError(
-                f"layer ids {bad} out of range for a {self.info.num_layers}-layer target "
-                f"(valid: 0..{self.info.num_layers}, {LAYER_CONVENTION})"
-            )
-        return ids
+        return check_layer_ids(self.info, layer_ids)
 
     @contextlib.contextmanager
     def capture(self, layer_ids: Iterable[int] = (), final: bool = False):
@@ -344,6 +349,77 @@ def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenT
     target = FrozenTarget(model.to(device), tokenizer, name=cfg.name, revision=cfg.revision)
     target.loaded = loaded_as(cfg, dtype)
     return target
+
+
+def load_final_norm(cfg: ModelConfig) -> torch.nn.Module:
+    """The target's final norm alone, on the CPU in fp32: what turns the last layer's state into the
+    post-norm state the LM head reads, for a target whose states come from elsewhere (a serving
+    engine records the layers, not the post-norm state). The model is built on the meta device (no
+    memory) for its norm module, whose weights are read from the checkpoint's safetensors files (a
+    local directory, or the Hub, fetching the index and the one file holding them); a target without
+    them (GGUF, tiny) is loaded whole on the CPU instead."""
+    if cfg.path.startswith(TINY_PREFIX):
+        return load_target(cfg, torch.device("cpu")).final_norm.float()
+    source, kwargs = target_source(cfg)
+    if "gguf_file" in kwargs:
+        return load_target(cfg, torch.device("cpu")).final_norm.float()
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as err:
+        raise SpecHeadsError(f"cannot read the config of target {cfg.path!r}: {err}") from err
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    norm = model.get_decoder().norm
+    prefix = next(name for name, module in model.named_modules() if module is norm)
+    wanted = [f"{prefix}.{name}" for name, _ in norm.named_parameters()]
+    found = _checkpoint_tensors(source, wanted, cfg.revision)
+    if found is None:  # no safetensors listing these names: the whole target, on the CPU
+        return load_target(cfg, torch.device("cpu")).final_norm.float()
+    norm = norm.to_empty(device="cpu").float()
+    with torch.no_grad():
+        for name, param in norm.named_parameters():
+            param.copy_(found[f"{prefix}.{name}"].float())
+    return norm.eval().requires_grad_(False)
+
+
+def _checkpoint_tensors(source, names: list[str], revision: str | None) -> dict[str, torch.Tensor] | None:
+    """The named tensors from a checkpoint's safetensors (sharded with an index, or one file), or
+    None where it has none holding them all."""
+    import json
+
+    from safetensors import safe_open
+
+    local = Path(str(source)).expanduser()
+
+    def fetch(filename: str) -> Path | None:
+        if local.is_dir():
+            return local / filename if (local / filename).is_file() else None
+        try:
+            from huggingface_hub import hf_hub_download
+
+            return Path(hf_hub_download(str(source), filename, revision=revision))
+        except Exception:  # not on the Hub, offline and not cached: no such file
+            return None
+
+    index = fetch("model.safetensors.index.json")
+    if index is not None:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {weight_map.get(n) for n in names}
+        if None in files:
+            return None
+    else:
+        files = {"model.safetensors"}
+    out: dict[str, torch.Tensor] = {}
+    for filename in files:
+        path = fetch(filename)
+        if path is None:
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            out.update({n: f.get_tensor(n) for n in names if n in keys})
+    return out if len(out) == len(names) else None
 
 
 # -- a target's identity: which weights a head was trained on --------------------------------------

@@ -9,6 +9,11 @@ A cache whose key differs from what a run needs (another target, layers, tokeniz
 max_length) is refused with a message naming the differing fields. Until its last shard is written
 a cache lives in `.<name>.partial/` beside it (plan.json + the finished shards), where an
 interrupted pass resumes.
+
+Who computes the states is a FeatureSource: the loaded target's transformers forward
+(TargetForward, the default), or a serving engine (specheads.distill.vllm_features: vLLM's
+extract_hidden_states). The cache is the same either way; its index records the writer
+(`writer`: backend and versions), and a head trained from it records that in its provenance.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import json
 import os
 import shutil
 from bisect import bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -31,7 +36,7 @@ from tqdm.auto import tqdm
 from ..atomic import atomic_path, write_json
 from ..distributed import all_gather_objects, broadcast_object, process_rank
 from ..errors import SpecHeadsError
-from ..target import FLOAT_DTYPES, LAYER_CONVENTION, FrozenTarget
+from ..target import FLOAT_DTYPES, LAYER_CONVENTION, FrozenTarget, check_layer_ids
 from .datasets import row_lengths
 from .packing import packed_layout
 
@@ -39,6 +44,54 @@ INDEX_NAME = "index.json"
 PLAN_NAME = "plan.json"  # in an unfinished cache only: what its shards belong to
 CACHE_VERSION = 1
 DTYPES = FLOAT_DTYPES
+
+
+class FeatureSource(Protocol):
+    """What computes the cached states of rows."""
+
+    backend: str  # "transformers" | "vllm": recorded in the index (writer.backend)
+
+    def record(self) -> dict:
+        """The index's `writer` entry: the backend and what a reader of the head wants to know of it
+        (versions, dtype, the engine's identity check)."""
+
+    def states(self, rows: Sequence[torch.Tensor], layer_ids: list[int], final: bool) -> Iterator[dict]:
+        """For each row of token ids (in order), {state name: [T, H]} (names as state_names gives)."""
+
+
+class TargetForward:
+    """The transformers path: one forward of the loaded target per row, no padding, so a cached row
+    is bit-identical to a fresh forward of it."""
+
+    backend = "transformers"
+
+    def __init__(self, target: FrozenTarget):
+        self.target = target
+
+    def record(self) -> dict:
+        import transformers
+
+        return {
+            "backend": self.backend,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "dtype": str(self.target.dtype).removeprefix("torch."),
+            "device": self.target.device.type,
+        }
+
+    def states(self, rows, layer_ids, final):
+        for ids in rows:
+            s = self.target.states(ids.unsqueeze(0).to(self.target.device), layer_ids=layer_ids, final=final)
+            out = {f"layer_{k}": s.hidden[k][0] for k in layer_ids}
+            if final:
+                out["final"] = s.final[0]
+            yield out
+
+
+def writer_backend(index: dict) -> str:
+    """Who wrote a cache (its index's writer.backend); caches from before the index recorded it
+    were all written by the transformers forward."""
+    return (index.get("writer") or {}).get("backend", TargetForward.backend)
 
 
 def _digest(text: str) -> str:
@@ -125,8 +178,13 @@ def write_features(
     dtype: str = "bfloat16",
     shard_tokens: int = 262144,
     extra: dict | None = None,
+    source: FeatureSource | None = None,
 ) -> dict:
     """Run the target once over `rows` (dicts with input_ids, loss_mask) and cache its states.
+
+    `source` computes them (default: TargetForward(target), which needs the target's weights here;
+    another source needs of `target` only its info and tokenizer, for the cache's key); the index
+    records it as `writer`.
 
     Rows run one at a time (no padding), so a cached row is bit-identical to a fresh forward of it.
     Shards are written one file at a time (each renamed into place whole) into a hidden
@@ -144,7 +202,9 @@ def write_features(
         raise SpecHeadsError(f"feature dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if shard_tokens < 1:
         raise SpecHeadsError(f"feature shard_tokens must be >= 1, got {shard_tokens}")
-    layer_ids = target.check_layer_ids(layer_ids)
+    layer_ids = check_layer_ids(target.info, layer_ids)
+    source = source if source is not None else TargetForward(target)
+    extra = {**(extra or {}), "writer": source.record()}
     key = feature_cache_key(target, layer_ids, final, max_length)
     names = state_names(layer_ids, final)
     rank, world = process_rank()
@@ -175,7 +235,7 @@ def write_features(
         raise SpecHeadsError(f"feature caching failed on rank 0: {failed}")
     mine = [j for j in range(rank, len(plan), world) if not (work / shards[j]["file"]).is_file()]
     try:
-        _write_shards(target, rows, plan, mine, layer_ids, final, names, DTYPES[dtype], max_length, work)
+        _write_shards(source, rows, plan, mine, layer_ids, final, names, DTYPES[dtype], max_length, work)
     except Exception as err:  # reported to every rank below, so none waits forever or renames a partial cache
         failure = err
     # one exchange: every rank's failure (or None)
@@ -251,20 +311,15 @@ def _prepare_partial(work: Path, key, dtype, names, plan, digest, extra) -> None
             stray.unlink()
 
 
-def _write_shards(target, rows, plan, mine, layer_ids, final, names, dtype, max_length, directory) -> None:
+def _write_shards(source, rows, plan, mine, layer_ids, final, names, dtype, max_length, directory) -> None:
     """This rank's (remaining) shards of the plan, each written whole under its number in the plan."""
-    bar = tqdm(total=sum(len(plan[j]) for j in mine), desc="caching features", unit="row")
+    bar = tqdm(total=sum(len(plan[j]) for j in mine), desc=f"caching features ({source.backend})", unit="row")
     for j in mine:
         buf = _ShardBuffer(names)
-        for r in plan[j]:
-            row = rows[r]
-            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)[:max_length]
-            mask = torch.as_tensor(row["loss_mask"], dtype=torch.long)[:max_length]
-            s = target.states(ids.unsqueeze(0).to(target.device), layer_ids=layer_ids, final=final)
-            states = {f"layer_{k}": s.hidden[k][0] for k in layer_ids}
-            if final:
-                states["final"] = s.final[0]
-            buf.add(ids, mask, {n: states[n].to(dtype).cpu() for n in names})
+        ids = [torch.as_tensor(rows[r]["input_ids"], dtype=torch.long)[:max_length] for r in plan[j]]
+        masks = [torch.as_tensor(rows[r]["loss_mask"], dtype=torch.long)[:max_length] for r in plan[j]]
+        for row_ids, mask, states in zip(ids, masks, source.states(ids, layer_ids, final), strict=True):
+            buf.add(row_ids, mask, {n: states[n].to(dtype).cpu() for n in names})
             bar.update(1)
         buf.flush(directory / shard_name(j))
     bar.close()
@@ -421,11 +476,14 @@ def ensure_split_features(
     dtype: str = "bfloat16",
     data_fingerprint: str | None = None,
     shard_tokens: int = 262144,
+    source: FeatureSource | None = None,
 ) -> None:
-    """Cache every split under directory/<split>/ unless an up-to-date cache is already there.
+    """Cache every split under directory/<split>/ unless an up-to-date cache is already there (the
+    same key, data and rows, written by the same backend: asking for another writer rewrites it).
 
     In a process group every rank calls this, and the ranks share each split's target pass."""
     expected = feature_cache_key(target, layer_ids, final, max_length)
+    backend = source.backend if source is not None else TargetForward.backend
     for split, rows in splits.items():
         where = split_dir(directory, split)
         if (where / INDEX_NAME).is_file():
@@ -434,6 +492,7 @@ def ensure_split_features(
                 index.get("key") == expected
                 and index.get("data") == data_fingerprint
                 and index.get("rows") == len(rows)
+                and writer_backend(index) == backend
             ):
                 continue
         write_features(
@@ -446,6 +505,7 @@ def ensure_split_features(
             dtype=dtype,
             shard_tokens=shard_tokens,
             extra={"data": data_fingerprint},
+            source=source,
         )
 
 
