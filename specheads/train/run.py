@@ -204,6 +204,9 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
         output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed, tracker_cfg=cfg.tracker
     )
     origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code, **trainer.init_record}
+    record = getattr(source, "record", None)  # where the target's states came from (a cache: who wrote it)
+    if record is not None:
+        origin["features"] = record()
     trainer.origin = code
     trainer.head_record = lambda t: training_record(cfg, d, t.step, t.last_eval, origin, t.segments(), t.best)
     try:

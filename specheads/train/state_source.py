@@ -26,8 +26,10 @@ from ..data.features import (
     feature_cache_key,
     split_dir,
     state_names,
+    writer_backend,
 )
 from ..errors import SpecHeadsError
+from ..provenance import portable_path
 from ..target import FrozenTarget, check_packing, forward_masks
 
 # input_ids, attention_mask, loss_mask: LongTensor [B, T], right padded; a packed batch also has
@@ -66,6 +68,10 @@ class OnlineStates:
 
     def rows(self, split: str) -> Sequence[dict]:
         return self.splits[split]
+
+    def record(self) -> dict:
+        """What a head trained from these states records of them (its training.features)."""
+        return {"online": True, "writer": {"backend": "transformers"}}
 
     def require(self, layer_ids: Sequence[int], final: bool) -> None:
         self.layer_ids = self.target.check_layer_ids(layer_ids)
@@ -126,6 +132,18 @@ class OfflineStates:
             check_key(found, wanted, where)
             self.caches[split] = cache
         self._rows: dict[str, list[dict]] = {}
+
+    def record(self) -> dict:
+        """What a head trained from this cache records of it (its training.features): where it is,
+        its dtype, and who wrote it (the index's writer: transformers, or vLLM with its version and
+        identity checks)."""
+        index = self.caches["train"].index
+        return {
+            "cache": portable_path(self.directory),
+            "dtype": index.get("dtype"),
+            "names": index.get("names"),
+            "writer": index.get("writer") or {"backend": writer_backend(index)},
+        }
 
     def rows(self, split: str):
         if split not in self.caches:
