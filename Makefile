@@ -1,7 +1,7 @@
 # make demo : set up, then distill -> train -> benchmark on the embedded SmolLM2-135M target
 # make test : set up, then run the test suite
 # make lint : set up, then check formatting and lint with ruff (configured in pyproject.toml)
-# make engines : vLLM's CPU build in its own virtualenv, then our exported heads served by it beside infer.py
+# make engines : vLLM's CPU build in its own virtualenv, its `engines` tests, then our exported heads served by it beside infer.py
 # make serve / make serve-stop : the embedded target served by vLLM's CPU build (OpenAI API; prints its URL)
 # make docs : the documentation site (mkdocs, in its own .venv-docs) built into site/, strictly
 PYTHON ?= python3
@@ -64,12 +64,15 @@ $(DOCS_STAMP): pyproject.toml
 		'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))')
 	touch $(DOCS_STAMP)
 
-# Exports every head to every format vLLM loads and runs them in vLLM (plain, each head, ngram) and
+# First the tests marked `engines` (vLLM's CPU build itself: its ops, its server writing data, its
+# extract_hidden_states writing features), then compare.py:
+# exports every head to every format vLLM loads and runs them in vLLM (plain, each head, ngram) and
 # in infer.py on the same prompts (the shipped dev questions unless ENGINES_ARGS="--questions FILE"):
 # `make engines ENGINES_ARGS="--max-new-tokens 128"` for more.
 # The vLLM wheel's dependencies pull torchvision/torchaudio/torchcodec builds that do not match its
 # CPU torch and break `import vllm`; a text model needs none of them.
 engines: setup $(VLLM_STAMP)
+	$(PY) -m pytest tests -x -p no:cacheprovider -m engines
 	$(PY) engines/compare.py $(ENGINES_ARGS)
 
 # Starts the server in the background, waits until it answers and prints the URL for

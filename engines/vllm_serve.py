@@ -1,6 +1,7 @@
 """Serve the target with vLLM's CPU build as a local OpenAI-compatible server (make serve / serve-stop).
 
     .venv/bin/python engines/vllm_serve.py start [--model DIR] [--port 8771]   # prints the URL
+    .venv/bin/python engines/vllm_serve.py start --extract-layers 2,15,27,30   # + extract_hidden_states
     .venv/bin/python engines/vllm_serve.py stop
     .venv/bin/python engines/vllm_serve.py status
 
@@ -84,6 +85,17 @@ def start(args: argparse.Namespace) -> int:
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cmd += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(args.port), *DEFAULT_ARGS, *args.extra]
     env = dict(os.environ)
+    if args.extract_layers:
+        # vLLM's extract_hidden_states for distill.features.backend=vllm, through the connector of
+        # engines/vllm_hidden_states.py (the stock one writes through CUDA only)
+        sys.path.insert(0, str(ROOT))
+        from specheads.distill.vllm_features import server_args
+
+        storage = Path(args.hidden_states_dir or STATE / "hidden_states").resolve()
+        layers = [int(k) for k in args.extract_layers.split(",") if k.strip()]
+        cmd += server_args(layers, str(storage), cpu=True)
+        engines = str(Path(__file__).resolve().parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (engines, env.get("PYTHONPATH")) if p)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     # vLLM's CPU build reserves one core for its front end by default: on a 2-core machine that
     # halves the engine. Bind the engine's OpenMP threads to every core instead (measured faster,
@@ -148,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="the served model's name (default: the model directory's name)")
     parser.add_argument("--port", type=int, default=8771)
     parser.add_argument("--wait", type=int, default=600, help="seconds to wait for the server to answer")
+    parser.add_argument(
+        "--extract-layers",
+        help="serve extract_hidden_states for distill.features.backend=vllm: the layer ids, comma-separated, "
+        "vLLM's numbering = ours; the cached layers plus L (the last) when the final state is cached",
+    )
+    parser.add_argument("--hidden-states-dir", help="where vLLM writes the states (default: runs/serve/hidden_states)")
     parser.add_argument("extra", nargs="*", help="more vLLM server arguments, after --")
     args = parser.parse_args(argv)
     return {"start": start, "stop": stop, "status": status}[args.action](args)

@@ -29,26 +29,6 @@ class MagpieConfig:
 
 
 @dataclass
-class FeaturesConfig:
-    """Offline hidden-state caching after regeneration (off by default)."""
-
-    enabled: bool = False  # cache the target's hidden states of the finished data
-    output: str | None = None  # default: <distill.output>/features
-    # Which states to cache (our convention); null = the EAGLE-3 default [2, L//2, L-3]. The
-    # post-norm final state is cached too, so one cache serves Medusa, EAGLE-1 and EAGLE-3.
-    layer_ids: list[int] | None = None
-    final: bool = True  # also cache the post-norm final state (Medusa, EAGLE-1)
-    dtype: str = "bfloat16"  # dtype of the cached states
-    # A cache shard closes at this many tokens; ranks write whole shards, so more shards than
-    # ranks keeps every rank busy (8 GiB a shard for 3 layers + final in bf16 at hidden 4096).
-    shard_tokens: int = 262144
-    # Must equal train.py's data.max_length / eval_fraction / shuffle_seed for the same split.
-    max_length: int = 512  # tokens per conversation (longer ones are cut)
-    eval_fraction: float = 0.05  # the share held out as the evaluation split
-    shuffle_seed: int = 0  # the seed of the train/eval split
-
-
-@dataclass
 class ServerConfig:
     """An OpenAI-compatible server that serves the target (vLLM, SGLang, TGI, llama.cpp)."""
 
@@ -67,6 +47,36 @@ class ServerConfig:
     # weight files under a quarter of this machine's memory), else "tokenizer" with a warning on
     # stderr. "tokenizer": the tokenizer check alone. The metadata's server.check says which ran.
     identity: str = "auto"
+
+
+@dataclass
+class FeaturesConfig:
+    """Offline hidden-state caching after regeneration (off by default)."""
+
+    enabled: bool = False  # cache the target's hidden states of the finished data
+    # Who computes them: "transformers" (the target loaded here, one forward per conversation) or
+    # "vllm" (a vLLM server running "method": "extract_hidden_states" at features.server.url, which
+    # writes each conversation's states to its disk: this machine must see its shared_storage_path;
+    # the target is not loaded here, only its tokenizer and final norm). Same cache either way; the
+    # index and the heads trained from it record which (docs/training.md, "Features from vLLM").
+    backend: str = "transformers"
+    # backend=vllm: the server, checked as distill.server is (tokenizer, and with identity
+    # logprobs/auto the weights, plus the states of a probe against the target's where it is loaded
+    # here); `engines/vllm_serve.py start --extract-layers ...` starts one on this machine
+    server: ServerConfig = field(default_factory=ServerConfig)
+    output: str | None = None  # default: <distill.output>/features
+    # Which states to cache (our convention); null = the EAGLE-3 default [2, L//2, L-3]. The
+    # post-norm final state is cached too, so one cache serves Medusa, EAGLE-1 and EAGLE-3.
+    layer_ids: list[int] | None = None
+    final: bool = True  # also cache the post-norm final state (Medusa, EAGLE-1)
+    dtype: str = "bfloat16"  # dtype of the cached states
+    # A cache shard closes at this many tokens; ranks write whole shards, so more shards than
+    # ranks keeps every rank busy (8 GiB a shard for 3 layers + final in bf16 at hidden 4096).
+    shard_tokens: int = 262144
+    # Must equal train.py's data.max_length / eval_fraction / shuffle_seed for the same split.
+    max_length: int = 512  # tokens per conversation (longer ones are cut)
+    eval_fraction: float = 0.05  # the share held out as the evaluation split
+    shuffle_seed: int = 0  # the seed of the train/eval split
 
 
 @dataclass

@@ -53,7 +53,8 @@ class FeatureSource(Protocol):
 
     def record(self) -> dict:
         """The index's `writer` entry: the backend and what a reader of the head wants to know of it
-        (versions, dtype, the engine's identity check)."""
+        (versions, dtype), and under "checks" what was measured of it (an engine's identity checks),
+        which a resumed pass need not reproduce."""
 
     def states(self, rows: Sequence[torch.Tensor], layer_ids: list[int], final: bool) -> Iterator[dict]:
         """For each row of token ids (in order), {state name: [T, H]} (names as state_names gives)."""
@@ -204,7 +205,10 @@ def write_features(
         raise SpecHeadsError(f"feature shard_tokens must be >= 1, got {shard_tokens}")
     layer_ids = check_layer_ids(target.info, layer_ids)
     source = source if source is not None else TargetForward(target)
-    extra = {**(extra or {}), "writer": source.record()}
+    writer = source.record()
+    extra = {**(extra or {}), "writer": writer}
+    # what a resumed pass must share with the interrupted one: the writer without its measured checks
+    plan_extra = {**extra, "writer": {k: v for k, v in writer.items() if k != "checks"}}
     key = feature_cache_key(target, layer_ids, final, max_length)
     names = state_names(layer_ids, final)
     rank, world = process_rank()
@@ -218,7 +222,7 @@ def write_features(
     failure = None
     if rank == 0:
         try:
-            _prepare_partial(work, key, dtype, names, plan, rows_digest(rows), extra)
+            _prepare_partial(work, key, dtype, names, plan, rows_digest(rows), plan_extra)
             todo = [e["tokens"] for e in shards if not (work / e["file"]).is_file()]
             # states plus 9 bytes of ids and mask a token
             check_disk(work, sum(todo) * (bytes_per_token + 9), sum(todo), bytes_per_token)

@@ -26,6 +26,9 @@ from ..target import TINY_PREFIX, load_target, resolve_device
 from .backends import load_tokenizer_target
 from .regenerate import run_distillation
 
+# who computes the cached features (distill.features.backend)
+FEATURE_BACKENDS = ("transformers", "vllm")
+
 
 def launched_world_size() -> int:
     """How many ranks a launcher started (1 for a plain `python distill.py`)."""
@@ -45,11 +48,15 @@ def distill(job: DistillJobConfig) -> Path | None:
 
 def distill_on(job: DistillJobConfig, d: Dist | None) -> Path:
     """The job in one process (`d` None) or on one rank of a process group."""
-    if (
-        job.distill.backend == "server"
-        and not job.distill.features.enabled
-        and not job.model.path.startswith(TINY_PREFIX)
-    ):
+    feats = job.distill.features
+    if feats.backend not in FEATURE_BACKENDS:
+        raise SpecHeadsError(f"unknown distill.features.backend={feats.backend!r}; use one of {list(FEATURE_BACKENDS)}")
+    if feats.enabled and feats.backend == "vllm" and not feats.server.url:
+        raise SpecHeadsError(
+            "distill.features.backend=vllm needs distill.features.server.url=http://HOST:PORT/v1: a vLLM server "
+            "running extract_hidden_states (docs/training.md, Features from vLLM)"
+        )
+    if needs_no_weights(job):
         target = load_tokenizer_target(job.model)  # the weights are served elsewhere
     else:
         target = load_target(job.model, d.device if d is not None else resolve_device(job.device))
@@ -57,6 +64,18 @@ def distill_on(job: DistillJobConfig, d: Dist | None) -> Path:
     if job.distill.features.enabled:
         cache_features(job, target, out, d)
     return out
+
+
+def needs_no_weights(job: DistillJobConfig) -> bool:
+    """Whether the job runs the target elsewhere only: its answers written by a server (or already
+    written) and its features, if any, computed by vLLM. Then only its tokenizer is loaded here."""
+    feats = job.distill.features
+    if job.model.path.startswith(TINY_PREFIX) or (feats.enabled and feats.backend == "transformers"):
+        return False
+    if job.distill.backend == "server":
+        return True
+    out = Path(job.distill.output).expanduser()
+    return feats.enabled and is_distill_output(out) and bool(read_manifest(out).get("complete"))
 
 
 def check_ranks_can_share(job: DistillJobConfig) -> None:
@@ -74,7 +93,9 @@ def cache_features(job: DistillJobConfig, target, data_dir: Path, d: Dist | None
     """Cache the target's states over the distilled conversations, split as train.py splits them.
 
     Train from it with `python train.py data.path=DATA_DIR data.features=FEATURES_DIR`. In a process
-    group `d`, rank 0 tokenizes first and the others reuse its cache.
+    group `d`, rank 0 tokenizes first and the others reuse its cache. With
+    distill.features.backend=vllm the states come from a vLLM server (specheads.distill.vllm_features),
+    and `target` needs only its tokenizer and info here.
     """
     feats = job.distill.features
     out = Path(feats.output) if feats.output else data_dir / "features"
@@ -89,6 +110,11 @@ def cache_features(job: DistillJobConfig, target, data_dir: Path, d: Dist | None
     )
     with main_rank_first(d) if d is not None else contextlib.nullcontext():
         train_rows, eval_rows = build_datasets(data_cfg, target.tokenizer)
+    source = None  # the target loaded here (specheads.data.features.TargetForward)
+    if feats.backend == "vllm":
+        from .vllm_features import VLLMStates
+
+        source = VLLMStates(target, feats.server, layer_ids, feats.final)
     ensure_split_features(
         target,
         {"train": train_rows, "eval": eval_rows},
@@ -99,6 +125,7 @@ def cache_features(job: DistillJobConfig, target, data_dir: Path, d: Dist | None
         dtype=feats.dtype,
         data_fingerprint=getattr(train_rows, "_fingerprint", None),
         shard_tokens=feats.shard_tokens,
+        source=source,
     )
     if d is None or d.is_main:
         print(f"features: {out}")
