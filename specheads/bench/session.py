@@ -1,4 +1,5 @@
-"""infer.py's session: the draft head (a head directory, Hub id or engine export) and its target."""
+"""infer.py's session: the draft head (a head directory, Hub id or engine export) and its target,
+and a separate draft model (draft.model) where one is given."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from omegaconf import OmegaConf
 
 from ..config.infer import InferJobConfig
 from ..config.model import ModelConfig
+from ..decode.draft_model import DraftModel, load_draft_model
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import read_head_config
@@ -30,6 +32,7 @@ class Session:
     layouts: Any = None  # the measured linear kernels installed on the target (linear_layout=auto)
     allow_target_mismatch: bool = False  # heads trained on other weights of the target's shape load too
     head_dtype: str = "auto"  # infer.py's head_dtype: what every head of the session drafts in
+    draft: DraftModel | None = None  # draft.model, loaded for the target (decode/draft_model.py)
 
     def draft_like_own_head(self, head, head_dtype: str | None = None) -> None:
         """Prepare another head to draft as the session's own does: in `head_dtype` (the session's
@@ -79,6 +82,7 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
         # a tree calibrated for this head on this machine (tree=auto) beats the one it shipped with
         kernels = settings.linear_layout == "auto" and target.device.type == "cpu"
         use_cached_tree(head, head_dir, target, kernels=kernels)
+    draft = load_draft_model(settings.draft, target) if settings.draft.model else None
     layouts = None
     if settings.linear_layout == "auto" and target.device.type == "cpu":
         gqa_attention.install(target.model)  # before timing: the kernels are timed as they will run
@@ -87,5 +91,10 @@ def load_session(settings: InferJobConfig, conf_dir: Path) -> Session:
         install(target.model, layouts)
         if head is not None:
             route_draft_kernels(head, layouts)
+        if draft is not None:  # and so do a draft model's (its tree levels under a mask, catch-up)
+            gqa_attention.install(draft.model)
+            install(draft.model, layouts)
         print(describe(layouts), file=sys.stderr)
-    return Session(target, head, head_dir, head_config, layouts, settings.allow_target_mismatch, settings.head_dtype)
+    return Session(
+        target, head, head_dir, head_config, layouts, settings.allow_target_mismatch, settings.head_dtype, draft
+    )

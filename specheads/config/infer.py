@@ -25,8 +25,14 @@ def check_draft_dtype(name: str, key: str = "head_dtype") -> None:
 
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
-METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "suffix", "spec", "hybrid")
+METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "suffix", "spec", "hybrid", "draft", "assisted")
 DEFAULT_METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
+# the methods that draft with draft.model: run by default (after DEFAULT_METHODS) when it is set
+DRAFT_MODEL_METHODS = ("draft", "assisted")
+# the methods that need a head: left out of the default methods when only draft.model drafts
+HEAD_METHODS = ("spec", "hybrid")
+DRAFT_MODEL_DTYPES = ("target", "float32", "bfloat16", "float16")
+ASSISTANT_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 TREE_SAVES = ("cache", "head", "none")
 TREE_DYNAMIC = ("weigh", "off", "only")
 TREE_REPLACES = ("if_faster", "always")
@@ -147,7 +153,10 @@ class BenchConfig:
     max_new_tokens: int = 256  # tokens answered per question (and turn)
     # baseline (HF greedy), plain (our own loop, no drafts), prompt_lookup (HF's), lookup (prompt
     # lookup through our own loop), suffix (the suffix text source alone, bench.prompt_lookup_num_tokens
-    # nodes, through our own loop), spec (the head), hybrid (the head + the text's repeats)
+    # nodes, through our own loop), spec (the head), hybrid (the head + the text's repeats), draft
+    # (draft.model drafting through our own loop, chain or tree per the tree settings), assisted
+    # (transformers generate with assistant_model=draft.model). With draft.model set and this list
+    # left as it is, draft and assisted are added (and spec and hybrid dropped without a head)
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     prompt_lookup_num_tokens: int = 10  # prompt_lookup: tokens drafted per step
     prompt_lookup_max_ngram: int = 2  # prompt_lookup: the longest n-gram matched
@@ -176,6 +185,29 @@ class BenchConfig:
 
 
 @dataclass
+class DraftModelConfig:
+    """A separate small causal LM that drafts for the target (the original speculative decoding;
+    transformers' assisted generation): it must share the target's tokenizer (the token -> id
+    mapping) and drafts a chain or a tree (the tree settings) with its own KV cache."""
+
+    # a Hub id or local directory of a transformers causal LM (or embedded:smollm2, a .gguf file);
+    # null = no draft model. Set, infer.py drafts with it when no head is given, and the benchmark
+    # runs the methods draft and assisted by default
+    model: str | None = None
+    # the draft's precision: target = the target's dtype; float32 | bfloat16 | float16
+    dtype: str = "target"
+    revision: str | None = None  # a Hub revision (branch, tag or commit) of draft.model
+    trust_remote_code: bool = False  # let transformers run the draft model repo's own code
+    # assisted (transformers generate with assistant_model): tokens the assistant drafts per step;
+    # None = the draft method's depth (tree.depth, else 5)
+    assistant_tokens: int | None = None
+    # assisted: transformers' num_assistant_tokens_schedule: constant (transformers' default),
+    # heuristic (+2 after a step that accepts every draft, -1 otherwise, kept across calls: the
+    # benchmark resets it before each answer) or heuristic_transient
+    assistant_schedule: str = "constant"
+
+
+@dataclass
 class InferJobConfig:
     """infer.py: speculative decoding with a head, one prompt (the demo) or a benchmark."""
 
@@ -184,6 +216,7 @@ class InferJobConfig:
     model: ModelConfig | None = None
     tree: TreeConfig = field(default_factory=TreeConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    draft: DraftModelConfig = field(default_factory=DraftModelConfig)  # a separate draft model (draft.model=...)
     prompt: str | None = None  # the demo's prompt
     system: str | None = None  # an optional system message
     chat: bool = True  # apply the tokenizer's chat template to the prompt
@@ -305,6 +338,30 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError(f"bench.bandwidth_mib must be >= 0 (0: off), got {b.bandwidth_mib}")
     if b.turns not in ("first", "all"):
         raise SpecHeadsError(f"bench.turns must be first or all, got {b.turns!r}")
+    d = settings.draft
+    if d.dtype not in DRAFT_MODEL_DTYPES:
+        raise SpecHeadsError(f"draft.dtype must be one of {', '.join(DRAFT_MODEL_DTYPES)}, got {d.dtype!r}")
+    if d.assistant_tokens is not None and d.assistant_tokens < 1:
+        raise SpecHeadsError(
+            f"draft.assistant_tokens must be >= 1 (or null: the draft's depth), got {d.assistant_tokens}"
+        )
+    if d.assistant_schedule not in ASSISTANT_SCHEDULES:
+        raise SpecHeadsError(
+            f"draft.assistant_schedule must be one of {', '.join(ASSISTANT_SCHEDULES)}, got {d.assistant_schedule!r}"
+        )
+    if d.model and list(b.methods) == list(DEFAULT_METHODS):  # the methods left as they are
+        kept = [m for m in DEFAULT_METHODS if settings.head_path or m not in HEAD_METHODS]
+        b.methods = kept + list(DRAFT_MODEL_METHODS)
+    needs_draft = [m for m in b.methods if m in DRAFT_MODEL_METHODS]
+    if needs_draft and not d.model:
+        raise SpecHeadsError(f"bench.methods {needs_draft} draft with a separate model: give draft.model=NAME_OR_DIR")
+    if d.model and d.model.startswith((".", "/", "~")) and not Path(d.model).expanduser().exists():
+        raise SpecHeadsError(f"draft.model {d.model} does not exist")
+    if d.model and not settings.head_path and t.kind == "auto":
+        raise SpecHeadsError(
+            "tree=auto calibrates a head's tree: a draft model drafts tree=chain (the default, tree.depth "
+            "tokens), static or dynamic"
+        )
     bad = [m for m in b.methods if m not in METHODS]
     if bad or not b.methods:
         raise SpecHeadsError(f"bench.methods must be a non-empty subset of {list(METHODS)}, got {b.methods}")
@@ -347,8 +404,8 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         )
     if len(set(b.trees)) != len(b.trees):
         raise SpecHeadsError("bench.trees names a tree twice")
-    if not settings.head_path and (not b.questions or "spec" in b.methods):
-        raise SpecHeadsError("give the draft head: head=DIR_OR_HUB_ID")
+    if not settings.head_path and ((not b.questions and not d.model) or "spec" in b.methods):
+        raise SpecHeadsError("give the draft head: head=DIR_OR_HUB_ID (or a separate draft model: draft.model=...)")
     if not settings.head_path and settings.model is None:
         raise SpecHeadsError("without a head, give the target: model=NAME")
     if not b.questions and not settings.prompt:
