@@ -87,6 +87,13 @@ class HeadConfig:
     lora_lr: float | None = 5e-4
     lm_loss_warmup_steps: int = 20  # lambda ramps linearly from 0 over the first joint steps
     merge_lora: bool = False  # also write the target with the LoRA folded in (OUTPUT_DIR/merged)
+    # early_exit (Kangaroo; also reads intermediate_size above): the draft runs the target's first
+    # exit_layer decoder layers (on the target's own KV cache) and a trained adapter layer on their
+    # output, read by the target's LM head; None = a quarter of the target's layers (at least 1)
+    exit_layer: int | None = None
+    # early_exit: the adapter layer also has an MLP (intermediate_size wide); false = Kangaroo's
+    # adapter, attention and two norms only
+    adapter_mlp: bool = False
 
 
 # The HeadConfig fields each family reads; a head's config.json holds these and COMMON_HEAD_FIELDS
@@ -128,6 +135,7 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
         "anchors_per_sequence",
         "mask_token_id",
     ),
+    "early_exit": ("exit_layer", "adapter_mlp", "intermediate_size"),
 }
 
 

@@ -4,6 +4,7 @@ from .base import DraftHead, check_compatible
 from .dflash import DFlashHead
 from .eagle import AutoregressiveHead, EagleHead
 from .eagle3 import Eagle3Head
+from .early_exit import EarlyExitHead
 from .hydra import HydraHead
 from .io import load_head, read_head_config, save_head, warm_start
 from .layers import DraftCache
@@ -20,6 +21,7 @@ __all__ = [
     "DraftCache",
     "DraftHead",
     "Eagle3Head",
+    "EarlyExitHead",
     "EagleHead",
     "HeadSpec",
     "HydraHead",

@@ -139,17 +139,22 @@ class DraftDecoderLayer(nn.Module):
 
     EAGLE-1: input = residual = fc output (no input norm: the fused feature is already normalised).
     EAGLE-3: input = cat(norm(embedding), norm(hidden)) of width 2H, residual = hidden.
+    Early exit: input = norm(hidden), residual = hidden; without an MLP (mlp=False) by default,
+    Kangaroo's attention-only adapter.
     """
 
-    def __init__(self, config: LlamaConfig, input_size: int):
+    def __init__(self, config: LlamaConfig, input_size: int, mlp: bool = True):
         super().__init__()
         self.self_attn = DraftAttention(config, input_size)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        if mlp:
+            self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp = LlamaMLP(config)
+        else:
+            self.mlp = None
 
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         h = residual + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h if self.mlp is None else h + self.mlp(self.post_attention_layernorm(h))
 
     def forward(
         self, x, residual, cos, sin, cache: DraftCache | None, layer_index: int, mask: torch.Tensor | None = None

@@ -9,6 +9,7 @@ from .base import DraftHead
 from .dflash import DFlashHead
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
+from .early_exit import EarlyExitHead
 from .hydra import HydraHead
 from .medusa import MedusaHead
 from .medusa2 import Medusa2Head
@@ -24,6 +25,7 @@ HEADS: dict[str, type[DraftHead]] = {
     Medusa2Head.family: Medusa2Head,
     PEagleHead.family: PEagleHead,
     DFlashHead.family: DFlashHead,
+    EarlyExitHead.family: EarlyExitHead,
 }
 
 

@@ -10,7 +10,7 @@ from ..config.train import HeadConfig, family_fields
 from ..errors import SpecHeadsError
 from ..target import TargetInfo
 
-FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2", "peagle", "dflash")
+FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2", "peagle", "dflash", "early_exit")
 # the families of the EAGLE-3 draft (fused target layers, a reduced draft vocabulary)
 FUSED_FAMILIES = ("eagle3", "peagle")
 
@@ -37,6 +37,8 @@ class HeadSpec(HeadConfig):
         # None means "the target's" for the fields resolved below; elsewhere it is a value (lora_lr)
         resolved = ("layer_ids", "intermediate_size", "draft_vocab_size")
         spec = cls.from_dict({k: v for k, v in raw.items() if v is not None or k not in resolved})
+        if family == "early_exit":
+            spec.resolve_exit_layer(raw.get("layer_ids"), info)
         spec.layer_ids = list(raw.get("layer_ids") or default_layer_ids(family, info.num_layers, spec.dflash_layers))
         if not spec.intermediate_size:
             spec.intermediate_size = info.intermediate_size
@@ -44,6 +46,8 @@ class HeadSpec(HeadConfig):
             spec.draft_vocab_size = min(spec.draft_vocab_size or info.vocab_size, info.vocab_size)
         else:
             spec.draft_vocab_size = info.vocab_size
+        if family == "early_exit":
+            spec.layer_ids = [spec.exit_layer]  # the stream leaving its first exit_layer layers
         if family in ("medusa", "hydra", "medusa2"):
             spec.eval_depth = spec.num_heads  # one head per depth
         elif family == "eagle3":
@@ -54,6 +58,21 @@ class HeadSpec(HeadConfig):
             spec.eval_depth = spec.block_size - 1
         spec.validate(info)
         return spec
+
+    def resolve_exit_layer(self, layer_ids: list[int] | None, info: TargetInfo) -> None:
+        """early_exit: exit_layer (None: a quarter of the target's layers, at least 1); the layer
+        ids it reads follow from it, so layer_ids may only repeat it."""
+        if self.exit_layer is None:
+            self.exit_layer = max(1, info.num_layers // 4)
+        if layer_ids and list(layer_ids) != [self.exit_layer]:
+            raise SpecHeadsError(
+                f"head.layer_ids={list(layer_ids)}: an early_exit head reads the layer it exits at; set "
+                f"head.exit_layer instead (now {self.exit_layer})"
+            )
+        if not 1 <= self.exit_layer <= info.num_layers:
+            raise SpecHeadsError(
+                f"head.exit_layer must be in 1..{info.num_layers} (the target's layers), got {self.exit_layer}"
+            )
 
     def validate(self, info: TargetInfo) -> None:
         bad = [k for k in self.layer_ids if not 0 <= k <= info.num_layers]

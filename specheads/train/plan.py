@@ -124,8 +124,9 @@ def activations(
     online, one target decoder layer's tensors (no grad: the layers do not pile up), or every
     layer's when the head trains an adapter inside the target (Medusa-2: its backward needs them);
     the target's fp32 logits, which every family's loss reads; then per draft step (Medusa head,
-    EAGLE-1's one step, EAGLE-3's ttt_steps) the draft layers' saved tensors, the fp32 draft logits
-    with their log-softmax and target distribution, and, for EAGLE-3's steps after the first, the
+    EAGLE-1's one step, EAGLE-3's ttt_steps, the early-exit adapter) the draft layers' saved
+    tensors, the fp32 draft logits with their log-softmax and target distribution, and, for
+    EAGLE-3's steps after the first, the
     attention scores the unrolled draft computes explicitly ([B, heads, T, T]). Left out: the
     padding-free small tensors, and the evaluation passes (no grad, smaller). `packed` (data.pack):
     a row holds several conversations, and DFlash draws its anchors for each of them.
@@ -138,6 +139,9 @@ def activations(
         total += layers * layer_activations(info, n, weight_bytes, h, info.intermediate_size)
     if spec.family == "dflash":
         return total + dflash_activations(info, spec, batch, length, weight_bytes, packed)
+    if head.draft_kind == "early_exit":  # one adapter layer over the layer-L states, the target's LM head
+        adapter = layer_activations(info, n, weight_bytes, h, spec.intermediate_size if spec.adapter_mlp else 0)
+        return total + adapter + 3 * n * v * 4
     if head.draft_kind not in ("autoregressive", "parallel_decoder"):  # Medusa, Hydra: a block stack per head
         per_head = n * v * (weight_bytes + 8) + spec.num_layers * 2 * n * h * weight_bytes
         return total + spec.num_heads * per_head

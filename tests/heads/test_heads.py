@@ -76,8 +76,9 @@ def test_head_spec_is_the_head_config_resolved(tiny_target):
 
 
 def test_registry_has_every_family():
-    # hydra: tests/heads/test_hydra.py; medusa2 (which adapts its target): tests/heads/test_medusa2.py
-    assert sorted(HEADS) == sorted(FAMILIES + ["hydra", "medusa2"])
+    # hydra: tests/heads/test_hydra.py; medusa2 (which adapts its target): tests/heads/test_medusa2.py;
+    # early_exit (which drafts with the target's own layers): tests/heads/test_early_exit.py
+    assert sorted(HEADS) == sorted(FAMILIES + ["hydra", "medusa2", "early_exit"])
 
 
 def test_eagle3_default_layers_match_vllm_convention():

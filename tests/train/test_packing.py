@@ -17,6 +17,7 @@ from conftest import write_conversations
 
 import specheads.heads.dflash as dflash
 import specheads.heads.eagle as eagle
+import specheads.heads.early_exit as early_exit
 import specheads.heads.hydra as hydra
 import specheads.heads.peagle as peagle
 import specheads.target as target_module
@@ -42,6 +43,7 @@ FAMILIES = {
     "eagle3": dict(ttt_steps=3, draft_vocab_size=200),
     "peagle": dict(parallel_depths=3, depth_keep_rate=1.0, depth_min_rate=1.0, draft_vocab_size=200),
     "dflash": dict(block_size=4, anchors_per_sequence=1000),
+    "early_exit": dict(exit_layer=3, adapter_mlp=True),
 }
 CAPACITY = 44  # a packed row's tokens: two or three of the conversations below, and some padding
 
@@ -174,6 +176,7 @@ ATTENTION_LEAKS = {
     "hydra": (hydra, "document_causal_mask", lambda real: causal_over_the_row),
     "eagle": (eagle, "document_causal_mask", lambda real: causal_over_the_row),
     "eagle3": (eagle, "document_causal_mask", lambda real: causal_over_the_row),
+    "early_exit": (early_exit, "document_causal_mask", lambda real: causal_over_the_row),
     "peagle": (peagle, "packed_depth_mask", lambda real: lambda doc, *rest: real(one_doc(doc), *rest)),
     "dflash": (
         dflash,
