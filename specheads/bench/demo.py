@@ -10,6 +10,7 @@ import torch
 
 from ..config.infer import InferJobConfig
 from ..decode.baselines import hf_generate
+from ..decode.draft_model import DraftModelDrafter, draft_model_policy
 from ..decode.drafters import make_drafter
 from ..decode.generate import speculative_generate
 from ..decode.policy import describe_policy, tree_policy_for
@@ -17,7 +18,7 @@ from .inputs import encode_prompt, eos_token_ids, sampling_config
 
 
 class TokenPrinter:
-    """Streams decoded text; tokens drafted by the head and accepted by the target are marked.
+    """Streams decoded text; tokens drafted (by the head or the draft model) and accepted by the target are marked.
 
     Text is re-decoded from the start for every token so that byte-level tokens that split a
     character come out right (a piece ending in an incomplete character waits for the next).
@@ -37,7 +38,7 @@ class TokenPrinter:
     def legend(self) -> str:
         if not self.open:
             return ""
-        return f"{self.open}marked{self.close} = drafted by the head and accepted by the target"
+        return f"{self.open}marked{self.close} = drafted and accepted by the target"
 
     def __call__(self, ids: list[int], drafted: list[bool]) -> None:
         for token, flag in zip(ids, drafted):
@@ -69,7 +70,8 @@ def run_demo(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dic
 
     Args:
         settings: infer.py's validated settings, with `prompt` set.
-        session: the loaded target and head (specheads.bench.session.load_session).
+        session: the loaded target and head, or without a head its draft model
+            (specheads.bench.session.load_session).
         out: where the answer and the stats line are printed.
 
     Returns:
@@ -80,8 +82,14 @@ def run_demo(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dic
     prompt = torch.tensor([ids], device=target.device)
     eos = eos_token_ids(target)
     cfg = sampling_config(settings, settings.max_new_tokens, eos)
-    policy = tree_policy_for(head, settings.tree)
-    drafter = make_drafter(head, policy)
+    if head is None:  # no head: the separate draft model drafts (draft.model)
+        policy = draft_model_policy(settings.tree)
+        drafter = DraftModelDrafter(session.draft, policy)
+        who = f"draft model {session.draft.name}"
+    else:
+        policy = tree_policy_for(head, settings.tree)
+        drafter = make_drafter(head, policy)
+        who = f"{head.family} head"
     gen = torch.Generator(device=target.device).manual_seed(settings.seed)
     # warm-up (first calls pay for lazy initialisation), not timed
     warm = sampling_config(settings, 4, eos)
@@ -98,7 +106,7 @@ def run_demo(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dic
         "tokens_per_s": res.new_tokens / res.wall_s if res.wall_s else 0.0,
     }
     line = (
-        f"[{head.family} head, {describe_policy(policy)}] tau {res.tau:.2f} | "
+        f"[{who}, {describe_policy(policy)}] tau {res.tau:.2f} | "
         f"{stats['tokens_per_s']:.1f} tokens/s | {res.new_tokens} tokens, {res.target_forwards} target forwards"
     )
     if settings.compare:

@@ -8,7 +8,9 @@ bench.prompt_lookup_num_tokens nodes, n-grams up to tree.ngram_max, as hybrid dr
 head); spec = this package's tree speculative decoding; hybrid = the head's tree and the
 continuations of the text's own repeats merged into one tree (decode.drafters.HybridDrafter; prompt
 lookup through this package's loop when there is no head), with the share of accepted tokens that
-came from each source.
+came from each source; draft = a separate draft model (draft.model) drafting a chain or tree through
+this package's loop (decode.draft_model); assisted = transformers' assisted generation with the same
+draft model (`assistant_model`).
 Conventions: target_forwards counts decode-phase forwards (prefill excluded); tau = tokens
 produced by decode forwards / decode forwards (1.0 for plain decoding); speedup = tokens/s over
 baseline tokens/s on the same questions; overhead c = tau / speedup - 1.
@@ -29,10 +31,11 @@ from tqdm import tqdm
 
 from ..atomic import write_json
 from ..config.infer import InferJobConfig
-from ..decode.baselines import PlainDrafter, hf_generate
+from ..decode.baselines import Assistant, PlainDrafter, hf_generate
+from ..decode.draft_model import DraftModelDrafter, draft_model_policy
 from ..decode.drafters import make_drafter, make_hybrid_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
-from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, tree_policy_for
+from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, policy_depth, tree_policy_for
 from ..heads.io import draft_precision
 from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
 from .compared import open_compared_heads, open_precision_variants, open_tree_variants
@@ -300,6 +303,10 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             suffix_history=t.suffix_history,
         )
         spec_heads["suffix"] = (make_hybrid_drafter(None, suffix), suffix, None)
+    if "draft" in b.methods:
+        drafting = draft_model_policy(settings.tree)
+        spec_heads["draft"] = (DraftModelDrafter(session.draft, drafting), drafting, session.draft.name)
+    assistant = assistant_for(settings, session) if "assisted" in b.methods else None
     spec_heads.update(open_compared_heads(b.heads, session))
     if b.head_dtypes:
         spec_heads.update(open_precision_variants(b.head_dtypes, session, spec_heads["spec"][1]))
@@ -320,6 +327,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             return run_spec(target, spec_heads[method][0], prompt, c, generator=gen)
         if method == "plain":
             return run_spec(target, PlainDrafter(), prompt, c, generator=gen)
+        if method == "assisted":
+            return hf_generate(target, prompt, c, assistant=assistant)
         return hf_generate(target, prompt, c, lookup if method == "prompt_lookup" else None)
 
     warm = sampling_config(settings, min(16, b.max_new_tokens), eos)
@@ -391,6 +400,14 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         "turns": b.turns,
         "methods": summary,
     }
+    if session.draft is not None:
+        report["draft_model"] = session.draft.describe()
+        if assistant is not None:
+            report["draft_model"]["assisted"] = {
+                "num_assistant_tokens": assistant.tokens,
+                "schedule": assistant.schedule,
+                "universal": assistant.tokenizer is not None,
+            }
     if bandwidth:
         report["memory_bandwidth"] = summarize_bandwidth(bandwidth, b.bandwidth_mib)
     del probe  # its buffers go before the plots and the baseline comparison
@@ -415,7 +432,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             report["hybrid"]["choices"] = {
                 describe_choice(c): n for c, n in sorted(choices.items(), key=lambda x: (x[0].head, x[0].text_nodes))
             }
-    for m in ("lookup", "suffix"):
+    for m in ("lookup", "suffix", "draft"):
         if m in heads:
             report[m] = heads.pop(m)
     if heads:
@@ -461,7 +478,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             total = sum(info["choices"].values())
             shares = ", ".join(f"{k} {n / total:.0%}" for k, n in info["choices"].items())
             out.write(f"hybrid: steps by choice: {shares}\n")
-    for m in ("lookup", "suffix"):
+    if "draft_model" in report:
+        out.write(f"draft model: {describe_draft_model(report['draft_model'])}\n")
+    for m in ("lookup", "suffix", "draft"):
         if report.get(m, {}).get("costs"):
             out.write(f"{m} ({report[m]['tree']}): {format_costs(report[m]['costs'])}\n")
     for m, info in report.get("compared_heads", {}).items():
@@ -470,6 +489,34 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     out.write(f"rows: {paths['rows']}\nsummary: {paths['summary']}\n")
     out.flush()
     return report
+
+
+def assistant_for(settings: InferJobConfig, session) -> Assistant:
+    """The `assisted` method's settings: session's draft model drafting draft.assistant_tokens per
+    step (else the draft method's depth); transformers re-encodes drafts as text (universal
+    assisted decoding) only when the two vocabularies' sizes differ."""
+    draft = session.draft
+    d = settings.draft
+    tokens = d.assistant_tokens or policy_depth(draft_model_policy(settings.tree))
+    sizes = {m.config.get_text_config().vocab_size for m in (session.target.model, draft.model)}
+    return Assistant(draft.model, tokens, d.assistant_schedule, draft.tokenizer if len(sizes) > 1 else None)
+
+
+def describe_draft_model(info: dict) -> str:
+    """The draft model in one line: its name, size, and where its layers came from."""
+    size = f"{info['layers']} layers, {info['parameters'] / 1e6:.1f}M parameters, {info['dtype']}"
+    text = f"{info['model']} ({info['model_type']}, {size})"
+    made = info.get("made_from")
+    if made:
+        source = f" ({made['source']})" if made.get("source") not in (None, made["target"]) else ""
+        text += (
+            f": the first {made['layers']} of {made['target_layers']} layers of {made['target']}{source} "
+            "with its final norm and LM head"
+        )
+    if info.get("assisted"):
+        a = info["assisted"]
+        text += f"; assisted drafts {a['num_assistant_tokens']} tokens per step ({a['schedule']} schedule)"
+    return text
 
 
 def describe_choice(choice) -> str:
