@@ -305,3 +305,24 @@ def test_the_draft_model_policy_follows_the_tree_settings():
     assert draft_model_policy(TreeConfig(kind="dynamic", depth=3, top_k=2, total_tokens=6)) == DynamicTreeSpec(3, 2, 6)
     with pytest.raises(SpecHeadsError, match="not tree=auto"):
         draft_model_policy(TreeConfig(kind="auto"))
+
+
+class RewindsWithoutCropping(DraftModelDrafter):
+    """Wrong: queues the last fed tokens again but leaves their entries in the cache."""
+
+    def rewind(self, n):
+        self.pending = self.last_fed[-n:] + self.pending
+
+
+@pytest.mark.parametrize("drafter_class", [DraftModelDrafter, RewindsWithoutCropping])
+def test_rewind_redoes_the_last_drafting_step(drafter_class, tiny_target, made):
+    """rewind(n) (tree calibration times a drafting step with it) makes the next draft() feed the
+    last n tokens again and grow the same tree; a rewind that keeps their entries grows another."""
+    drafter = drafter_class(made, POLICIES["tree"])
+    prompt, root = torch.tensor([PROMPTS[1]]), 7
+    drafter.start(prompt, {}, root)
+    first = drafter.draft(root, prompt.shape[1], 4)
+    drafter.advance({}, first[0][:2], 9)  # the root and its first child accepted, 9 the bonus
+    second = drafter.draft(9, prompt.shape[1] + 2, 4)
+    drafter.rewind(2)
+    assert (drafter.draft(9, prompt.shape[1] + 2, 4) == second) == (drafter_class is DraftModelDrafter)
