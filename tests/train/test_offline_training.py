@@ -93,6 +93,14 @@ def test_offline_features_train_like_online(distilled, tmp_path):
     proc = refused.result()
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: feature cache")
+    # each head records where its states came from: the online forward, or the cache and its writer
+    recorded = {
+        name: json.loads((tmp_path / name / "head" / "config.json").read_text())["training"]["features"]
+        for name in ("online", "offline")
+    }
+    assert recorded["online"] == {"online": True, "writer": {"backend": "transformers"}}
+    assert recorded["offline"]["cache"] == "features" and recorded["offline"]["dtype"] == "float32"
+    assert recorded["offline"]["writer"]["backend"] == "transformers" and recorded["offline"]["writer"]["transformers"]
 
 
 def test_two_ranks_cache_the_features_of_one_and_train_from_them(distilled, tmp_path):
