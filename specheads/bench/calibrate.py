@@ -184,6 +184,8 @@ def time_draft(target, head, policy: TreePolicy, prompt: Sequence[int], repeats:
     drafter = make_drafter(head, policy)
     ids = torch.tensor([list(prompt)], device=device)
     cache = new_cache(target.model)
+    if hasattr(drafter, "bind_target_cache"):  # a drafter that runs the target's own layers (early exit)
+        drafter.bind_target_cache(cache)
     with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
         out = target.model(input_ids=ids, cache=cache, use_cache=True)
     root = int(out.logits[0, -1].argmax())

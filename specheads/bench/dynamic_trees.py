@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..decode.drafters import DraftTable, make_drafter
+from ..decode.kv import cache_prefix, new_cache
 from ..decode.policy import DynamicTreeSpec
 
 TOP_K = (2, 3, 4)  # children per expanded node, and nodes expanded per level
@@ -103,12 +104,15 @@ def grow_along(
 ) -> dict[int, list[Growth]]:
     """Per top_k in `widths`, the full dynamic tree at each answer position, rooted at answer
     tokens 0..n-2 as calibrate.rank_vectors' positions are; the drafter catches up one true token
-    per step. One target forward serves every width."""
+    per step. One target forward serves every width (and, for a drafter that runs the target's own
+    layers, fills the cache whose first r entries it drafts on at answer token r)."""
     drafters = {k: make_drafter(head, DynamicTreeSpec(depth, k, total_tokens=1)) for k in widths}
     first = next(iter(drafters.values()))
     seq = torch.tensor([list(ids)], device=target.device)
+    binds = hasattr(first, "bind_target_cache")
+    cache = new_cache(target.model) if binds else None
     with target.capture(first.layer_ids, final=first.reads_final) as store:
-        target.model(seq)
+        target.model(seq, cache=cache, use_cache=binds)
     states = dict(store)
 
     def at(lo: int, hi: int) -> dict:
@@ -119,6 +123,8 @@ def grow_along(
         drafter.start(seq[:, :answer_start], at(0, answer_start), int(ids[answer_start]))
         out[k] = []
         for r in range(answer_start, len(ids) - 1):
+            if binds:
+                drafter.bind_target_cache(cache_prefix(cache, r))
             drafter.draft(int(ids[r]), r, depth)
             out[k].append(growth_of(drafter.table, [int(x) for x in ids[r + 1 : r + 1 + depth]]))
             drafter.advance(at(r, r + 1), [int(ids[r])], int(ids[r + 1]))

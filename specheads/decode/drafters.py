@@ -6,10 +6,12 @@ A drafter follows the generation loop through three calls:
   advance(states, tokens, bonus)   after verification; states and tokens of the accepted path
                                    (root first), bonus = the target's next token (the next root)
 (and rewind(n), which makes the next draft() redo the work of the last n accepted tokens: used
-to time drafting during tree calibration). A drafter may also say where each node of its last tree
-came from (`sources`, tree.FROM_HEAD / FROM_TEXT bits), which the loop counts for accepted nodes.
-Drafts are deterministic (top-k), so any acceptance rule that treats them as one-hot proposals
-is lossless.
+to time drafting during tree calibration). A drafter that runs the target's own layers (early exit)
+also has bind_target_cache(cache): whoever owns the target's KV cache (the generation loop) hands it
+over before start(), and at every draft() it holds exactly the committed prefix.
+A drafter may also say where each node of its last tree came from (`sources`, tree.FROM_HEAD /
+FROM_TEXT bits), which the loop counts for accepted nodes. Drafts are deterministic (top-k), so any
+acceptance rule that treats them as one-hot proposals is lossless.
 
 Tree growth is shared by all families (`grow_tree`): the caller provides the log-probabilities
 of a node's children; the policy is a static tree of rank paths or an EAGLE-2 dynamic tree
@@ -28,6 +30,7 @@ from ..errors import SpecHeadsError
 from .hybrid_rule import AdaptiveRule, Choice
 from .policy import DynamicTreeSpec, HybridPolicy, TreePolicy, check_depth, policy_depth
 from .suffix import SuffixIndex
+from .target_layers import check_layer_family, crop_layers, run_layers
 from .tree import FROM_HEAD, FROM_TEXT, StaticTree, TreeLayout, merge_chains, pruned_tree, select_dynamic
 
 
@@ -288,6 +291,122 @@ class ParallelDecoderDrafter(EagleDrafter):
         return grow_tree(root, child_logp, self.head.draft_to_target, self.policy, max_depth, self.table)
 
 
+class EarlyExitDrafter:
+    """Early exit (Kangaroo): each drafted node runs the target's own first L layers on the
+    target's KV cache (decode/target_layers.py), then the head's adapter on its own cache, then the
+    target's LM head.
+
+    The generation loop binds the target's cache (bind_target_cache) before start; at draft time it
+    holds exactly the committed prefix (P tokens). The root (position P) and each level of the tree
+    (position P + depth, siblings sharing it) are appended to the first L layers' entries and to the
+    adapter's, each node seeing the prefix, its ancestors and itself; before the tree is returned
+    both are cropped back to P, so verification sees only the committed prefix. After verification
+    the adapter is fed the accepted tokens' layer-L states, which the verification forward captured
+    (layer_ids), at the next draft (so that `rewind` can queue them again).
+
+    A path stops where the head's path probability falls below the policy's min_path_prob (grow_tree):
+    Kangaroo's early-exit threshold, which tree=auto calibrates.
+    """
+
+    def __init__(self, head, policy: TreePolicy):
+        self.head = head
+        self.policy = policy
+        self.layer_ids = head.target_layer_ids()  # [L]: the stream leaving the first L layers
+        self.reads_final = False
+        check_layer_family(head.frozen_target)
+        self.layers = list(range(head.exit_layer))  # the target's decoder layers each node runs
+        self.target_cache = None  # the target's own KV cache (bind_target_cache)
+        self.cache = None  # the adapter's: one entry per committed position (its layer-L state)
+        self.pending: torch.Tensor | None = None  # layer-L states of positions not fed yet [1, n, H]
+        self.last_fed: torch.Tensor | None = None
+        self.table: DraftTable | None = None  # every node the last draft() drafted (grow_tree)
+        self.exit_states: dict[int, torch.Tensor] = {}  # node -> its layer-L state in the last draft
+
+    def bind_target_cache(self, cache) -> None:
+        self.target_cache = cache
+
+    def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
+        self.cache = self.head.new_cache()
+        self.pending = states[self.layer_ids[0]]
+
+    def advance(self, states: dict, tokens: Sequence[int], bonus: int) -> None:
+        fed = states[self.layer_ids[0]]  # the accepted path's, root first
+        # a step drafted without this head (HybridDrafter) left its positions unfed: feed both
+        self.pending = fed if self.pending is None else torch.cat([self.pending, fed], dim=1)
+
+    def rewind(self, n: int) -> None:
+        """Queue the last n fed positions again (the adapter's cache forgets them), before what a
+        step drafted without this head (HybridDrafter) left queued since."""
+        n = min(n, self.last_fed.shape[1])
+        self.cache.crop(self.cache.length - n)
+        again = self.last_fed[:, -n:]
+        self.pending = again if self.pending is None else torch.cat([again, self.pending], dim=1)
+
+    def _catch_up(self) -> None:
+        """Feed the queued committed positions to the adapter (no logits: the prefix is drafted)."""
+        if self.pending is None:
+            return
+        fed, self.pending = self.pending, None
+        start = self.cache.length
+        pos = torch.arange(start, start + fed.shape[1], device=fed.device)[None]
+        self.head.adapt(fed, pos, self.cache)
+        self.last_fed = fed
+
+    def node_positions(self, prefix_len: int, depths: list[int]) -> list[int]:
+        """RoPE positions of drafted nodes: the root sits at prefix_len, a node at depth d d further."""
+        return [prefix_len + d for d in depths]
+
+    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        if self.target_cache is None:
+            raise RuntimeError("an early-exit drafter drafts on the target's cache: call bind_target_cache first")
+        self._catch_up()
+        held = sorted({int(self.target_cache.layers[i].get_seq_length()) for i in self.layers})
+        if self.cache.length != prefix_len or held != [prefix_len]:
+            raise RuntimeError(
+                f"early-exit drafter out of step: {prefix_len} committed tokens, the adapter holds "
+                f"{self.cache.length}, the target's first layers {held}"
+            )
+        target = self.head.frozen_target
+        device = target.device
+        slot: dict[int, int] = {}  # node -> its slot in both caches (prefix_len + its order of drafting)
+        self.exit_states = {}
+
+        def child_logp(ids: list[int], table: DraftTable) -> torch.Tensor:
+            # the nodes whose children are asked for have not run yet (a level's parents, once each)
+            n, past = len(ids), len(slot) + prefix_len
+            seen = []
+            for r, i in enumerate(ids):
+                row = [False] * (past - prefix_len + n)
+                row[past - prefix_len + r] = True
+                a = table.parents[i]
+                while a >= 0:
+                    row[slot[a] - prefix_len] = True
+                    a = table.parents[a]
+                seen.append(row)
+            visible = None
+            if not (n == 1 and all(seen[0])):  # else one query that sees every slot: no mask
+                drafted = torch.tensor(seen, dtype=torch.bool)
+                visible = torch.cat([drafted.new_ones(n, prefix_len), drafted], dim=1)
+            tokens = torch.tensor([[table.tokens[i] for i in ids]], device=device)
+            positions = torch.tensor(self.node_positions(prefix_len, [table.depths[i] for i in ids]), device=device)
+            exit_states = run_layers(
+                target, self.layers, target.embed_tokens(tokens), positions, self.target_cache, visible
+            )
+            mask = None if visible is None else visible.to(device)[None, None]
+            logits = self.head.draft_logits(self.head.adapt(exit_states, positions[None], self.cache, mask))
+            for r, i in enumerate(ids):
+                slot[i] = past + r
+                self.exit_states[i] = exit_states[0, r]
+            return torch.log_softmax(logits[0], dim=-1)
+
+        try:
+            self.table = DraftTable()
+            return grow_tree(root, child_logp, lambda ids: ids, self.policy, max_depth, self.table)
+        finally:
+            crop_layers(self.target_cache, self.layers, prefix_len)
+            self.cache.crop(prefix_len)
+
+
 def path_tokens(table: DraftTable, node: int) -> list[int]:
     """The tokens from the root down to `node` (both included)."""
     path = [table.tokens[node]]
@@ -375,6 +494,7 @@ DRAFTERS = {
     "autoregressive": EagleDrafter,
     "sequential": SequentialDrafter,
     "parallel_decoder": ParallelDecoderDrafter,
+    "early_exit": EarlyExitDrafter,
 }
 
 
@@ -454,6 +574,12 @@ class HybridDrafter:
     @property
     def text(self) -> list[int]:
         return self.index.text
+
+    def bind_target_cache(self, cache) -> None:
+        """The target's cache, for a head's drafter that runs the target's own layers (early exit)."""
+        bind = getattr(self.inner, "bind_target_cache", None)
+        if bind is not None:
+            bind(cache)
 
     def start(self, prompt_ids: torch.Tensor, states: dict, root: int) -> None:
         self.index.start_request(prompt_ids[0].tolist())

@@ -154,6 +154,8 @@ def speculative_generate(
         res.stopped_by = "max_new_tokens"
         return res
     cache = new_cache(model)
+    if hasattr(drafter, "bind_target_cache"):  # a drafter that runs the target's own layers (early exit)
+        drafter.bind_target_cache(cache)
     with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
         out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
     root = choose_token(out.logits[0, -1], cfg, generator)

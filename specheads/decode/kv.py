@@ -9,6 +9,7 @@ committed sequence, as if it had been decoded one token at a time.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,19 @@ def check_cache(cache: DynamicCache) -> None:
 
 def cache_length(cache: DynamicCache) -> int:
     return int(cache.get_seq_length())
+
+
+def cache_prefix(cache: DynamicCache, length: int) -> DynamicCache:
+    """A cache holding the first `length` entries of every layer of `cache`, as views: appending to
+    it (a DynamicLayer appends by concatenation) or cropping it leaves `cache` as it is. For a drafter
+    that runs the target's own layers along a sequence whose cache was filled in one forward
+    (calibration); not for compact_cache, which writes in place."""
+    view = copy.copy(cache)
+    view.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in view.layers:
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+    return view
 
 
 def tree_attention_bias(

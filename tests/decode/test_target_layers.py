@@ -78,9 +78,11 @@ def test_the_first_layers_give_each_tree_node_the_full_forwards_state(tiny_targe
     check_against_full_forward(tiny_target, n_layers)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "llama-sdpa"])
 def test_other_llama_family_targets(arch):
-    model, tok = build_tiny(arch)
+    model, tok = build_tiny(arch.removesuffix("-sdpa"))
+    if arch.endswith("-sdpa"):
+        model.set_attn_implementation("sdpa")  # the tiny targets run eager attention by default
     check_against_full_forward(FrozenTarget(model, tok, name=f"tiny-{arch}"), 4)
 
 

@@ -1,0 +1,137 @@
+"""The early-exit head (Kangaroo): an adapter over the target's layer-L states, read by its LM head.
+
+Training lowers its loss; a fresh head is the target's own logit lens at layer L (with L = every
+layer, the target itself); its training-time logits are what it drafts along a path (compared
+with the real drafter on the target's cache, and failing for a head whose teacher forcing is one
+position off); it saves and loads through the head directory like its siblings, and its config
+is refused in one line where it cannot hold."""
+
+import json
+
+import pytest
+import torch
+from conftest import head_states, overfit
+
+from specheads.bench.replay import rank_vectors
+from specheads.config.train import HeadConfig
+from specheads.decode.drafters import make_drafter
+from specheads.decode.generate import SamplingConfig, speculative_generate
+from specheads.decode.tree import static_tree
+from specheads.errors import SpecHeadsError
+from specheads.export.exporter import check_servable
+from specheads.heads import build_head, load_head, save_head
+from specheads.heads.base import shifted
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def early_exit(target, exit_layer=None, **fields):
+    torch.manual_seed(0)
+    return build_head(HeadConfig(family="early_exit", exit_layer=exit_layer, **fields), target)
+
+
+def batch_of(sequences):
+    return {
+        "input_ids": sequences,
+        "attention_mask": torch.ones_like(sequences),
+        "loss_mask": torch.ones_like(sequences),
+    }
+
+
+def test_spec_reads_the_layer_it_exits_at_and_refuses_what_cannot_hold(tiny_target):
+    head = early_exit(tiny_target)
+    assert head.spec.exit_layer == 1 and head.target_layer_ids() == [1]  # a quarter of 6 layers
+    assert head.training_states() == ([1], True) and not head.reads_final
+    assert early_exit(tiny_target, 4, layer_ids=[4]).spec.layer_ids == [4]
+    for bad in (dict(exit_layer=0), dict(exit_layer=7), dict(exit_layer=3, layer_ids=[2])):
+        with pytest.raises(SpecHeadsError, match="exit_layer") as err:
+            early_exit(tiny_target, **bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(SpecHeadsError, match="early_exit head drafts with infer.py only"):
+        check_servable("early_exit")  # no serving engine loads it
+
+
+@pytest.mark.parametrize("adapter_mlp", [False, True])
+def test_a_fresh_head_is_the_targets_logit_lens(tiny_target, sequences, adapter_mlp):
+    """The adapter starts as the identity and its norm as the target's final norm: at L = every
+    layer the draft's logits are the target's own."""
+    head = early_exit(tiny_target, 6, adapter_mlp=adapter_mlp)
+    batch = batch_of(sequences[:2])
+    states = head_states(tiny_target, head, batch)
+    torch.testing.assert_close(head.batch_logits(batch, states), head.target_logits(states["final"]))
+    params = sum(p.numel() for p in head.parameters())
+    h = tiny_target.info.hidden_size
+    attention = 2 * h * 64 + 2 * h * 32  # q, o: 4 heads x 16; k, v: 2 kv heads x 16
+    assert params == attention + 2 * h + (h + 3 * h * 128 if adapter_mlp else 0)
+
+
+def test_training_a_few_steps_lowers_the_loss(tiny_target, sequences):
+    head = early_exit(tiny_target, 3).train()
+    batch = batch_of(sequences[:4])
+    losses, metrics = overfit(head, batch, head_states(tiny_target, head, batch), steps=8, lr=3e-2)
+    assert losses[-1] < losses[0] - 0.3 and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert metrics.keys() == {"loss_0", "acc_0"}
+
+
+def one_position_off(head):
+    """A wrong variant: teacher forcing one position off (depth d read d - 1 positions on)."""
+
+    def forced(input_ids, states, depth):
+        logits = head.batch_logits({"input_ids": input_ids}, states)
+        return [shifted(logits, d - 1) for d in range(1, depth + 1)]
+
+    return forced
+
+
+def check_ranks_predict_the_loop(target, head, prompt):
+    """Two implementations agree: the calibration's teacher-forced ranks (head.teacher_forced_logits
+    over one target forward) predict what the real drafter, running the target's first layers on its
+    cache, gets accepted at every step (tests/bench/test_calibrate.py's check for the other families)."""
+    paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    tree = {tuple(p) for p in paths}
+    res = speculative_generate(
+        target, make_drafter(head, static_tree(paths)), prompt, SamplingConfig(max_new_tokens=32)
+    )
+    full = prompt[0].tolist() + res.output_ids
+    vectors = rank_vectors(target, head, full, prompt.shape[1], depth=3)
+    offset, checked = 0, 0
+    for accepted, depth, emitted in zip(res.accepted_drafts, res.tree_depths, res.accept_lengths):
+        if depth == 3:  # trees pruned near max_new_tokens are skipped
+            v = vectors[offset]
+            assert accepted == max([m for m in range(1, len(v) + 1) if v[:m] in tree], default=0)
+            checked += 1
+        offset += emitted
+    assert checked >= 3 and max(res.accepted_drafts) >= 2
+
+
+def test_teacher_forcing_is_what_the_drafter_drafts(tiny_target, sequences, monkeypatch):
+    head = early_exit(tiny_target, 5).eval()  # the logit lens at layer 5 of 6: often the target's token
+    prompt = sequences[2:3, :8]
+    check_ranks_predict_the_loop(tiny_target, head, prompt)
+    monkeypatch.setattr(head, "teacher_forced_logits", one_position_off(head))
+    with pytest.raises(AssertionError):
+        check_ranks_predict_the_loop(tiny_target, head, prompt)
+
+
+def perturbed(head, scale=0.05):
+    """The head with every weight moved off its initial value (no zero or identity left)."""
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return head
+
+
+def test_save_and_load_round_trip(tiny_target, sequences, tmp_path):
+    head = perturbed(early_exit(tiny_target, 3, adapter_mlp=True)).eval()
+    path = save_head(head, tmp_path / "head")
+    config = json.loads((path / "config.json").read_text())
+    assert config["family"] == "early_exit" and config["layer_ids"] == [3]
+    assert (config["head"]["exit_layer"], config["head"]["adapter_mlp"]) == (3, True)
+    assert config["reads"] == {"layer_ids": [3], "final_post_norm": False}
+    back = load_head(path, tiny_target)
+    assert back.spec == head.spec
+    mine, theirs = head.state_dict(), back.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    batch = batch_of(sequences[:2])
+    states = head_states(tiny_target, head, batch)
+    torch.testing.assert_close(back.batch_logits(batch, states), head.batch_logits(batch, states), rtol=0, atol=0)
