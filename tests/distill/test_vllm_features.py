@@ -298,3 +298,51 @@ def test_the_feature_benchmark_times_both_writers_on_the_same_conversations(
     assert result["transformers"]["tokens_per_s"] > 0 and result["vllm"]["tokens_per_s"] > 0
     assert max(result["max_relative_error"].values()) < 1e-5
     assert sorted(result["max_relative_error"]) == ["final", "layer_1", "layer_3"]
+
+
+STOCK_CONNECTOR_ON_CPU = """
+import json, os, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(
+        model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 30]}}},
+        kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                            "kv_connector_extra_config": {"shared_storage_path": sys.argv[2]}},
+    )
+    out = llm.generate([TokensPrompt(prompt_token_ids=[1, 22, 333, 4444, 55])], SamplingParams(max_tokens=1))
+    print("SAVED " + json.dumps(out[0].kv_transfer_params), flush=True)
+    os._exit(0)
+"""
+
+
+@pytest.mark.engines
+def test_vllm_cpu_stock_hidden_states_connector_needs_cuda(tmp_path):
+    """Why engines/vllm_hidden_states.py exists: vLLM's own ExampleHiddenStatesConnector, on the CPU
+    build, fails when it saves a request's states, on the CUDA stream its write path makes
+    (example_hidden_states_connector.py, _get_copy_stream). When this test fails, the CPU build's
+    stock connector writes its files and the CPU connector is no longer needed."""
+    vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not vllm_python.is_file():
+        pytest.skip(".venv-vllm is missing: make .venv-vllm/.installed")
+    sys.path.insert(0, str(ROOT / "engines"))
+    from vllm_serve import embedded_target_dir
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    script = tmp_path / "stock_connector.py"  # a file: vLLM's engine processes start with spawn
+    script.write_text(STOCK_CONNECTOR_ON_CPU)
+    try:
+        proc = subprocess.run(
+            [str(vllm_python), str(script), embedded_target_dir(), str(tmp_path / "hs")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        out = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:  # the engine died and the caller waits on it
+        out = (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+    assert "SAVED" not in out, "vLLM's stock connector wrote the states on the CPU build"
+    assert "torch.cuda.Stream requires CUDA support" in out, out[-3000:]
