@@ -13,7 +13,9 @@ of the cache through CUDA only: `_submit_async_write` calls `_get_copy_stream()`
 torch), then `torch.cuda.Event()` (lines 386, 408: "Tried to instantiate dummy base class Event")
 and `torch.empty_like(..., pin_memory=True)` (line 403: "pin_memory=True requires a CUDA or other
 accelerator backend"). CPUModelRunner swaps torch.cuda.Stream for a placeholder only while it is
-constructed (cpu_model_runner.py, _torch_cuda_wrapper), not when the connector writes.
+constructed (cpu_model_runner.py, _torch_cuda_wrapper), not when the connector writes. Run on the
+CPU build, the worker fails on the pinned buffer (the `engines` test pins it), after the answer has
+already named the file it never writes.
 
 Here the cache stays where it is (host memory): the states of a finished request are gathered
 (a copy, so the blocks may be freed at once), the file is written by the connector's own writer
