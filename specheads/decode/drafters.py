@@ -366,45 +366,77 @@ class EarlyExitDrafter:
                 f"early-exit drafter out of step: {prefix_len} committed tokens, the adapter holds "
                 f"{self.cache.length}, the target's first layers {held}"
             )
-        target = self.head.frozen_target
-        device = target.device
-        slot: dict[int, int] = {}  # node -> its slot in both caches (prefix_len + its order of drafting)
         self.exit_states = {}
 
-        def child_logp(ids: list[int], table: DraftTable) -> torch.Tensor:
-            # the nodes whose children are asked for have not run yet (a level's parents, once each)
-            n, past = len(ids), len(slot) + prefix_len
-            seen = []
-            for r, i in enumerate(ids):
-                row = [False] * (past - prefix_len + n)
-                row[past - prefix_len + r] = True
-                a = table.parents[i]
-                while a >= 0:
-                    row[slot[a] - prefix_len] = True
-                    a = table.parents[a]
-                seen.append(row)
-            visible = None
-            if not (n == 1 and all(seen[0])):  # else one query that sees every slot: no mask
-                drafted = torch.tensor(seen, dtype=torch.bool)
-                visible = torch.cat([drafted.new_ones(n, prefix_len), drafted], dim=1)
-            tokens = torch.tensor([[table.tokens[i] for i in ids]], device=device)
-            positions = torch.tensor(self.node_positions(prefix_len, [table.depths[i] for i in ids]), device=device)
-            exit_states = run_layers(
-                target, self.layers, target.embed_tokens(tokens), positions, self.target_cache, visible
-            )
-            mask = None if visible is None else visible.to(device)[None, None]
+        def read(exit_states: torch.Tensor, positions: torch.Tensor, visible, ids: list[int]) -> torch.Tensor:
+            mask = None if visible is None else visible.to(exit_states.device)[None, None]
             logits = self.head.draft_logits(self.head.adapt(exit_states, positions[None], self.cache, mask))
             for r, i in enumerate(ids):
-                slot[i] = past + r
                 self.exit_states[i] = exit_states[0, r]
-            return torch.log_softmax(logits[0], dim=-1)
+            return logits[0]
 
+        self.table = DraftTable()
         try:
-            self.table = DraftTable()
-            return grow_tree(root, child_logp, lambda ids: ids, self.policy, max_depth, self.table)
+            return grow_on_target_layers(
+                self.head.frozen_target, self.layers, self.target_cache, root, prefix_len, max_depth,
+                self.policy, self.table, read, self.node_positions,
+            )  # fmt: skip
         finally:
-            crop_layers(self.target_cache, self.layers, prefix_len)
             self.cache.crop(prefix_len)
+
+
+def grow_on_target_layers(
+    target,
+    layers: Sequence[int],
+    cache,
+    root: int,
+    prefix_len: int,
+    max_depth: int,
+    policy: TreePolicy,
+    table: DraftTable,
+    read: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]], torch.Tensor],
+    node_positions: Callable[[int, list[int]], list[int]],
+) -> tuple[list[int], TreeLayout]:
+    """grow_tree whose levels run some of the target's own decoder `layers` on its KV cache
+    (target_layers.run_layers), as the early-exit and layer-skip drafters do.
+
+    Each level's nodes (the parents whose children are asked for, each run once) go through the
+    layers in one call at their RoPE positions (node_positions(prefix_len, depths)), each seeing the
+    committed prefix, its ancestors' slots and its own; read(states, positions, visible, ids) turns
+    the stream leaving the last layer ([1, n, H]) into log-probability-ready logits [n, V] (visible:
+    the bool [n, past + n] mask, None when the lone query sees every slot). Whatever happens, the
+    layers' drafted entries are cropped back to the committed prefix before it returns, so that the
+    target verifies on its committed sequence alone."""
+    device = target.device
+    slot: dict[int, int] = {}  # node -> its slot in the cache (prefix_len + its order of drafting)
+
+    def child_logp(ids: list[int], table: DraftTable) -> torch.Tensor:
+        n, past = len(ids), len(slot) + prefix_len
+        seen = []
+        for r, i in enumerate(ids):
+            row = [False] * (past - prefix_len + n)
+            row[past - prefix_len + r] = True
+            a = table.parents[i]
+            while a >= 0:
+                row[slot[a] - prefix_len] = True
+                a = table.parents[a]
+            seen.append(row)
+        visible = None
+        if not (n == 1 and all(seen[0])):  # else one query that sees every slot: no mask
+            drafted = torch.tensor(seen, dtype=torch.bool)
+            visible = torch.cat([drafted.new_ones(n, prefix_len), drafted], dim=1)
+        tokens = torch.tensor([[table.tokens[i] for i in ids]], device=device)
+        positions = torch.tensor(node_positions(prefix_len, [table.depths[i] for i in ids]), device=device)
+        states = run_layers(target, layers, target.embed_tokens(tokens), positions, cache, visible)
+        logits = read(states, positions, visible, ids)
+        for r, i in enumerate(ids):
+            slot[i] = past + r
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    try:
+        return grow_tree(root, child_logp, lambda ids: ids, policy, max_depth, table)
+    finally:
+        crop_layers(cache, layers, prefix_len)
 
 
 def path_tokens(table: DraftTable, node: int) -> list[int]:
