@@ -122,6 +122,11 @@ def run_infer(cfg: DictConfig, conf_dir: Path) -> None:
         from .bench.calibrate import calibrate_tree
 
         settings.tree = calibrate_tree(settings, session)
+    if settings.skip.layers is not None:
+        from .bench.layer_skip import resolve_layer_skip
+
+        kernels = session.layouts is not None
+        session.skip = resolve_layer_skip(settings, session.target, kernels)
     if settings.bench.questions and settings.bench.mode == "replay":
         from .bench.replay import run_replay
 

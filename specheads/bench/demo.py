@@ -13,6 +13,7 @@ from ..decode.baselines import hf_generate
 from ..decode.draft_model import DraftModelDrafter, draft_model_policy
 from ..decode.drafters import make_drafter
 from ..decode.generate import speculative_generate
+from ..decode.layer_skip import LayerSkipDrafter
 from ..decode.policy import describe_policy, tree_policy_for
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 
@@ -82,10 +83,14 @@ def run_demo(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dic
     prompt = torch.tensor([ids], device=target.device)
     eos = eos_token_ids(target)
     cfg = sampling_config(settings, settings.max_new_tokens, eos)
-    if head is None:  # no head: the separate draft model drafts (draft.model)
+    if head is None and session.draft is not None:  # no head: the separate draft model drafts (draft.model)
         policy = draft_model_policy(settings.tree)
         drafter = DraftModelDrafter(session.draft, policy)
         who = f"draft model {session.draft.name}"
+    elif head is None:  # nor a draft model: the target with layers skipped (skip.layers)
+        policy = session.skip.policy
+        drafter = LayerSkipDrafter(target, session.skip.layers, policy)
+        who = f"target skipping layers {list(session.skip.layers)}"
     else:
         policy = tree_policy_for(head, settings.tree)
         drafter = make_drafter(head, policy)

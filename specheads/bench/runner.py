@@ -10,7 +10,8 @@ continuations of the text's own repeats merged into one tree (decode.drafters.Hy
 lookup through this package's loop when there is no head), with the share of accepted tokens that
 came from each source; draft = a separate draft model (draft.model) drafting a chain or tree through
 this package's loop (decode.draft_model); assisted = transformers' assisted generation with the same
-draft model (`assistant_model`).
+draft model (`assistant_model`); skip = the target drafting for itself with decoder layers skipped
+(skip.layers; decode.layer_skip).
 Conventions: target_forwards counts decode-phase forwards (prefill excluded); tau = tokens
 produced by decode forwards / decode forwards (1.0 for plain decoding); speedup = tokens/s over
 baseline tokens/s on the same questions; overhead c = tau / speedup - 1.
@@ -35,6 +36,7 @@ from ..decode.baselines import Assistant, PlainDrafter, hf_generate
 from ..decode.draft_model import DraftModelDrafter, draft_model_policy
 from ..decode.drafters import make_drafter, make_hybrid_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
+from ..decode.layer_skip import LayerSkipDrafter
 from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, policy_depth, tree_policy_for
 from ..heads.io import draft_precision
 from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
@@ -306,6 +308,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     if "draft" in b.methods:
         drafting = draft_model_policy(settings.tree)
         spec_heads["draft"] = (DraftModelDrafter(session.draft, drafting), drafting, session.draft.name)
+    if "skip" in b.methods:
+        skip = session.skip
+        spec_heads["skip"] = (LayerSkipDrafter(target, skip.layers, skip.policy), skip.policy, None)
     assistant = assistant_for(settings, session) if "assisted" in b.methods else None
     spec_heads.update(open_compared_heads(b.heads, session))
     if b.head_dtypes:
@@ -432,9 +437,11 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             report["hybrid"]["choices"] = {
                 describe_choice(c): n for c, n in sorted(choices.items(), key=lambda x: (x[0].head, x[0].text_nodes))
             }
-    for m in ("lookup", "suffix", "draft"):
+    for m in ("lookup", "suffix", "draft", "skip"):
         if m in heads:
             report[m] = heads.pop(m)
+    if "skip" in report:
+        report["skip"].update(session.skip.describe())
     if heads:
         report["compared_heads"] = heads
     if "baseline" in methods:
@@ -480,7 +487,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             out.write(f"hybrid: steps by choice: {shares}\n")
     if "draft_model" in report:
         out.write(f"draft model: {describe_draft_model(report['draft_model'])}\n")
-    for m in ("lookup", "suffix", "draft"):
+    for m in ("lookup", "suffix", "draft", "skip"):
         if report.get(m, {}).get("costs"):
             out.write(f"{m} ({report[m]['tree']}): {format_costs(report[m]['costs'])}\n")
     for m, info in report.get("compared_heads", {}).items():

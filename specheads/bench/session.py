@@ -33,6 +33,7 @@ class Session:
     allow_target_mismatch: bool = False  # heads trained on other weights of the target's shape load too
     head_dtype: str = "auto"  # infer.py's head_dtype: what every head of the session drafts in
     draft: DraftModel | None = None  # draft.model, loaded for the target (decode/draft_model.py)
+    skip: Any = None  # bench.layer_skip.LayerSkip: the target's layers skipped to draft (skip.layers)
 
     def draft_like_own_head(self, head, head_dtype: str | None = None) -> None:
         """Prepare another head to draft as the session's own does: in `head_dtype` (the session's

@@ -66,18 +66,24 @@ def machine_description(device: torch.device, kernels: bool) -> dict[str, Any]:
     }
 
 
-def cache_path(head_dir: str | Path, target, kernels: bool, precision: str) -> Path:
-    """The cache file of this head's tree on this machine (and target: its weights and dtype; and
-    the precision the head drafts in, heads.io.draft_precision, which sets what a draft step costs)."""
+def machine_key(target, kernels: bool, **extra: Any) -> str:
+    """16 hex digits naming this host, its machine (machine_description), the target's weights and
+    dtype, and `extra`: what a calibration kept in the cache was timed on."""
     parts = {
         "version": CACHE_VERSION,
         "host": platform.node(),
         "machine": machine_description(target.device, kernels),
         "target": target_identity(target)["weights_sha256"],
         "dtype": str(target.dtype),
-        "head_dtype": precision,
+        **extra,
     }
-    machine = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_path(head_dir: str | Path, target, kernels: bool, precision: str) -> Path:
+    """The cache file of this head's tree on this machine (and target: its weights and dtype; and
+    the precision the head drafts in, heads.io.draft_precision, which sets what a draft step costs)."""
+    machine = machine_key(target, kernels, head_dtype=precision)
     return cache_root() / "trees" / f"{head_digest(head_dir)[:16]}-{machine}.json"
 
 

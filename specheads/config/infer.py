@@ -25,7 +25,7 @@ def check_draft_dtype(name: str, key: str = "head_dtype") -> None:
 
 
 TREE_KINDS = ("default", "static", "dynamic", "chain", "auto")
-METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "suffix", "spec", "hybrid", "draft", "assisted")
+METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "suffix", "spec", "hybrid", "draft", "assisted", "skip")
 DEFAULT_METHODS = ("baseline", "plain", "prompt_lookup", "lookup", "spec", "hybrid")
 # the methods that draft with draft.model: run by default (after DEFAULT_METHODS) when it is set
 DRAFT_MODEL_METHODS = ("draft", "assisted")
@@ -155,8 +155,9 @@ class BenchConfig:
     # lookup through our own loop), suffix (the suffix text source alone, bench.prompt_lookup_num_tokens
     # nodes, through our own loop), spec (the head), hybrid (the head + the text's repeats), draft
     # (draft.model drafting through our own loop, chain or tree per the tree settings), assisted
-    # (transformers generate with assistant_model=draft.model). With draft.model set and this list
-    # left as it is, draft and assisted are added (and spec and hybrid dropped without a head)
+    # (transformers generate with assistant_model=draft.model), skip (the target with skip.layers
+    # skipped). With draft.model (skip.layers) set and this list left as it is, draft and assisted
+    # (skip) are added, and spec and hybrid dropped without a head
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     prompt_lookup_num_tokens: int = 10  # prompt_lookup: tokens drafted per step
     prompt_lookup_max_ngram: int = 2  # prompt_lookup: the longest n-gram matched
@@ -208,6 +209,22 @@ class DraftModelConfig:
 
 
 @dataclass
+class LayerSkipConfig:
+    """Self-speculative decoding without training (Draft & Verify, SWIFT): the target drafts with
+    some of its decoder layers skipped (decode/layer_skip.py; the calibration: bench/layer_skip.py)."""
+
+    # null = off; auto = the choice calibrated for this target on this machine (its layers, chain
+    # depth and stop probability; calibrated and kept in its cache first when there is none); a list
+    # of decoder layer indices = those skipped, drafting a chain of tree.depth (else 5) stopping under
+    # tree.min_path_prob. Set, infer.py drafts with it when no head or draft model is given, and the
+    # benchmark runs the method skip by default
+    layers: Any = None
+    recalibrate: bool = False  # auto: calibrate again (the new choice replaces the stored one if faster)
+    max_share: float = 0.5  # auto: skip at most this share of the layers
+    depth: int = 6  # auto: the deepest chain weighed
+
+
+@dataclass
 class InferJobConfig:
     """infer.py: speculative decoding with a head, one prompt (the demo) or a benchmark."""
 
@@ -217,6 +234,7 @@ class InferJobConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     draft: DraftModelConfig = field(default_factory=DraftModelConfig)  # a separate draft model (draft.model=...)
+    skip: LayerSkipConfig = field(default_factory=LayerSkipConfig)  # the target drafting with layers skipped
     prompt: str | None = None  # the demo's prompt
     system: str | None = None  # an optional system message
     chat: bool = True  # apply the tokenizer's chat template to the prompt
@@ -349,9 +367,27 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError(
             f"draft.assistant_schedule must be one of {', '.join(ASSISTANT_SCHEDULES)}, got {d.assistant_schedule!r}"
         )
-    if d.model and list(b.methods) == list(DEFAULT_METHODS):  # the methods left as they are
+    k = settings.skip
+    if isinstance(k.layers, str) and k.layers != "auto":
+        raise SpecHeadsError(f"skip.layers must be auto or a list of decoder layer indices, got {k.layers!r}")
+    if not isinstance(k.layers, (str, type(None))) and (
+        not isinstance(k.layers, (list, tuple))
+        or not k.layers
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in k.layers)
+    ):
+        raise SpecHeadsError(f"skip.layers must be auto or a non-empty list of decoder layer indices, got {k.layers!r}")
+    if not 0 < k.max_share < 1:
+        raise SpecHeadsError(f"skip.max_share must be in (0, 1), got {k.max_share}")
+    if k.depth < 1:
+        raise SpecHeadsError(f"skip.depth must be >= 1, got {k.depth}")
+    skipping = k.layers is not None
+    if (d.model or skipping) and list(b.methods) == list(DEFAULT_METHODS):  # the methods left as they are
         kept = [m for m in DEFAULT_METHODS if settings.head_path or m not in HEAD_METHODS]
-        b.methods = kept + list(DRAFT_MODEL_METHODS)
+        b.methods = kept + (list(DRAFT_MODEL_METHODS) if d.model else []) + (["skip"] if skipping else [])
+    if "skip" in b.methods and not skipping:
+        raise SpecHeadsError(
+            "bench.methods [skip] drafts with the target's layers skipped: give skip.layers=auto or a list"
+        )
     needs_draft = [m for m in b.methods if m in DRAFT_MODEL_METHODS]
     if needs_draft and not d.model:
         raise SpecHeadsError(f"bench.methods {needs_draft} draft with a separate model: give draft.model=NAME_OR_DIR")
@@ -404,8 +440,13 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         )
     if len(set(b.trees)) != len(b.trees):
         raise SpecHeadsError("bench.trees names a tree twice")
-    if not settings.head_path and ((not b.questions and not d.model) or "spec" in b.methods):
-        raise SpecHeadsError("give the draft head: head=DIR_OR_HUB_ID (or a separate draft model: draft.model=...)")
+    if not settings.head_path and ((not b.questions and not d.model and not skipping) or "spec" in b.methods):
+        raise SpecHeadsError(
+            "give the draft head: head=DIR_OR_HUB_ID (or a separate draft model: draft.model=..., or the "
+            "target's own layers: skip.layers=auto)"
+        )
+    if skipping and not settings.head_path and t.kind == "auto":
+        raise SpecHeadsError("tree=auto calibrates a head's tree: skip.layers=auto calibrates the layer skip itself")
     if not settings.head_path and settings.model is None:
         raise SpecHeadsError("without a head, give the target: model=NAME")
     if not b.questions and not settings.prompt:

@@ -1,0 +1,327 @@
+"""skip.layers=auto: which decoder layers the target skips to draft for itself (decode/layer_skip.py),
+how deep it drafts and where it stops, chosen by expected tokens per second on this machine.
+
+1. Acceptance, exactly. The target writes its greedy answers to the calibration prompts (tree=auto's
+   prompts and answer length). One full forward puts every position's keys and values in a cache;
+   then the reduced stack drafts along the true continuation from every answer position at once,
+   level by level (draft_along): level j's query for a step rooted at position s sits at s + j - 1
+   and sees the full model's entries before s, its own earlier levels' and itself, which is exactly
+   what the drafter sees at that step. So at every position and depth we know whether the draft is
+   the target's next token, and with what probability the reduced stack drafts it.
+2. A chain of depth k stopping where the path's probability falls under g (tree.min_path_prob;
+   calibrate.gated_depth) accepts, at a step rooted at s, the run of matches cut at the depth it
+   drafts, and the next step is rooted past the bonus token: walking the answer step by step
+   (chain_walk) gives the steps the generation loop takes, accepted lengths and levels drafted.
+3. Cost: a level of the reduced stack (the real drafter, timed right after a target forward, as in
+   decoding) per level drafted, plus the target's verification of root + chain (calibrate.time_target).
+4. Search (the layer-selection idea of Draft & Verify and SWIFT, made greedy): each layer skipped
+   alone is scored by how often the level-1 draft is still the target's token; layers are then
+   skipped in that order, least harmful first, and for each count m (up to skip.max_share of the
+   layers) the depth and stop probability with the most expected tokens per second are found. The
+   best over every m is stored; a choice stored before is scored on the same positions and costs and
+   stays unless the new one is expected to be faster, and a calibration on fewer positions than it
+   was made on changes nothing.
+
+The choice goes to this machine's cache (cache_root()/layer_skip/<machine key>.json: the host, the
+device, threads, the target's weights and dtype), like a calibrated tree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from tqdm import tqdm
+
+from ..atomic import write_json
+from ..config.infer import InferJobConfig, resolve_search
+from ..decode.baselines import hf_generate
+from ..decode.draft_model import draft_model_policy
+from ..decode.kv import new_cache
+from ..decode.layer_skip import LayerSkipDrafter, check_skipped, kept_layers
+from ..decode.policy import TreePolicy
+from ..decode.target_layers import check_layer_family, crop_layers, run_layers
+from ..decode.tree import chain_paths, static_tree
+from ..errors import SpecHeadsError
+from ..target import cache_root, synchronize
+from .calibrate import GATES, calibration_texts, gated_depth, settle_forward, time_target
+from .inputs import encode_prompt, eos_token_ids, sampling_config
+from .trees import machine_description, machine_key, prompts_record, utc_now
+
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LayerSkip:
+    """What the layer-skip drafter drafts with: the skipped layers and its chain policy."""
+
+    layers: tuple[int, ...]
+    policy: TreePolicy
+    source: str  # where the choice came from (given, this machine's cache, a calibration just now)
+
+    def describe(self) -> dict[str, Any]:
+        return {"skipped_layers": list(self.layers), "source": self.source}
+
+
+@dataclass
+class Along:
+    """The reduced stack's chain drafts along one answer: for each step root (answer position i),
+    whether the level-j draft is the target's token there (matches[i][j - 1]) and its probability."""
+
+    matches: list[list[bool]]
+    probs: list[list[float]]
+
+
+@torch.no_grad()
+def full_cache(target, ids: Sequence[int]):
+    """The target's cache after one forward over `ids`: every position's keys and values."""
+    cache = new_cache(target.model)
+    target.model(input_ids=torch.tensor([list(ids)], device=target.device), cache=cache, use_cache=True)
+    return cache
+
+
+@torch.no_grad()
+def draft_along(target, skipped: Sequence[int], ids: Sequence[int], start: int, depth: int, cache=None) -> Along:
+    """Chain drafts of the reduced stack rooted at every position start..len(ids) - 2 (step 1 of the
+    module docstring). `cache`: full_cache(target, ids), reused across skip sets (its kept layers
+    are cropped back before returning)."""
+    ids = list(ids)
+    total = len(ids)
+    cache = full_cache(target, ids) if cache is None else cache
+    layers = kept_layers(len(target.layers), skipped)
+    starts = list(range(start, total - 1))
+    matches: list[list[bool]] = [[] for _ in starts]
+    probs: list[list[float]] = [[] for _ in starts]
+    slots: list[list[int]] = [[] for _ in starts]  # each start's earlier levels' cache slots
+    past, device = total, target.device
+    try:
+        for level in range(1, depth + 1):
+            rows = [r for r, s in enumerate(starts) if s + level < total]  # the true next token exists
+            if not rows:
+                break
+            n = len(rows)
+            visible = torch.zeros(n, past + n, dtype=torch.bool)
+            for q, r in enumerate(rows):
+                visible[q, : starts[r]] = True
+                visible[q, slots[r]] = True
+                visible[q, past + q] = True
+            at = [starts[r] + level - 1 for r in rows]
+            tokens = torch.tensor([[ids[p] for p in at]], device=device)
+            states = run_layers(target, layers, target.embed_tokens(tokens), torch.tensor(at), cache, visible)
+            logp = torch.log_softmax(target.lm_head(target.final_norm(states))[0].float(), dim=-1)
+            top = logp.max(dim=-1)
+            for q, r in enumerate(rows):
+                matches[r].append(int(top.indices[q]) == ids[at[q] + 1])
+                probs[r].append(math.exp(float(top.values[q])))
+                slots[r].append(past + q)
+            past += n
+    finally:
+        crop_layers(cache, layers, total)
+    return Along(matches, probs)
+
+
+def chain_walk(along: Along, depth: int, min_path_prob: float) -> list[tuple[int, int]]:
+    """The generation loop's steps over one answer with a chain of `depth` stopping under
+    min_path_prob: (drafts accepted, levels drafted) per step (step 2 of the module docstring).
+    Near the end a step drafts no deeper than the tokens left after its bonus token, as the loop."""
+    steps, i, n = [], 0, len(along.matches)
+    while i < n:
+        cap = min(depth, n - i - 1)  # the loop's max_depth: tokens left less the bonus
+        drafted = gated_depth(along.probs[i], cap, min_path_prob) if cap >= 1 else 0
+        accepted = 0
+        while accepted < drafted and along.matches[i][accepted]:
+            accepted += 1
+        steps.append((accepted, drafted))
+        i += accepted + 1
+    return steps
+
+
+@torch.no_grad()
+def time_level(target, skipped: Sequence[int], context: Sequence[int], repeats: int = 5) -> float:
+    """Seconds the drafter spends on one level of one node (the root) after `context`, each timed
+    right after a target forward as in decoding (the least disturbed of `repeats`)."""
+    cache = full_cache(target, context[:-1])
+    drafter = LayerSkipDrafter(target, skipped, static_tree([[0]]))
+    drafter.bind_target_cache(cache)
+    root, prefix = int(context[-1]), len(context) - 1
+    times = []
+    for r in range(repeats + 1):
+        settle_forward(target, root, cache)
+        synchronize(target.device)
+        t0 = time.perf_counter()
+        drafter.draft(root, prefix, 1)
+        synchronize(target.device)
+        if r:  # the first round warms up
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def best_setting(alongs: Sequence[Along], level_s: float, verify_s: dict[int, float], depth: int) -> dict[str, Any]:
+    """The chain depth (1..depth) and stop probability (calibrate.GATES) with the most expected
+    tokens per second, and what it expects: tau and the ratio to a plain step (verify_s[1])."""
+    best: dict[str, Any] = {}
+    for k in range(1, depth + 1):
+        for gate in GATES:
+            tokens = seconds = 0.0
+            steps = 0
+            for along in alongs:
+                for accepted, drafted in chain_walk(along, k, gate):
+                    tokens += accepted + 1
+                    seconds += drafted * level_s + verify_s[drafted + 1]
+                    steps += 1
+            rate = tokens / seconds if seconds else 0.0
+            if rate > best.get("tokens_per_s", -1.0):
+                best = {
+                    "depth": k,
+                    "min_path_prob": gate,
+                    "tau": tokens / steps if steps else 0.0,
+                    "tokens_per_s": rate,
+                    "expected_speedup": rate * verify_s[1],
+                }
+    return best
+
+
+def skip_cache_path(target, kernels: bool) -> Path:
+    return cache_root() / "layer_skip" / f"{machine_key(target, kernels)}.json"
+
+
+def read_choice(path: Path) -> dict | None:
+    """The stored choice, or None (missing, unreadable, another version: calibrate anew)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    ok = isinstance(stored, dict) and stored.get("version") == CACHE_VERSION and isinstance(stored.get("layers"), list)
+    return stored if ok else None
+
+
+def chain_policy(depth: int, min_path_prob: float) -> TreePolicy:
+    return static_tree(chain_paths(depth), min_path_prob)
+
+
+def calibrate_layer_skip(
+    settings: InferJobConfig, target, kernels: bool, before: dict | None = None, out: TextIO = sys.stderr
+) -> dict:
+    """Measure, search and return the record to store (module docstring). `before`: the stored
+    record it must beat."""
+    check_layer_family(target)
+    s, t = settings.skip, resolve_search(settings.tree)
+    num_layers = len(target.layers)
+    most = max(1, min(num_layers - 1, int(num_layers * s.max_share)))
+    source, texts = calibration_texts(settings)
+    prompts = [encode_prompt(target.tokenizer, x, settings.system, settings.chat) for x in texts]
+    if not prompts:
+        raise SpecHeadsError("skip.layers=auto needs at least one calibration prompt")
+    cfg = sampling_config(settings, t.calibration_tokens, eos_token_ids(target))
+    cfg.temperature = 0.0
+    contexts = []
+    for ids in tqdm(prompts, desc="layer skip: answers", unit="prompt", file=out):
+        answer = hf_generate(target, torch.tensor([ids], device=target.device), cfg)["output_ids"]
+        contexts.append((ids + answer, len(ids)))
+    positions = sum(len(ids) - start - 1 for ids, start in contexts)
+    needed = int(((before or {}).get("calibration") or {}).get("positions") or 0)
+    if positions < needed:
+        out.write(
+            f"skip.layers=auto: {positions} answer positions are fewer than the {needed} the stored choice "
+            "was calibrated on: too few to decide, it stays (give more tree.calibration_prompts or tokens)\n"
+        )
+        return before
+    caches = [full_cache(target, ids) for ids, _ in contexts]
+
+    def along(skipped: Sequence[int], depth: int) -> list[Along]:
+        return [draft_along(target, skipped, ids, st, depth, c) for (ids, st), c in zip(contexts, caches)]
+
+    def agreement(alongs: Sequence[Along]) -> float:
+        firsts = [m[0] for a in alongs for m in a.matches if m]
+        return sum(firsts) / max(len(firsts), 1)
+
+    alone = {}
+    for i in tqdm(range(num_layers), desc="layer skip: each layer alone", unit="layer", file=out):
+        alone[i] = agreement(along([i], 1))
+    order = sorted(range(num_layers), key=lambda i: (-alone[i], i))
+    longest = max((ids for ids, _ in contexts), key=len)
+    verify_s = time_target(target, longest, range(1, s.depth + 2))
+    rows = []
+    candidates = [tuple(sorted(order[:m])) for m in range(1, most + 1)]
+    old = tuple(before["layers"]) if before and before.get("layers") is not None else None
+    if old is not None and old not in candidates:
+        candidates.append(old)
+    for skipped in tqdm(candidates, desc="layer skip: skip sets", unit="set", file=out):
+        check_skipped(num_layers, skipped)
+        alongs = along(skipped, s.depth)
+        level_s = time_level(target, skipped, longest)
+        row = {"layers": list(skipped), "agreement": agreement(alongs), "level_ms": 1e3 * level_s}
+        rows.append(row | best_setting(alongs, level_s, verify_s, s.depth))
+        if row["agreement"] < 0.05 and tuple(skipped) != old:
+            break  # the drafts are no longer the target's: skipping more only loses
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    kept_old = old is not None and best["layers"] == list(old)
+    out.write(
+        f"layer skip ({positions} positions, {len(prompts)} prompts): plain step {1e3 * verify_s[1]:.1f} ms\n"
+        "skipped  agree  level ms  depth  stop p   tau  expected\n"
+    )
+    for r in rows:
+        mark = " <" if r is best else ""
+        out.write(
+            f"{len(r['layers']):>7} {r['agreement']:>6.2f} {r['level_ms']:>9.1f} {r['depth']:>6} "
+            f"{r['min_path_prob']:>7g} {r['tau']:>5.2f} {r['expected_speedup']:>8.2f}x{mark}\n"
+        )
+    if best["expected_speedup"] <= 1.0:
+        out.write(
+            f"layer skip: no skip set is expected to beat plain decoding on this machine (best "
+            f"{best['expected_speedup']:.2f}x); stored anyway, as measured\n"
+        )
+    if kept_old:
+        out.write("layer skip: the stored choice is still the best: it stays\n")
+        return before
+    return {
+        "version": CACHE_VERSION,
+        "layers": best["layers"],
+        "depth": best["depth"],
+        "min_path_prob": best["min_path_prob"],
+        "calibration": {
+            "calibrated_at": utc_now(),
+            "prompts": prompts_record(source, texts),
+            "tokens": t.calibration_tokens,
+            "positions": positions,
+            "machine": machine_description(target.device, kernels),
+            "plain_ms": 1e3 * verify_s[1],
+            "alone": [alone[i] for i in range(num_layers)],
+            "order": order,
+            "candidates": rows,
+            "expected_speedup": best["expected_speedup"],
+        },
+    }
+
+
+def resolve_layer_skip(settings: InferJobConfig, target, kernels: bool, out: TextIO = sys.stderr) -> LayerSkip | None:
+    """skip.layers as the drafter takes it: None (off); a list (those layers, drafting as the tree
+    settings say: a chain of tree.depth, else 5); auto (this machine's stored choice: its layers,
+    chain depth and stop probability, calibrated and stored first when there is none or
+    skip.recalibrate asks)."""
+    s = settings.skip
+    if s.layers is None:
+        return None
+    if s.layers != "auto":
+        layers = check_skipped(len(target.layers), s.layers)
+        return LayerSkip(layers, draft_model_policy(settings.tree), "given")
+    path = skip_cache_path(target, kernels)
+    stored = read_choice(path)
+    if stored is None or s.recalibrate:
+        record = calibrate_layer_skip(settings, target, kernels, stored, out)
+        if record is not stored:
+            write_json(path, record)
+        stored, source = record, f"calibrated now, kept in {path}"
+    else:
+        source = f"this machine's calibration ({path}; skip.recalibrate=true calibrates again)"
+    layers = check_skipped(len(target.layers), stored["layers"])
+    depth, gate = int(stored["depth"]), float(stored["min_path_prob"])
+    out.write(f"layer skip: skips layers {list(layers)}, a chain of {depth} stopping under p {gate:g} ({source})\n")
+    return LayerSkip(layers, chain_policy(depth, gate), source)

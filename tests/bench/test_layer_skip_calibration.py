@@ -1,0 +1,146 @@
+"""skip.layers=auto's calibration (bench/layer_skip.py): the chain drafts it reads along an answer,
+walked step by step, are exactly the steps the generation loop takes with the layer-skip drafter
+(accepted drafts and levels drafted, for several depths and stop probabilities); a teacher-forced
+reduced forward (the reduced stack's own keys and values for the prefix) is shown to differ. The
+choice is stored in the machine's cache and used again; too few positions change nothing."""
+
+import io
+import json
+
+import pytest
+import torch
+from conftest import hf_greedy, write_questions
+
+from specheads.bench import layer_skip
+from specheads.bench.layer_skip import Along, chain_walk, draft_along, resolve_layer_skip, skip_cache_path
+from specheads.bench.runner import run_benchmark
+from specheads.bench.session import Session
+from specheads.config.infer import BenchConfig, InferJobConfig, LayerSkipConfig, TreeConfig, validate
+from specheads.config.model import ModelConfig
+from specheads.decode.generate import SamplingConfig, speculative_generate
+from specheads.decode.layer_skip import LayerSkipDrafter, kept_layers
+from specheads.decode.tree import chain_paths, static_tree
+from specheads.errors import SpecHeadsError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPT = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+SKIP = (5,)
+
+
+def teacher_forced(target, skipped, ids, start, depth):
+    """Wrong: the reduced stack run over the whole sequence on its own (its own keys and values for
+    the prefix, not the full model's, which the drafter reads)."""
+    layers = kept_layers(len(target.layers), skipped)
+    with torch.no_grad():
+        h = target.embed_tokens(torch.tensor([ids]))
+        pos = torch.arange(len(ids))[None]
+        rotary = target.model.get_decoder().rotary_emb(h, pos)
+        for i in layers:
+            h = target.layers[i](h, attention_mask=None, position_ids=pos, position_embeddings=rotary)
+        logp = torch.log_softmax(target.lm_head(target.final_norm(h))[0].float(), dim=-1)
+    top = logp.max(dim=-1)
+    matches, probs = [], []
+    for s in range(start, len(ids) - 1):
+        n = min(depth, len(ids) - 1 - s)
+        matches.append([int(top.indices[s + j]) == ids[s + j + 1] for j in range(n)])
+        probs.append([float(top.values[s + j].exp()) for j in range(n)])
+    return Along(matches, probs)
+
+
+@pytest.mark.parametrize("depth,gate", [(1, 0.0), (3, 0.0), (4, 0.3)])
+def test_the_walk_is_the_loops_steps(depth, gate, tiny_target):
+    n = 32
+    answer = hf_greedy(tiny_target, PROMPT, n)
+    ids, start = PROMPT[0].tolist() + answer, PROMPT.shape[1]
+    drafter = LayerSkipDrafter(tiny_target, SKIP, static_tree(chain_paths(depth), gate))
+    res = speculative_generate(tiny_target, drafter, PROMPT, SamplingConfig(max_new_tokens=n))
+    assert res.output_ids == answer
+    loop = list(zip(res.accepted_drafts, res.tree_depths))
+    walk = chain_walk(draft_along(tiny_target, SKIP, ids, start, depth), depth, gate)
+    assert walk == loop
+    assert sum(a for a, _ in loop) >= 3  # drafts were accepted
+    wrong = chain_walk(teacher_forced(tiny_target, SKIP, ids, start, depth), depth, gate)
+    if depth > 1:
+        assert wrong != loop
+
+
+def test_draft_along_leaves_the_cache_as_it_found_it(tiny_target):
+    ids = PROMPT[0].tolist() + hf_greedy(tiny_target, PROMPT, 8)
+    cache = layer_skip.full_cache(tiny_target, ids)
+    first = draft_along(tiny_target, SKIP, ids, 8, 3, cache)
+    assert {int(layer.get_seq_length()) for layer in cache.layers} == {len(ids)}
+    assert draft_along(tiny_target, SKIP, ids, 8, 3, cache) == first
+
+
+def settings(tmp_path, **skip):
+    return InferJobConfig(
+        model=ModelConfig(name="tiny-random", path="tiny:llama"),
+        skip=LayerSkipConfig(**skip),
+        tree=TreeConfig(calibration_prompts=2, calibration_tokens=12),
+        prompt="hi",
+        linear_layout="stock",
+    )
+
+
+def test_auto_calibrates_once_then_uses_the_stored_choice(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    s = validate(settings(tmp_path, layers="auto", max_share=0.4, depth=3))
+    out = io.StringIO()
+    first = resolve_layer_skip(s, tiny_target, False, out)
+    path = skip_cache_path(tiny_target, False)
+    stored = json.loads(path.read_text())
+    assert list(first.layers) == stored["layers"] and 1 <= len(first.layers) <= 2
+    assert first.policy.layout.max_depth == stored["depth"] <= 3
+    assert len(stored["calibration"]["candidates"]) >= 1 and stored["calibration"]["positions"] == 2 * 11
+    assert "calibrated now" in out.getvalue() and "skipped  agree" in out.getvalue()
+    again = resolve_layer_skip(s, tiny_target, False, io.StringIO())
+    assert again.layers == first.layers and "this machine's calibration" in again.source
+    # a re-calibration on fewer positions changes nothing
+    s.tree.calibration_prompts, s.skip.recalibrate = 1, True
+    out = io.StringIO()
+    assert resolve_layer_skip(s, tiny_target, False, out).layers == first.layers
+    assert "too few to decide" in out.getvalue() and json.loads(path.read_text()) == stored
+
+
+def test_a_given_list_drafts_as_the_tree_settings_say(tiny_target, tmp_path):
+    s = validate(settings(tmp_path, layers=[4, 5]))
+    s.tree.kind, s.tree.depth = "chain", 2
+    choice = resolve_layer_skip(s, tiny_target, False, io.StringIO())
+    assert choice.layers == (4, 5) and choice.policy.layout.max_depth == 2
+    s.skip.layers = [6]
+    with pytest.raises(SpecHeadsError, match="not decoder layers"):
+        resolve_layer_skip(s, tiny_target, False, io.StringIO())
+
+
+@pytest.mark.parametrize(
+    "skip,methods,message",
+    [
+        ({"layers": "some"}, None, "auto or a list"),
+        ({"layers": [1.5]}, None, "decoder layer indices"),
+        ({"layers": "auto", "max_share": 1.0}, None, "max_share"),
+        ({}, ["plain", "skip"], "give skip.layers"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(skip, methods, message, tmp_path):
+    s = settings(tmp_path, **skip)
+    if methods:
+        s.prompt, s.bench = None, BenchConfig(questions=str(write_questions(tmp_path / "q.jsonl", ["a"], ("x",))))
+        s.bench.methods = methods
+    with pytest.raises(SpecHeadsError, match=message):
+        validate(s)
+
+
+def test_the_benchmark_runs_the_skip_method_by_default(tiny_target, tmp_path):
+    questions = write_questions(tmp_path / "q.jsonl", ["Tell me about cats.", "Count to five."], ("writing", "math"))
+    s = settings(tmp_path, layers=list(SKIP))
+    s.prompt = None
+    s.bench = BenchConfig(questions=str(questions), output=str(tmp_path / "out.jsonl"), max_new_tokens=12, warmup=0)
+    s.bench.bandwidth_mib, s.bench.plots = 0, False
+    s = validate(s)
+    assert s.bench.methods == ["baseline", "plain", "prompt_lookup", "lookup", "skip"]
+    s.bench.methods = ["baseline", "plain", "skip"]
+    session = Session(tiny_target, None, None, {})
+    session.skip = resolve_layer_skip(s, tiny_target, False, io.StringIO())
+    report = run_benchmark(s, session, io.StringIO())
+    assert report["identical_to_baseline"]["skip"]["equal"] == 2
+    assert report["skip"]["skipped_layers"] == [5] and report["skip"]["costs"]
