@@ -17,13 +17,12 @@ directory, named in the answer's kv_transfer_params.hidden_states_path.
 
 from __future__ import annotations
 
-import json
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
+from json_server import NOT_FOUND, JsonServer, chat_ids
 from safetensors.torch import save_file
 
 
@@ -60,49 +59,29 @@ def write_vllm_dump(path: Path, target, ids: list[int], aux_layer_ids, dtype=tor
     return path
 
 
-class FakeVLLMServer:
+class FakeVLLMServer(JsonServer):
     """An extract_hidden_states vLLM server of `target` extracting `aux_layer_ids`."""
 
     def __init__(self, target, aux_layer_ids, storage: Path, model: str = "tiny", shift: int = 0):
         self.target, self.aux, self.storage, self.model, self.shift = target, list(aux_layer_ids), storage, model, shift
         self.prompts: list[list[int]] = []
         self.lock = threading.Lock()
-        server = self
+        self.start()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+    def get(self, path):
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        if path == "/version":
+            return 200, {"version": "0.32.0"}
+        return NOT_FOUND
 
-            def reply(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/v1/models":
-                    return self.reply(200, {"object": "list", "data": [{"id": server.model, "object": "model"}]})
-                if self.path == "/version":
-                    return self.reply(200, {"version": "0.32.0"})
-                self.reply(404, {"error": {"message": "not found"}})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/tokenize":
-                    ids = server.target.tokenizer.apply_chat_template(
-                        body["messages"], add_generation_prompt=True, tokenize=True
-                    )
-                    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-                    return self.reply(200, {"tokens": [t + server.shift for t in ids], "count": len(ids)})
-                if self.path == "/v1/completions":
-                    return self.reply(200, server.complete(body))
-                self.reply(404, {"error": {"message": "not found"}})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    def post(self, path, body):
+        if path == "/tokenize":
+            ids = chat_ids(self.target, body["messages"], self.shift)
+            return 200, {"tokens": ids, "count": len(ids)}
+        if path == "/v1/completions":
+            return 200, self.complete(body)
+        return NOT_FOUND
 
     def complete(self, body):
         ids = [int(t) for t in body["prompt"]]
@@ -130,7 +109,3 @@ class FakeVLLMServer:
             "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1},
             "kv_transfer_params": {"hidden_states_path": str(path)},
         }
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()

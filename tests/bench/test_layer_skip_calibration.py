@@ -144,3 +144,18 @@ def test_the_benchmark_runs_the_skip_method_by_default(tiny_target, tmp_path):
     report = run_benchmark(s, session, io.StringIO())
     assert report["identical_to_baseline"]["skip"]["equal"] == 2
     assert report["skip"]["skipped_layers"] == [5] and report["skip"]["costs"]
+
+
+def test_the_demo_drafts_with_the_skipped_layers_without_a_head(tiny_target, tmp_path):
+    from specheads.bench.demo import run_demo
+
+    s = settings(tmp_path, layers=list(SKIP))
+    s.prompt, s.max_new_tokens, s.mark = "Tell me about cats.", 12, "brackets"
+    s.tree.kind, s.tree.depth = "chain", 3
+    s = validate(s)
+    session = Session(tiny_target, None, None, {})
+    session.skip = resolve_layer_skip(s, tiny_target, False, io.StringIO())
+    out = io.StringIO()
+    stats = run_demo(s, session, out=out)
+    assert stats["new_tokens"] == 12 and stats["identical_to_baseline"]
+    assert "[target skipping layers [5], static tree (3 nodes, depth 3)]" in out.getvalue().splitlines()[-1]

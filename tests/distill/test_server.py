@@ -14,12 +14,12 @@ import subprocess
 import sys
 import threading
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import write_questions
+from json_server import NOT_FOUND, JsonServer, chat_ids
 
 from specheads.config.distill import DistillConfig, ServerConfig
 from specheads.distill.backends import HFBackend
@@ -29,7 +29,7 @@ from specheads.errors import SpecHeadsError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class FakeServer:
+class FakeServer(JsonServer):
     """/v1/models, /tokenize, /v1/chat/completions and /v1/completions (the identity probe's next-token
     log-probabilities, as vLLM returns them, or as llama.cpp does) over a tiny target, with failure knobs."""
 
@@ -60,46 +60,24 @@ class FakeServer:
         self.probes = []
         self.bodies = []
         self.lock = threading.Lock()
-        server = self
+        self.start()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+    def get(self, path):
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
+        return NOT_FOUND
 
-            def reply(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/v1/models":
-                    return self.reply(
-                        200, {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models]}
-                    )
-                self.reply(404, {"error": {"message": "not found"}})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/tokenize" and server.tokenize == "llama.cpp" and "content" not in body:
-                    return self.reply(200, {"tokens": []})  # llama.cpp's server reads "content" only
-                if self.path == "/tokenize" and server.tokenize:
-                    ids = server.target.tokenizer.apply_chat_template(
-                        body["messages"], add_generation_prompt=True, tokenize=True
-                    )
-                    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-                    return self.reply(200, {"tokens": [t + server.shift for t in ids], "count": len(ids)})
-                if self.path == "/v1/chat/completions":
-                    return self.reply(*server.complete(body))
-                if self.path == "/v1/completions":
-                    return self.reply(*server.next_token(body))
-                self.reply(404, {"error": {"message": "not found"}})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    def post(self, path, body):
+        if path == "/tokenize" and self.tokenize == "llama.cpp" and "content" not in body:
+            return 200, {"tokens": []}  # llama.cpp's server reads "content" only
+        if path == "/tokenize" and self.tokenize:
+            ids = chat_ids(self.target, body["messages"], self.shift)
+            return 200, {"tokens": ids, "count": len(ids)}
+        if path == "/v1/chat/completions":
+            return self.complete(body)
+        if path == "/v1/completions":
+            return self.next_token(body)
+        return NOT_FOUND
 
     def complete(self, body):
         with self.lock:
@@ -188,10 +166,6 @@ class FakeServer:
     def prompt_ids(self, messages):
         prompt = self.target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def cfg(tmp_path, name, **kw):
