@@ -316,3 +316,22 @@ class PlantedText(HybridDrafter):
         super().start(prompt_ids, states, root)
         self.index.start_request(self.planted + prompt_ids[0].tolist())
         self.index.extend([int(root)])
+
+
+def leaves_one_drafted_entry(base):
+    """A wrong variant of a drafter that runs the target's own layers on its KV cache (early exit,
+    layer skipping): those layers keep one drafted entry (the root's) when the target verifies."""
+
+    def draft(self, root, prefix_len, max_depth):
+        from specheads.decode import drafters
+
+        real = drafters.crop_layers
+        drafters.crop_layers = lambda cache, layers, length: real(cache, layers, length + 1)
+        try:
+            return base.draft(self, root, prefix_len, max_depth)
+        finally:
+            drafters.crop_layers = real
+
+    return type(
+        f"LeavesItsDrafts{base.__name__}", (base,), {"draft": draft, "__doc__": leaves_one_drafted_entry.__doc__}
+    )

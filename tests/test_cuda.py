@@ -94,3 +94,49 @@ def test_train_py_writes_a_head_on_the_device(family, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(out / "head")
     assert (out / "head" / "model.safetensors").is_file()
+
+
+def test_target_layer_drafters_give_the_targets_greedy_output_on_the_device(target, sequences, tmp_path):
+    """The drafters that run the target's own layers on its KV cache (early exit, layer skipping)
+    and a separate draft model with its own cache: greedy output equal to the target's own, with
+    drafts accepted, on every tree policy."""
+    from specheads.config.infer import DraftModelConfig
+    from specheads.config.train import HeadConfig
+    from specheads.decode.draft_model import DraftModelDrafter, load_draft_model, make_draft_model
+    from specheads.decode.layer_skip import LayerSkipDrafter
+    from specheads.heads import build_head
+
+    torch.manual_seed(0)
+    early = build_head(HeadConfig(family="early_exit", exit_layer=5), target).to(DEVICE).eval()
+    draft = load_draft_model(DraftModelConfig(model=str(make_draft_model(target, 4, tmp_path / "d"))), target)
+    makers = {
+        "early exit": lambda policy: make_drafter(early, policy),
+        "layer skip": lambda policy: LayerSkipDrafter(target, (5,), policy),
+        "draft model": lambda policy: DraftModelDrafter(draft, policy),
+    }
+    prompts = [sequences[1:2, :8], torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=DEVICE)]
+    refs = [hf_greedy(target, p, 24) for p in prompts]
+    for kind, make in makers.items():
+        accepted = 0
+        for name, policy in POLICIES.items():
+            for prompt, ref in zip(prompts, refs):
+                res = speculative_generate(target, make(policy), prompt, SamplingConfig(max_new_tokens=24))
+                assert res.output_ids == ref, (kind, name)
+                accepted += sum(res.accepted_drafts)
+        assert accepted > 10, (kind, accepted)
+
+
+@pytest.mark.parametrize("family,extra", [("early_exit", ["head.exit_layer=3"]), ("eagle3", ["data.pack=true"])])
+def test_train_py_trains_early_exit_and_packed_rows_on_the_device(family, extra, tmp_path):
+    """train.py on the device for the early-exit head, and EAGLE-3 on packed rows."""
+    from conftest import write_conversations
+
+    data = write_conversations(tmp_path / "chats.jsonl")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "model=tiny-random", f"head={family}", f"device={DEVICE}", *extra]
+    cmd += [f"data.path={data}", "data.max_length=96", "data.eval_fraction=0.25", "train.max_steps=3"]
+    cmd += [f"output_dir={out}", "wandb.mode=disabled"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "head" / "model.safetensors").is_file()

@@ -43,7 +43,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -175,14 +175,31 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
 
 
 @torch.no_grad()
+def time_repeated(target, cache, root: int, step: Callable[[], object], before=None, repeats: int = 5) -> float:
+    """Seconds `step` takes, each time right after a target forward on `cache` (settle_forward), as
+    a draft in decoding always follows a verification: drafting back to back with warm caches
+    measured 0.5-1 ms a step less on a CPU than the same trees cost in the loop, most for the trees
+    with most levels. `before` runs ahead of each forward, untimed. The least disturbed of
+    `repeats`, after a warm-up round."""
+    times = []
+    for r in range(repeats + 1):
+        if before is not None:
+            before()
+        settle_forward(target, root, cache)
+        synchronize(target.device)
+        t0 = time.perf_counter()
+        step()
+        synchronize(target.device)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def time_draft(target, head, policy: TreePolicy, prompt: Sequence[int], repeats: int = 5, accepted: int = 3) -> float:
     """Seconds the real drafter spends on one step of this tree policy (catch-up of `accepted`
-    tokens included), each timed step right after a target forward, as in decoding, where a draft
-    always follows a verification: drafting back to back with warm caches measured 0.5-1 ms a
-    step less on a CPU than the same trees cost in the loop, most for the trees with most levels."""
-    device = target.device
+    tokens included), timed as in decoding (time_repeated)."""
     drafter = make_drafter(head, policy)
-    ids = torch.tensor([list(prompt)], device=device)
+    ids = torch.tensor([list(prompt)], device=target.device)
     cache = new_cache(target.model)
     if hasattr(drafter, "bind_target_cache"):  # a drafter that runs the target's own layers (early exit)
         drafter.bind_target_cache(cache)
@@ -191,17 +208,14 @@ def time_draft(target, head, policy: TreePolicy, prompt: Sequence[int], repeats:
     root = int(out.logits[0, -1].argmax())
     drafter.start(ids, dict(store), root)
     drafter.draft(root, len(prompt), 1 << 30)
-    times = []
-    for r in range(repeats + 1):
-        drafter.rewind(accepted)
-        settle_forward(target, root, cache)
-        synchronize(device)
-        t0 = time.perf_counter()
-        drafter.draft(root, len(prompt), 1 << 30)
-        synchronize(device)
-        if r:
-            times.append(time.perf_counter() - t0)
-    return min(times)
+    return time_repeated(
+        target,
+        cache,
+        root,
+        lambda: drafter.draft(root, len(prompt), 1 << 30),
+        lambda: drafter.rewind(accepted),
+        repeats,
+    )
 
 
 GATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # min_path_prob values tree=auto weighs
@@ -621,9 +635,11 @@ def calibration_texts(settings: InferJobConfig) -> tuple[str, list[str]]:
     return "builtin", BUILTIN_PROMPTS[: t.calibration_prompts]
 
 
-def calibration_prompts(settings: InferJobConfig, tokenizer) -> list[list[int]]:
-    _, texts = calibration_texts(settings)
-    return [encode_prompt(tokenizer, x, settings.system, settings.chat) for x in texts]
+def calibration_prompts(settings: InferJobConfig, tokenizer) -> tuple[str, list[str], list[list[int]]]:
+    """(where they come from, their texts, their token ids) of the calibration prompts
+    (calibration_texts), each encoded as the session encodes a prompt."""
+    source, texts = calibration_texts(settings)
+    return source, texts, [encode_prompt(tokenizer, x, settings.system, settings.chat) for x in texts]
 
 
 def store_default_tree(head, head_dir: Path, paths: list[list[int]], calibration: dict | None = None) -> bool:
@@ -724,8 +740,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     old_rule_paths = ((old_hybrid or {}).get("rule") or {}).get("paths") or []
     old_depths = [len(p) for p in [*(old_paths or []), *((old_hybrid or {}).get("paths") or []), *old_rule_paths]]
     reach = max([depth, *(d for d in old_depths if limit is None or d <= limit)])
-    source, texts = calibration_texts(settings)
-    prompts = [encode_prompt(target.tokenizer, x, settings.system, settings.chat) for x in texts]
+    source, texts, prompts = calibration_prompts(settings, target.tokenizer)
     if not prompts:
         raise SpecHeadsError("tree=auto needs at least one calibration prompt")
     cfg = sampling_config(settings, t.calibration_tokens, eos_token_ids(target))

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +49,9 @@ from ..decode.policy import TreePolicy
 from ..decode.target_layers import check_layer_family, crop_layers, run_layers
 from ..decode.tree import chain_paths, static_tree
 from ..errors import SpecHeadsError
-from ..target import cache_root, synchronize
-from .calibrate import GATES, calibration_texts, gated_depth, settle_forward, time_target
-from .inputs import encode_prompt, eos_token_ids, sampling_config
+from ..target import cache_root
+from .calibrate import GATES, calibration_prompts, gated_depth, time_repeated, time_target
+from .inputs import eos_token_ids, sampling_config
 from .trees import machine_description, machine_key, prompts_record, utc_now
 
 CACHE_VERSION = 1
@@ -145,22 +144,13 @@ def chain_walk(along: Along, depth: int, min_path_prob: float) -> list[tuple[int
 
 @torch.no_grad()
 def time_level(target, skipped: Sequence[int], context: Sequence[int], repeats: int = 5) -> float:
-    """Seconds the drafter spends on one level of one node (the root) after `context`, each timed
-    right after a target forward as in decoding (the least disturbed of `repeats`)."""
+    """Seconds the drafter spends on one level of one node (the root) after `context`, timed as in
+    decoding (calibrate.time_repeated)."""
     cache = full_cache(target, context[:-1])
     drafter = LayerSkipDrafter(target, skipped, static_tree([[0]]))
     drafter.bind_target_cache(cache)
     root, prefix = int(context[-1]), len(context) - 1
-    times = []
-    for r in range(repeats + 1):
-        settle_forward(target, root, cache)
-        synchronize(target.device)
-        t0 = time.perf_counter()
-        drafter.draft(root, prefix, 1)
-        synchronize(target.device)
-        if r:  # the first round warms up
-            times.append(time.perf_counter() - t0)
-    return min(times)
+    return time_repeated(target, cache, root, lambda: drafter.draft(root, prefix, 1), repeats=repeats)
 
 
 def best_setting(alongs: Sequence[Along], level_s: float, verify_s: dict[int, float], depth: int) -> dict[str, Any]:
@@ -215,8 +205,7 @@ def calibrate_layer_skip(
     s, t = settings.skip, resolve_search(settings.tree)
     num_layers = len(target.layers)
     most = max(1, min(num_layers - 1, int(num_layers * s.max_share)))
-    source, texts = calibration_texts(settings)
-    prompts = [encode_prompt(target.tokenizer, x, settings.system, settings.chat) for x in texts]
+    source, texts, prompts = calibration_prompts(settings, target.tokenizer)
     if not prompts:
         raise SpecHeadsError("skip.layers=auto needs at least one calibration prompt")
     cfg = sampling_config(settings, t.calibration_tokens, eos_token_ids(target))

@@ -51,10 +51,11 @@ def plot_acceptance_per_depth(rates: Sequence[float], path: Path) -> None:
     _save(fig, path)
 
 
-def plot_replay(heads: dict, path: Path) -> None:
+def plot_replay(heads: dict, path: Path, depths: int = 5) -> None:
     """bench.mode=replay: tau of each head as a chain of K drafts, and with its best tree of n nodes
-    (its own stored tree marked)."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    (its own stored tree marked), and its acceptance at each chain depth given the one before."""
+    fig, (left, right, third) = plt.subplots(1, 3, figsize=(14, 3.6))
+    right.sharey(left)
     for label, r in heads.items():
         ks = [int(k) for k in r["chain_tau"]]
         line = left.plot(ks, list(r["chain_tau"].values()), marker="o", label=label)[0]
@@ -62,12 +63,18 @@ def plot_replay(heads: dict, path: Path) -> None:
         right.plot(ns, list(r["best_tree_tau"].values()), marker="o", color=line.get_color(), label=label)
         if r.get("tree"):
             right.plot([r["tree"]["nodes"]], [r["tree"]["tau"]], marker="*", markersize=14, color=line.get_color())
+        rates = r.get("acceptance_per_depth", [])[:depths]
+        third.plot(range(1, len(rates) + 1), rates, marker="o", color=line.get_color(), label=label)
     left.set_xlabel("chain length K (drafts per step)")
     left.set_ylabel("tau (tokens per target forward)")
     left.set_title("Chain of K")
     right.set_xlabel("tree nodes (star: the head's own tree)")
     right.set_title("Most frequent paths on these answers")
-    right.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    third.set_xlabel("chain depth")
+    third.set_ylabel("P(accepted | depth reached)")
+    third.set_ylim(0, 1)
+    third.set_title("Acceptance per depth")
+    third.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     _save(fig, path)
 
 

@@ -35,7 +35,8 @@ class HeadConfig:
     token_loss_weight: float = 0.1  # eagle: weight of the next-token loss
     noise: str = "uniform"  # eagle: noise on the input features in training: uniform | gaussian | none
     noise_std: float = 0.2  # eagle: the noise's width (uniform) or standard deviation (gaussian)
-    # eagle3, peagle: the draft vocabulary's size, the most frequent tokens of the training answers
+    # eagle3, peagle (early_exit with draft_vocab): the draft vocabulary's size, the most frequent
+    # tokens of the training answers
     draft_vocab_size: int = 8192
     ttt_steps: int = 7  # eagle3: draft steps unrolled in training on the head's own outputs (training-time test)
     ttt_decay: float = 0.8  # eagle3: unrolled step j's loss is weighted decay^j
@@ -94,6 +95,11 @@ class HeadConfig:
     # early_exit: the adapter layer also has an MLP (intermediate_size wide); false = Kangaroo's
     # adapter, attention and two norms only
     adapter_mlp: bool = False
+    # early_exit: draft over the draft_vocab_size most frequent answer tokens of the training data
+    # only (EAGLE-3's reduced vocabulary, chosen the same way), reading just those rows of the
+    # target's LM head: on a small target the full LM head is much of a drafted level's cost. The
+    # loss stays the full distribution's; false = every token (Kangaroo)
+    draft_vocab: bool = False
 
 
 # The HeadConfig fields each family reads; a head's config.json holds these and COMMON_HEAD_FIELDS
@@ -135,7 +141,7 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
         "anchors_per_sequence",
         "mask_token_id",
     ),
-    "early_exit": ("exit_layer", "adapter_mlp", "intermediate_size"),
+    "early_exit": ("exit_layer", "adapter_mlp", "intermediate_size", "draft_vocab"),
 }
 
 

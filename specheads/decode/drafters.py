@@ -379,7 +379,7 @@ class EarlyExitDrafter:
         try:
             return grow_on_target_layers(
                 self.head.frozen_target, self.layers, self.target_cache, root, prefix_len, max_depth,
-                self.policy, self.table, read, self.node_positions,
+                self.policy, self.table, read, self.node_positions, self.head.draft_to_target,
             )  # fmt: skip
         finally:
             self.cache.crop(prefix_len)
@@ -396,6 +396,7 @@ def grow_on_target_layers(
     table: DraftTable,
     read: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]], torch.Tensor],
     node_positions: Callable[[int, list[int]], list[int]],
+    to_target: ToTarget = lambda ids: ids,
 ) -> tuple[list[int], TreeLayout]:
     """grow_tree whose levels run some of the target's own decoder `layers` on its KV cache
     (target_layers.run_layers), as the early-exit and layer-skip drafters do.
@@ -404,7 +405,8 @@ def grow_on_target_layers(
     layers in one call at their RoPE positions (node_positions(prefix_len, depths)), each seeing the
     committed prefix, its ancestors' slots and its own; read(states, positions, visible, ids) turns
     the stream leaving the last layer ([1, n, H]) into log-probability-ready logits [n, V] (visible:
-    the bool [n, past + n] mask, None when the lone query sees every slot). Whatever happens, the
+    the bool [n, past + n] mask, None when the lone query sees every slot), over a draft vocabulary
+    that to_target maps to the target's ids. Whatever happens, the
     layers' drafted entries are cropped back to the committed prefix before it returns, so that the
     target verifies on its committed sequence alone."""
     device = target.device
@@ -434,7 +436,7 @@ def grow_on_target_layers(
         return torch.log_softmax(logits.float(), dim=-1)
 
     try:
-        return grow_tree(root, child_logp, lambda ids: ids, policy, max_depth, table)
+        return grow_tree(root, child_logp, to_target, policy, max_depth, table)
     finally:
         crop_layers(cache, layers, prefix_len)
 

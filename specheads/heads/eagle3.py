@@ -11,9 +11,10 @@ from ..target import TargetInfo
 from .base import shifted
 from .eagle import AutoregressiveHead
 from .spec import HeadSpec
+from .vocab import DraftVocabulary
 
 
-class Eagle3Head(AutoregressiveHead):
+class Eagle3Head(DraftVocabulary, AutoregressiveHead):
     family = "eagle3"
     title = "EAGLE-3"
     attention_input_factor = 2  # cat(norm(embedding), norm(hidden))
@@ -26,14 +27,7 @@ class Eagle3Head(AutoregressiveHead):
         self.hidden_norm = LlamaRMSNorm(h, eps=eps)
         self.norm = LlamaRMSNorm(h, eps=eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
-        n = spec.draft_vocab_size
-        self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
-        self.register_buffer(
-            "t2d",
-            torch.ones(info.vocab_size, dtype=torch.bool)
-            if n == info.vocab_size
-            else torch.zeros(info.vocab_size, dtype=torch.bool),
-        )
+        self.register_vocab(spec.draft_vocab_size, info.vocab_size)
 
     @classmethod
     def describe(cls, spec: HeadSpec, info: TargetInfo, layer_ids: list[int]) -> str:
@@ -42,12 +36,6 @@ class Eagle3Head(AutoregressiveHead):
             f"{layer_ids} (residual stream entering layer k), draft vocabulary "
             f"{spec.draft_vocab_size} of {info.vocab_size}"
         )
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        if d2t.numel() != self.spec.draft_vocab_size or t2d.numel() != self.info.vocab_size:
-            raise ValueError("draft vocab maps do not match the head's sizes")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
 
     def init_from_target(self) -> None:
         """Start the draft LM head and final norm from the target's rows for the draft vocab.
@@ -62,9 +50,6 @@ class Eagle3Head(AutoregressiveHead):
             norm_w = getattr(self.frozen.final_norm, "weight", None)
             if norm_w is not None and norm_w.shape == self.norm.weight.shape:
                 self.norm.weight.copy_(norm_w.to(self.norm.weight.dtype))
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
     def input_features(self, states):
         return self.fc(torch.cat([states[k].to(self.dtype) for k in self.spec.layer_ids], dim=-1))

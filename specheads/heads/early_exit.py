@@ -13,6 +13,11 @@ target's first L layers run over it, on the target's own KV cache of the committ
 (decode/target_layers.py, decode/drafters.EarlyExitDrafter), so teacher forcing here is exact,
 not an approximation of the draft's own outputs as for EAGLE.
 
+With head.draft_vocab the draft reads only the LM head's rows of the draft_vocab_size most frequent
+answer tokens of the training data (EAGLE-3's reduced vocabulary): on a small target the full LM head
+is much of a drafted level's cost (a fifth of SmolLM2-135M's weights). The loss stays the full
+distribution's; a target token outside the draft vocabulary is never drafted.
+
 A fresh adapter is the identity (its output projections start at zero) and its norm starts as the
 target's final norm: an untrained head drafts the target's own logit lens at layer L, and with
 L = every layer, the target's own next token.
@@ -21,6 +26,7 @@ L = every layer, the target's own next token.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -28,9 +34,10 @@ from ..target import FrozenTarget, TargetInfo
 from .base import DraftHead, chain_metrics, document_causal_mask, positions, shifted, within
 from .layers import DraftCache, DraftDecoderLayer, Rotary, draft_llama_config
 from .spec import HeadSpec
+from .vocab import DraftVocabulary
 
 
-class EarlyExitHead(DraftHead):
+class EarlyExitHead(DraftVocabulary, DraftHead):
     family = "early_exit"
     title = "early-exit (Kangaroo)"
     # a drafted node runs the target's first exit_layer layers, then the adapter (decode.drafters.EarlyExitDrafter)
@@ -47,8 +54,12 @@ class EarlyExitHead(DraftHead):
         self.layer = DraftDecoderLayer(self.llama_config, h, mlp=spec.adapter_mlp)
         self.norm = LlamaRMSNorm(h, eps=eps)
         self.rotary = Rotary(self.llama_config)
-        # outside the module tree, as the frozen parts: the target whose first layers draft
+        if spec.draft_vocab_size < info.vocab_size:
+            self.register_vocab(spec.draft_vocab_size, info.vocab_size)
+        # outside the module tree, as the frozen parts: the target whose first layers draft, and
+        # the LM head's rows of the draft vocabulary (copied once: slicing them per level costs)
         self.__dict__["_target"] = None
+        self.__dict__["_rows"] = (None, None)
         # the adapter starts as the identity: what it adds to the residual stream starts at zero
         nn.init.zeros_(self.layer.self_attn.o_proj.weight)
         if self.layer.mlp is not None:
@@ -105,22 +116,34 @@ class EarlyExitHead(DraftHead):
         cos, sin = self.rotary(h, position_ids)
         return self.layer(self.input_norm(h), h, cos, sin, cache, 0, attention_mask)
 
-    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+    def full_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits [.., V] (float) of the token after each position, through the target's LM head."""
         lm_head = self.frozen.lm_head
         return lm_head(self.norm(out).to(lm_head.weight.dtype)).float()
 
-    def batch_logits(self, batch: dict[str, torch.Tensor], states) -> torch.Tensor:
-        """The draft's logits at every position of a (packed or unpacked) training batch: position t
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """What drafting ranks: full_logits, or only the draft vocabulary's [.., Vd] (draft ids)."""
+        if not self.has_draft_vocab:
+            return self.full_logits(out)
+        weight = self.frozen.lm_head.weight
+        key, rows = self._rows
+        # the cached rows follow the maps (a load rewrites d2t in place) and the LM head's storage
+        now = (self.d2t.data_ptr(), self.d2t._version, weight.data_ptr(), weight.dtype)
+        if key != now:
+            rows = weight.detach()[self.draft_to_target(torch.arange(self.d2t.numel(), device=weight.device))]
+            self.__dict__["_rows"] = (now, rows)
+        return F.linear(self.norm(out).to(rows.dtype), rows).float()
+
+    def adapted(self, batch: dict[str, torch.Tensor], states) -> torch.Tensor:
+        """The adapter's output at every position of a (packed or unpacked) training batch: position t
         drafts token t + 1 from the layer-L states of positions 0..t of its own conversation."""
         mask = document_causal_mask(batch)  # None unpacked: causal over the row
-        out = self.adapt(states[self.exit_layer], positions(batch), None, mask)
-        return self.draft_logits(out)
+        return self.adapt(states[self.exit_layer], positions(batch), None, mask)
 
     def teacher_forced_logits(self, input_ids, states, depth):
         # along the true sequence the drafted node at depth d is the token after position t + d, whose
         # layer-L state is the true one: depth d is the adapter's logits d positions on
-        logits = self.batch_logits({"input_ids": input_ids}, states)
+        logits = self.draft_logits(self.adapted({"input_ids": input_ids}, states))
         return [shifted(logits, d) for d in range(1, depth + 1)]
 
     # -- training -----------------------------------------------------------------------------------
@@ -131,7 +154,7 @@ class EarlyExitHead(DraftHead):
 
     def loss(self, batch, states):
         target_p = torch.softmax(self.target_logits(states["final"]), dim=-1)  # position t: token t+1
-        logq = torch.log_softmax(self.batch_logits(batch, states), dim=-1)
+        logq = torch.log_softmax(self.full_logits(self.adapted(batch, states)), dim=-1)
         mask = self._counted(batch, 0)
         n = mask.sum().clamp(min=1)
         loss = -((target_p * logq).sum(-1) * mask).sum() / n
@@ -141,7 +164,7 @@ class EarlyExitHead(DraftHead):
     @torch.no_grad()
     def evaluate(self, batch, states):
         greedy = self.target_logits(states["final"]).argmax(-1)  # greedy[t] = token t+1
-        hit = self.batch_logits(batch, states).argmax(-1) == greedy
+        hit = self.draft_to_target(self.draft_logits(self.adapted(batch, states)).argmax(-1)) == greedy
         hits = [shifted(hit, j, False) for j in range(self.spec.eval_depth)]
         counted = [self._counted(batch, j) for j in range(self.spec.eval_depth)]
         return chain_metrics(torch.stack(hits).flatten(1), torch.stack(counted).flatten(1))

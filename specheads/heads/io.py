@@ -222,7 +222,8 @@ def warm_start(head: DraftHead, directory: str | os.PathLike, target: FrozenTarg
     must be the same family (or one the head grows from, `DraftHead.grows_from`: a P-EAGLE head
     starts from an EAGLE-3 head, its mask feature fresh) with tensors of the same shapes: an
     EAGLE-3 head's draft vocabulary
-    (d2t / t2d) comes with its weights, since its LM head's rows belong to those token ids. A head
+    (d2t / t2d) comes with its weights, since its LM head's rows belong to those token ids; an
+    early-exit head drafting over the target's own rows may gain one (head.draft_vocab). A head
     that adapts the target (Medusa-2) is refused: its saved LoRA is folded into the target when
     loaded, so there is no adapter left to continue.
     """
@@ -234,6 +235,8 @@ def warm_start(head: DraftHead, directory: str | os.PathLike, target: FrozenTarg
         raise SpecHeadsError(f"train.init_from={directory} is a {source.family} head; this run trains {head.family}")
     theirs, ours = source.state_dict(), head.state_dict()
     fresh = {k for k in ours if k.split(".")[0] in head.own_tensors} if grows else set()
+    if head.family == "early_exit":  # its draft rows are the target's: maps from this run's data do
+        fresh |= {"d2t", "t2d"} & ours.keys() - theirs.keys()
     missing, unexpected = sorted(ours.keys() - theirs.keys() - fresh), sorted(theirs.keys() - ours.keys())
     if missing or unexpected:
         raise SpecHeadsError(

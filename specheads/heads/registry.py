@@ -15,7 +15,7 @@ from .medusa import MedusaHead
 from .medusa2 import Medusa2Head
 from .peagle import PEagleHead
 from .spec import HeadSpec
-from .vocab import build_draft_vocab
+from .vocab import DraftVocabulary, build_draft_vocab
 
 HEADS: dict[str, type[DraftHead]] = {
     MedusaHead.family: MedusaHead,
@@ -30,15 +30,16 @@ HEADS: dict[str, type[DraftHead]] = {
 
 
 def build_head(head_cfg: HeadConfig, target: FrozenTarget, train_rows=None) -> DraftHead:
-    """A fresh head for `target`. EAGLE-3 and P-EAGLE build its draft vocab from `train_rows` (cached when
-    the rows are a `datasets.Dataset`, keyed by its fingerprint)."""
+    """A fresh head for `target`. A head with a reduced draft vocabulary (EAGLE-3, P-EAGLE, early exit
+    with head.draft_vocab) builds it from `train_rows` (cached when the rows are a
+    `datasets.Dataset`, keyed by its fingerprint)."""
     spec = HeadSpec.from_config(head_cfg, target.info)
     HEADS[spec.family].prepare_spec(spec, target)
     head = HEADS[spec.family](spec, target.info)
     head.attach(target)
     head.target_identity = target_identity(target)
     head.to(device=target.device, dtype=target.dtype)
-    if isinstance(head, Eagle3Head) and spec.draft_vocab_size < target.info.vocab_size:
+    if isinstance(head, DraftVocabulary) and spec.draft_vocab_size < target.info.vocab_size:
         if train_rows is None:
             raise SpecHeadsError(
                 f"{spec.family} with a reduced draft vocab needs training data to choose it from "

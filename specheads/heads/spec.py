@@ -42,7 +42,7 @@ class HeadSpec(HeadConfig):
         spec.layer_ids = list(raw.get("layer_ids") or default_layer_ids(family, info.num_layers, spec.dflash_layers))
         if not spec.intermediate_size:
             spec.intermediate_size = info.intermediate_size
-        if family in FUSED_FAMILIES:
+        if family in FUSED_FAMILIES or (family == "early_exit" and spec.draft_vocab):
             spec.draft_vocab_size = min(spec.draft_vocab_size or info.vocab_size, info.vocab_size)
         else:
             spec.draft_vocab_size = info.vocab_size

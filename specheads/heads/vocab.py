@@ -1,4 +1,5 @@
-"""Reduced draft vocabulary for EAGLE-3: the most frequent assistant tokens of the training data.
+"""Reduced draft vocabulary (EAGLE-3's, and the early-exit head's on request): the most frequent
+assistant tokens of the training data.
 
 d2t holds offsets (target_id = draft_id + d2t[draft_id]); t2d marks target ids in the draft vocab.
 Results are cached under a key of (data fingerprint, tokenizer, chat template, sizes).
@@ -60,3 +61,26 @@ def build_draft_vocab(
         with atomic_path(path) as tmp:
             save_file({"d2t": d2t, "t2d": t2d, "coverage": torch.tensor([coverage])}, str(tmp))
     return d2t, t2d, coverage
+
+
+class DraftVocabulary:
+    """The maps of a head that drafts over a reduced vocabulary (a mixin for nn.Module heads):
+    persistent buffers, saved with the head, chosen from the training data by build_head."""
+
+    def register_vocab(self, draft_vocab_size: int, vocab_size: int) -> None:
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        full = draft_vocab_size == vocab_size  # the identity map: every target id is a draft id
+        self.register_buffer("t2d", torch.full((vocab_size,), full, dtype=torch.bool))
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError("draft vocab maps do not match the head's sizes")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        return "d2t" in self._buffers  # an early-exit head registers the maps only with head.draft_vocab
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids] if self.has_draft_vocab else draft_ids

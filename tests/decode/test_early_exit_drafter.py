@@ -9,11 +9,10 @@ target's cache."""
 
 import pytest
 import torch
-from conftest import POLICIES, assert_first_two_tokens_follow, hf_greedy
+from conftest import POLICIES, assert_first_two_tokens_follow, hf_greedy, leaves_one_drafted_entry
 from test_generate import accepts_any_draft_in_support, first_two_probs, first_two_samples
 
 from specheads.config.train import HeadConfig
-from specheads.decode import drafters
 from specheads.decode.drafters import EarlyExitDrafter, make_drafter, make_hybrid_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import HybridPolicy
@@ -39,16 +38,7 @@ class PositionsOffByOne(EarlyExitDrafter):
         return [p + 1 for p in super().node_positions(prefix_len, depths)]
 
 
-class LeavesItsDrafts(EarlyExitDrafter):
-    """Wrong: the first layers keep one drafted entry (the root's) when the target verifies."""
-
-    def draft(self, root, prefix_len, max_depth):
-        real = drafters.crop_layers
-        drafters.crop_layers = lambda cache, layers, length: real(cache, layers, length + 1)
-        try:
-            return super().draft(root, prefix_len, max_depth)
-        finally:
-            drafters.crop_layers = real
+LeavesItsDrafts = leaves_one_drafted_entry(EarlyExitDrafter)
 
 
 class Checked(EarlyExitDrafter):
@@ -108,6 +98,34 @@ def test_greedy_output_is_the_targets_with_drafts_accepted(policy, tiny_target):
         assert sum(res.accepted_drafts) > 0, (exit_layer, res.accepted_drafts)
         if exit_layer == 6 and policy in ("chain", "wide", "medusa-like"):
             assert res.accepted_drafts == res.tree_depths, res.accepted_drafts
+
+
+@pytest.mark.parametrize("policy", ["chain", "wide", "dynamic"])
+def test_a_draft_vocabulary_drafts_its_tokens_only(policy, tiny_target):
+    """head.draft_vocab over the reference answer's own tokens: at L = every layer the draft is the
+    target's top-1 among them, so drafts are accepted; each drafted token is in the vocabulary,
+    and the output is the target's."""
+    n = 24
+    check_greedy(tiny_target, make_drafter(early_exit(tiny_target, 6), POLICIES[policy]), n)
+    answer = PROMPT[0].tolist() + REFERENCE[id(tiny_target), n]
+    rows = [{"input_ids": answer, "loss_mask": [1] * len(answer)}]
+    torch.manual_seed(0)
+    head = build_head(
+        HeadConfig(family="early_exit", exit_layer=6, draft_vocab=True, draft_vocab_size=32), tiny_target, rows
+    )
+    drafter = make_drafter(head.eval(), POLICIES[policy])
+    drafted = []
+    real = drafter.draft
+
+    def draft(*args, **kwargs):
+        tokens, layout = real(*args, **kwargs)
+        drafted.extend(tokens[1:])
+        return tokens, layout
+
+    drafter.draft = draft
+    res = check_greedy(tiny_target, drafter, n)
+    assert sum(res.accepted_drafts) > 5 and drafted
+    assert all(head.t2d[t] for t in drafted)
 
 
 def test_each_nodes_layer_state_is_the_targets_own(tiny_target):

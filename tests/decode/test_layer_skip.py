@@ -8,10 +8,9 @@ before verification, and for one that leaves its drafted keys and values in the 
 
 import pytest
 import torch
-from conftest import POLICIES, assert_first_two_tokens_follow, hf_greedy
+from conftest import POLICIES, assert_first_two_tokens_follow, hf_greedy, leaves_one_drafted_entry
 from test_generate import accepts_any_draft_in_support, first_two_probs, first_two_samples
 
-from specheads.decode import drafters
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.kv import new_cache
 from specheads.decode.layer_skip import LayerSkipDrafter, check_skipped, kept_layers
@@ -47,16 +46,7 @@ class SkipsInPlace(LayerSkipDrafter):
             self.target.layers[i] = layer
 
 
-class LeavesItsDrafts(LayerSkipDrafter):
-    """Wrong: the kept layers keep one drafted entry (the root's) when the target verifies."""
-
-    def draft(self, root, prefix_len, max_depth):
-        real = drafters.crop_layers
-        drafters.crop_layers = lambda cache, layers, length: real(cache, layers, length + 1)
-        try:
-            return super().draft(root, prefix_len, max_depth)
-        finally:
-            drafters.crop_layers = real
+LeavesItsDrafts = leaves_one_drafted_entry(LayerSkipDrafter)
 
 
 REFERENCE: dict = {}

@@ -4,7 +4,9 @@ Training lowers its loss; a fresh head is the target's own logit lens at layer L
 layer, the target itself); its training-time logits are what it drafts along a path (compared
 with the real drafter on the target's cache, and failing for a head whose teacher forcing is one
 position off); it saves and loads through the head directory like its siblings, and its config
-is refused in one line where it cannot hold."""
+is refused in one line where it cannot hold. With head.draft_vocab it drafts over the training
+answers' most frequent tokens, reading only their rows of the LM head: its logits are the full
+ones at those ids, and they follow a reload of other maps."""
 
 import json
 
@@ -21,6 +23,8 @@ from specheads.errors import SpecHeadsError
 from specheads.export.exporter import check_servable
 from specheads.heads import build_head, load_head, save_head
 from specheads.heads.base import shifted
+from specheads.heads.io import warm_start
+from specheads.heads.vocab import count_assistant_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,7 +62,9 @@ def test_a_fresh_head_is_the_targets_logit_lens(tiny_target, sequences, adapter_
     head = early_exit(tiny_target, 6, adapter_mlp=adapter_mlp)
     batch = batch_of(sequences[:2])
     states = head_states(tiny_target, head, batch)
-    torch.testing.assert_close(head.batch_logits(batch, states), head.target_logits(states["final"]))
+    out = head.adapted(batch, states)
+    torch.testing.assert_close(head.full_logits(out), head.target_logits(states["final"]))
+    torch.testing.assert_close(head.draft_logits(out), head.full_logits(out), rtol=0, atol=0)
     params = sum(p.numel() for p in head.parameters())
     h = tiny_target.info.hidden_size
     attention = 2 * h * 64 + 2 * h * 32  # q, o: 4 heads x 16; k, v: 2 kv heads x 16
@@ -77,7 +83,7 @@ def one_position_off(head):
     """A wrong variant: teacher forcing one position off (depth d read d - 1 positions on)."""
 
     def forced(input_ids, states, depth):
-        logits = head.batch_logits({"input_ids": input_ids}, states)
+        logits = head.draft_logits(head.adapted({"input_ids": input_ids}, states))
         return [shifted(logits, d - 1) for d in range(1, depth + 1)]
 
     return forced
@@ -134,4 +140,60 @@ def test_save_and_load_round_trip(tiny_target, sequences, tmp_path):
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     batch = batch_of(sequences[:2])
     states = head_states(tiny_target, head, batch)
-    torch.testing.assert_close(back.batch_logits(batch, states), head.batch_logits(batch, states), rtol=0, atol=0)
+    torch.testing.assert_close(
+        back.draft_logits(back.adapted(batch, states)), head.draft_logits(head.adapted(batch, states)), rtol=0, atol=0
+    )
+
+
+def answer_rows(sequences):
+    return [{"input_ids": s.tolist(), "loss_mask": [1] * len(s)} for s in sequences]
+
+
+def test_a_draft_vocabulary_reads_its_rows_of_the_lm_head(tiny_target, sequences, tmp_path):
+    rows = answer_rows(sequences)
+    cfg = HeadConfig(family="early_exit", exit_layer=3, draft_vocab=True, draft_vocab_size=64)
+    torch.manual_seed(0)
+    head = perturbed(build_head(cfg, tiny_target, train_rows=rows)).eval()
+    vocab = tiny_target.info.vocab_size
+    assert head.spec.draft_vocab_size == 64 and head.t2d.shape == (vocab,) and int(head.t2d.sum()) == 64
+    used = head.draft_to_target(torch.arange(64))
+    counts = count_assistant_tokens(rows, vocab)
+    outside = counts.clone()
+    outside[used] = -1
+    assert counts[used].min() >= outside.max()  # the most frequent answer tokens
+    batch = batch_of(sequences[:2])
+    states = head_states(tiny_target, head, batch)
+    out = head.adapted(batch, states)
+    torch.testing.assert_close(head.draft_logits(out), head.full_logits(out)[..., used], rtol=0, atol=0)
+    # saved and loaded with its maps; the rows drafted from follow the loaded maps, not the cached ones
+    back = load_head(save_head(head, tmp_path / "head"), tiny_target)
+    assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
+    other = torch.sort(torch.randperm(vocab)[:64]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[other] = True
+    head.set_vocab(other - torch.arange(64), t2d)
+    torch.testing.assert_close(head.draft_logits(out), head.full_logits(out)[..., other], rtol=0, atol=0)
+    # the training loss is the full distribution's, and the head without a draft vocabulary has no maps
+    assert "d2t" not in early_exit(tiny_target, 3).state_dict()
+    torch.testing.assert_close(head.loss(batch, states)[0], early_exit_loss(head, batch, states))
+
+
+def early_exit_loss(head, batch, states):
+    """The soft cross-entropy over every token, written out plainly."""
+    p = torch.softmax(head.target_logits(states["final"]), dim=-1)[:, :-1]
+    logq = torch.log_softmax(head.full_logits(head.adapted(batch, states)), dim=-1)[:, :-1]
+    return -(p * logq).sum(-1).mean()
+
+
+def test_a_head_without_a_draft_vocabulary_continues_into_one(tiny_target, sequences, tmp_path):
+    """train.init_from: an early-exit head gains maps chosen from the new run's data (its drafted rows
+    are the target's own), its weights carried over."""
+    source = perturbed(early_exit(tiny_target, 3)).eval()
+    path = save_head(source, tmp_path / "full")
+    cfg = HeadConfig(family="early_exit", exit_layer=3, draft_vocab=True, draft_vocab_size=64)
+    head = build_head(cfg, tiny_target, train_rows=answer_rows(sequences))
+    maps = head.d2t.clone(), head.t2d.clone()
+    warm_start(head, path, tiny_target)
+    assert torch.equal(head.d2t, maps[0]) and torch.equal(head.t2d, maps[1])
+    theirs = source.state_dict()
+    assert all(torch.equal(t, theirs[k]) for k, t in head.state_dict().items() if k not in ("d2t", "t2d"))
