@@ -66,6 +66,7 @@ def initialize(head: nn.Module, t: TrainConfig, z: DeepSpeedConfig, d: Dist, tot
 
     head_dtype = next(head.parameters()).dtype
     objective = HeadObjective(head, autocast_dtype(t.autocast, head_dtype))
+    warn_if_emulated(objective.autocast, d.device)
     config = deepspeed_config(t, z, d.world_size, d.device, head_dtype)
     adapter, adapter_lr = head.target_adapter(), head.target_adapter_lr()
     own_lr = (adapter, adapter_lr) if adapter is not None and adapter_lr is not None else None
@@ -99,6 +100,23 @@ def autocast_dtype(name: str | None, head_dtype: torch.dtype) -> torch.dtype | N
             "(the target's dtype): load the target in float32 (model.dtype=float32) or drop train.autocast"
         )
     return FLOAT_DTYPES[name]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), as torch detects it."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: True)() for name in checks)
+
+
+def warn_if_emulated(dtype: torch.dtype | None, device) -> None:
+    """bf16 autocast on a CPU without bf16 instructions is emulated: 2.5x slower than float32 on a
+    2-core AVX-512 Xeon (BENCHMARKS.md), where it was 2.4x faster on a CPU that has them."""
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_has_bf16():
+        print(
+            "train: train.autocast=bfloat16 on a CPU without bf16 instructions (AVX512-BF16, AMX) is "
+            "emulated and slower than float32 here: drop train.autocast",
+            file=sys.stderr,
+        )
 
 
 # what OUTPUT_DIR/best is chosen by: the simulated acceptance length on the evaluation split

@@ -344,3 +344,16 @@ def test_resume_refuses_other_data_of_the_same_size_and_another_batch_order(worl
         trainer(other).resume()
     with pytest.raises(SpecHeadsError, match=r"different run \(group_by_length True -> False\)"):
         trainer(data, group_by_length=False).resume()
+
+
+@pytest.mark.parametrize("has_bf16", [False, True])
+def test_bf16_autocast_on_a_cpu_without_bf16_instructions_says_so(has_bf16, monkeypatch, capsys):
+    from specheads.train import trainer
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: has_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    trainer.warn_if_emulated(torch.bfloat16, "cpu")
+    trainer.warn_if_emulated(None, "cpu")
+    trainer.warn_if_emulated(torch.bfloat16, "cuda")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == (0 if has_bf16 else 1) and all("emulated" in line for line in err)
