@@ -224,7 +224,7 @@ class TrainConfig:
     # backward run their matmuls in bfloat16 (or float16) under torch.autocast; weights, optimizer
     # state and losses stay float32, and a feature cache is still written in float32. On CPUs with
     # AVX512-BF16 or AMX this is the fast path (BENCHMARKS.md "Training at the data's scale");
-    # null = plain float32.
+    # without them bf16 is emulated and slower than float32 (the trainer says so); null = float32.
     autocast: str | None = None
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's betas
     # sort rows by length inside windows of batches (less padding, order still random)
