@@ -13,7 +13,6 @@ from ..decode.baselines import hf_generate
 from ..decode.draft_model import DraftModelDrafter, draft_model_policy
 from ..decode.drafters import make_drafter
 from ..decode.generate import speculative_generate
-from ..decode.layer_skip import LayerSkipDrafter
 from ..decode.policy import describe_policy, tree_policy_for
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 
@@ -89,7 +88,7 @@ def run_demo(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dic
         who = f"draft model {session.draft.name}"
     elif head is None:  # nor a draft model: the target with layers skipped (skip.layers)
         policy = session.skip.policy
-        drafter = LayerSkipDrafter(target, session.skip.layers, policy)
+        drafter = session.skip.drafter(target)
         who = f"target skipping layers {list(session.skip.layers)}"
     else:
         policy = tree_policy_for(head, settings.tree)

@@ -7,17 +7,23 @@ how deep it drafts and where it stops, chosen by expected tokens per second on t
    level by level (draft_along): level j's query for a step rooted at position s sits at s + j - 1
    and sees the full model's entries before s, its own earlier levels' and itself, which is exactly
    what the drafter sees at that step. So at every position and depth we know whether the draft is
-   the target's next token, and with what probability the reduced stack drafts it.
-2. A chain of depth k stopping where the path's probability falls under g (tree.min_path_prob;
-   calibrate.gated_depth) accepts, at a step rooted at s, the run of matches cut at the depth it
-   drafts, and the next step is rooted past the bonus token: walking the answer step by step
-   (chain_walk) gives the steps the generation loop takes, accepted lengths and levels drafted.
+   the target's next token, the target token's rank among the reduced stack's, and with what
+   probability the reduced stack drafts its top token.
+2. A chain of depth k with w - 1 alternatives beside each node (w ranks a level,
+   tree.spine_paths), stopping where the chain's probability falls under g (tree.min_path_prob;
+   calibrate.gated_depth), accepts at a step rooted at s the run of top-1 matches cut at the depth
+   it drafts, plus one level more where the target's token is among that level's alternatives (a
+   leaf: the path ends there); the next step is rooted past the bonus token. Walking the answer step
+   by step (chain_walk) gives the steps the generation loop takes, accepted lengths and levels
+   drafted. The alternatives cost no drafting: only the chain's nodes have children to draft.
 3. Cost: a level of the reduced stack (the real drafter, timed right after a target forward, as in
-   decoding) per level drafted, plus the target's verification of root + chain (calibrate.time_target).
+   decoding) per level drafted, plus the target's verification of the root and the w nodes of
+   every level drafted (calibrate.time_target).
 4. Search (the layer-selection idea of Draft & Verify and SWIFT, made greedy): each layer skipped
    alone is scored by how often the level-1 draft is still the target's token; layers are then
    skipped in that order, least harmful first, and for each count m (up to skip.max_share of the
-   layers) the depth and stop probability with the most expected tokens per second are found. The
+   layers) the depth, ranks a level (up to skip.width) and stop probability with the most expected
+   tokens per second are found. The
    best over every m is stored; a choice stored before is scored on the same positions and costs and
    stays unless the new one is expected to be faster, and a calibration on fewer positions than it
    was made on changes nothing.
@@ -41,41 +47,57 @@ from tqdm import tqdm
 
 from ..atomic import write_json
 from ..config.infer import InferJobConfig, resolve_search
+from ..data.chat import tokenize_conversation
+from ..data.formats import load_conversations
 from ..decode.baselines import hf_generate
 from ..decode.draft_model import draft_model_policy
 from ..decode.kv import new_cache
-from ..decode.layer_skip import LayerSkipDrafter, check_skipped, kept_layers
+from ..decode.layer_skip import LayerSkipDrafter, VocabReader, check_skipped, kept_layers
 from ..decode.policy import TreePolicy
 from ..decode.target_layers import check_layer_family, crop_layers, run_layers
-from ..decode.tree import chain_paths, static_tree
+from ..decode.tree import spine_paths, static_tree
 from ..errors import SpecHeadsError
+from ..heads.vocab import build_draft_vocab
 from ..target import cache_root
 from .calibrate import GATES, calibration_prompts, gated_depth, time_repeated, time_target
 from .inputs import eos_token_ids, sampling_config
 from .trees import machine_description, machine_key, prompts_record, utc_now
 
 CACHE_VERSION = 1
+VOCAB_MAX_LENGTH = 4096  # tokens read per conversation when counting a draft vocabulary
 
 
 @dataclass(frozen=True)
 class LayerSkip:
-    """What the layer-skip drafter drafts with: the skipped layers and its chain policy."""
+    """What the layer-skip drafter drafts with: the skipped layers, its chain policy and its draft
+    vocabulary (None: every token)."""
 
     layers: tuple[int, ...]
     policy: TreePolicy
     source: str  # where the choice came from (given, this machine's cache, a calibration just now)
+    vocab: tuple[int, ...] | None = None
+
+    def drafter(self, target) -> LayerSkipDrafter:
+        return LayerSkipDrafter(target, self.layers, self.policy, self.vocab)
 
     def describe(self) -> dict[str, Any]:
-        return {"skipped_layers": list(self.layers), "source": self.source}
+        return {
+            "skipped_layers": list(self.layers),
+            "draft_vocab": len(self.vocab) if self.vocab is not None else None,
+            "source": self.source,
+        }
 
 
 @dataclass
 class Along:
     """The reduced stack's chain drafts along one answer: for each step root (answer position i),
-    whether the level-j draft is the target's token there (matches[i][j - 1]) and its probability."""
+    whether the level-j draft is the target's token there (matches[i][j - 1]), the target token's
+    rank among the level's drafts (ranks[i][j - 1]; 0 where it matches) and the top draft's
+    probability (probs[i][j - 1])."""
 
     matches: list[list[bool]]
     probs: list[list[float]]
+    ranks: list[list[int]]
 
 
 @torch.no_grad()
@@ -87,17 +109,32 @@ def full_cache(target, ids: Sequence[int]):
 
 
 @torch.no_grad()
-def draft_along(target, skipped: Sequence[int], ids: Sequence[int], start: int, depth: int, cache=None) -> Along:
+def draft_along(
+    target,
+    skipped: Sequence[int],
+    ids: Sequence[int],
+    start: int,
+    depth: int,
+    cache=None,
+    vocab: Sequence[int] | None = None,
+) -> Along:
     """Chain drafts of the reduced stack rooted at every position start..len(ids) - 2 (step 1 of the
     module docstring). `cache`: full_cache(target, ids), reused across skip sets (its kept layers
-    are cropped back before returning)."""
+    are cropped back before returning). `vocab`: the draft vocabulary, as the drafter's; a target
+    token outside it is never drafted (its rank is the vocabulary's size)."""
     ids = list(ids)
     total = len(ids)
     cache = full_cache(target, ids) if cache is None else cache
     layers = kept_layers(len(target.layers), skipped)
+    reader = VocabReader(target, vocab)
+    size = target.lm_head.weight.shape[0]
+    draft_id = torch.arange(size) if reader.ids is None else torch.full((size,), -1, dtype=torch.long)
+    if reader.ids is not None:
+        draft_id[reader.ids.cpu()] = torch.arange(len(reader.ids))
     starts = list(range(start, total - 1))
     matches: list[list[bool]] = [[] for _ in starts]
     probs: list[list[float]] = [[] for _ in starts]
+    ranks: list[list[int]] = [[] for _ in starts]
     slots: list[list[int]] = [[] for _ in starts]  # each start's earlier levels' cache slots
     past, device = total, target.device
     try:
@@ -114,22 +151,28 @@ def draft_along(target, skipped: Sequence[int], ids: Sequence[int], start: int, 
             at = [starts[r] + level - 1 for r in rows]
             tokens = torch.tensor([[ids[p] for p in at]], device=device)
             states = run_layers(target, layers, target.embed_tokens(tokens), torch.tensor(at), cache, visible)
-            logp = torch.log_softmax(target.lm_head(target.final_norm(states))[0].float(), dim=-1)
+            logp = torch.log_softmax(reader.logits(states)[0].float(), dim=-1)
             top = logp.max(dim=-1)
+            drafted = reader.to_target(top.indices).tolist()
+            truth = draft_id[[ids[p + 1] for p in at]].to(logp.device)  # -1: outside the draft vocabulary
+            above = (logp > logp.gather(1, truth.clamp(min=0)[:, None])).sum(dim=-1).tolist()  # ranks ahead of it
             for q, r in enumerate(rows):
-                matches[r].append(int(top.indices[q]) == ids[at[q] + 1])
+                matches[r].append(drafted[q] == ids[at[q] + 1])
                 probs[r].append(math.exp(float(top.values[q])))
+                outside = int(truth[q]) < 0
+                ranks[r].append(0 if matches[r][-1] else logp.shape[-1] if outside else max(int(above[q]), 1))
                 slots[r].append(past + q)
             past += n
     finally:
         crop_layers(cache, layers, total)
-    return Along(matches, probs)
+    return Along(matches, probs, ranks)
 
 
-def chain_walk(along: Along, depth: int, min_path_prob: float) -> list[tuple[int, int]]:
-    """The generation loop's steps over one answer with a chain of `depth` stopping under
-    min_path_prob: (drafts accepted, levels drafted) per step (step 2 of the module docstring).
-    Near the end a step drafts no deeper than the tokens left after its bonus token, as the loop."""
+def chain_walk(along: Along, depth: int, min_path_prob: float, width: int = 1) -> list[tuple[int, int]]:
+    """The generation loop's steps over one answer with a chain of `depth` (w = `width` ranks a
+    level, tree.spine_paths) stopping under min_path_prob: (drafts accepted, levels drafted) per
+    step (step 2 of the module docstring). Near the end a step drafts no deeper than the tokens
+    left after its bonus token, as the loop."""
     steps, i, n = [], 0, len(along.matches)
     while i < n:
         cap = min(depth, n - i - 1)  # the loop's max_depth: tokens left less the bonus
@@ -137,45 +180,69 @@ def chain_walk(along: Along, depth: int, min_path_prob: float) -> list[tuple[int
         accepted = 0
         while accepted < drafted and along.matches[i][accepted]:
             accepted += 1
+        if accepted < drafted and along.ranks[i][accepted] < width:
+            accepted += 1  # an alternative beside the chain: a leaf, the path ends on it
         steps.append((accepted, drafted))
         i += accepted + 1
     return steps
 
 
 @torch.no_grad()
-def time_level(target, skipped: Sequence[int], context: Sequence[int], repeats: int = 5) -> float:
+def time_level(
+    target, skipped: Sequence[int], context: Sequence[int], repeats: int = 5, vocab: Sequence[int] | None = None
+) -> float:
     """Seconds the drafter spends on one level of one node (the root) after `context`, timed as in
     decoding (calibrate.time_repeated)."""
     cache = full_cache(target, context[:-1])
-    drafter = LayerSkipDrafter(target, skipped, static_tree([[0]]))
+    drafter = LayerSkipDrafter(target, skipped, static_tree([[0]]), vocab)
     drafter.bind_target_cache(cache)
     root, prefix = int(context[-1]), len(context) - 1
     return time_repeated(target, cache, root, lambda: drafter.draft(root, prefix, 1), repeats=repeats)
 
 
-def best_setting(alongs: Sequence[Along], level_s: float, verify_s: dict[int, float], depth: int) -> dict[str, Any]:
-    """The chain depth (1..depth) and stop probability (calibrate.GATES) with the most expected
-    tokens per second, and what it expects: tau and the ratio to a plain step (verify_s[1])."""
+def best_setting(
+    alongs: Sequence[Along], level_s: float, verify_s: dict[int, float], depth: int, width: int = 1
+) -> dict[str, Any]:
+    """The chain depth (1..depth), ranks a level (1..width) and stop probability (calibrate.GATES)
+    with the most expected tokens per second, and what it expects: tau and the ratio to a plain
+    step (verify_s[1]; verify_s[n]: a verification of n tokens)."""
     best: dict[str, Any] = {}
     for k in range(1, depth + 1):
-        for gate in GATES:
-            tokens = seconds = 0.0
-            steps = 0
-            for along in alongs:
-                for accepted, drafted in chain_walk(along, k, gate):
-                    tokens += accepted + 1
-                    seconds += drafted * level_s + verify_s[drafted + 1]
-                    steps += 1
-            rate = tokens / seconds if seconds else 0.0
-            if rate > best.get("tokens_per_s", -1.0):
-                best = {
-                    "depth": k,
-                    "min_path_prob": gate,
-                    "tau": tokens / steps if steps else 0.0,
-                    "tokens_per_s": rate,
-                    "expected_speedup": rate * verify_s[1],
-                }
+        for w in range(1, width + 1):
+            for gate in GATES:
+                tokens = seconds = 0.0
+                steps = 0
+                for along in alongs:
+                    for accepted, drafted in chain_walk(along, k, gate, w):
+                        tokens += accepted + 1
+                        seconds += drafted * level_s + verify_s[1 + drafted * w]
+                        steps += 1
+                rate = tokens / seconds if seconds else 0.0
+                if rate > best.get("tokens_per_s", -1.0):
+                    best = {
+                        "depth": k,
+                        "width": w,
+                        "min_path_prob": gate,
+                        "tau": tokens / steps if steps else 0.0,
+                        "tokens_per_s": rate,
+                        "expected_speedup": rate * verify_s[1],
+                    }
     return best
+
+
+def answer_vocab(path: str, target, size: int) -> tuple[list[int], float]:
+    """The `size` most frequent answer tokens of the conversations at `path` (sorted target ids)
+    and the share of their answer tokens these cover (heads/vocab.py, as a head's draft vocab)."""
+    vocab_size = target.lm_head.weight.shape[0]
+    if not 0 < size < vocab_size:
+        raise SpecHeadsError(f"skip.draft_vocab must be below the target's {vocab_size} tokens, got {size}")
+    conversations = load_conversations(path)
+    rows = [
+        tokenize_conversation(target.tokenizer, c, VOCAB_MAX_LENGTH)
+        for c in tqdm(conversations, desc="layer skip: draft vocabulary", unit="conversation", file=sys.stderr)
+    ]
+    d2t, _, coverage = build_draft_vocab(rows, vocab_size, size)
+    return (torch.arange(size) + d2t).tolist(), coverage
 
 
 def skip_cache_path(target, kernels: bool) -> Path:
@@ -192,8 +259,8 @@ def read_choice(path: Path) -> dict | None:
     return stored if ok else None
 
 
-def chain_policy(depth: int, min_path_prob: float) -> TreePolicy:
-    return static_tree(chain_paths(depth), min_path_prob)
+def chain_policy(depth: int, min_path_prob: float, width: int = 1) -> TreePolicy:
+    return static_tree(spine_paths(depth, width), min_path_prob)
 
 
 def calibrate_layer_skip(
@@ -223,9 +290,10 @@ def calibrate_layer_skip(
         )
         return before
     caches = [full_cache(target, ids) for ids, _ in contexts]
+    vocab, coverage = answer_vocab(s.vocab_data, target, s.draft_vocab) if s.draft_vocab else (None, None)
 
     def along(skipped: Sequence[int], depth: int) -> list[Along]:
-        return [draft_along(target, skipped, ids, st, depth, c) for (ids, st), c in zip(contexts, caches)]
+        return [draft_along(target, skipped, ids, st, depth, c, vocab) for (ids, st), c in zip(contexts, caches)]
 
     def agreement(alongs: Sequence[Along]) -> float:
         firsts = [m[0] for a in alongs for m in a.matches if m]
@@ -236,30 +304,32 @@ def calibrate_layer_skip(
         alone[i] = agreement(along([i], 1))
     order = sorted(range(num_layers), key=lambda i: (-alone[i], i))
     longest = max((ids for ids, _ in contexts), key=len)
-    verify_s = time_target(target, longest, range(1, s.depth + 2))
+    verify_s = time_target(target, longest, range(1, s.depth * s.width + 2))
     rows = []
     candidates = [tuple(sorted(order[:m])) for m in range(1, most + 1)]
     old = tuple(before["layers"]) if before and before.get("layers") is not None else None
+    if old is not None and before.get("vocab") != vocab:
+        old = None  # drafted over another vocabulary: not a candidate of this one
     if old is not None and old not in candidates:
         candidates.append(old)
     for skipped in tqdm(candidates, desc="layer skip: skip sets", unit="set", file=out):
         check_skipped(num_layers, skipped)
         alongs = along(skipped, s.depth)
-        level_s = time_level(target, skipped, longest)
+        level_s = time_level(target, skipped, longest, vocab=vocab)
         row = {"layers": list(skipped), "agreement": agreement(alongs), "level_ms": 1e3 * level_s}
-        rows.append(row | best_setting(alongs, level_s, verify_s, s.depth))
+        rows.append(row | best_setting(alongs, level_s, verify_s, s.depth, s.width))
         if row["agreement"] < 0.05 and tuple(skipped) != old:
             break  # the drafts are no longer the target's: skipping more only loses
     best = max(rows, key=lambda r: r["tokens_per_s"])
     kept_old = old is not None and best["layers"] == list(old)
     out.write(
         f"layer skip ({positions} positions, {len(prompts)} prompts): plain step {1e3 * verify_s[1]:.1f} ms\n"
-        "skipped  agree  level ms  depth  stop p   tau  expected\n"
+        "skipped  agree  level ms  depth  width  stop p   tau  expected\n"
     )
     for r in rows:
         mark = " <" if r is best else ""
         out.write(
-            f"{len(r['layers']):>7} {r['agreement']:>6.2f} {r['level_ms']:>9.1f} {r['depth']:>6} "
+            f"{len(r['layers']):>7} {r['agreement']:>6.2f} {r['level_ms']:>9.1f} {r['depth']:>6} {r['width']:>6} "
             f"{r['min_path_prob']:>7g} {r['tau']:>5.2f} {r['expected_speedup']:>8.2f}x{mark}\n"
         )
     if best["expected_speedup"] <= 1.0:
@@ -274,12 +344,15 @@ def calibrate_layer_skip(
         "version": CACHE_VERSION,
         "layers": best["layers"],
         "depth": best["depth"],
+        "width": best["width"],
         "min_path_prob": best["min_path_prob"],
+        "vocab": vocab,
         "calibration": {
             "calibrated_at": utc_now(),
             "prompts": prompts_record(source, texts),
             "tokens": t.calibration_tokens,
             "positions": positions,
+            "draft_vocab": {"data": s.vocab_data, "size": s.draft_vocab, "coverage": coverage} if vocab else None,
             "machine": machine_description(target.device, kernels),
             "plain_ms": 1e3 * verify_s[1],
             "alone": [alone[i] for i in range(num_layers)],
@@ -300,7 +373,8 @@ def resolve_layer_skip(settings: InferJobConfig, target, kernels: bool, out: Tex
         return None
     if s.layers != "auto":
         layers = check_skipped(len(target.layers), s.layers)
-        return LayerSkip(layers, draft_model_policy(settings.tree), "given")
+        vocab = tuple(answer_vocab(s.vocab_data, target, s.draft_vocab)[0]) if s.draft_vocab else None
+        return LayerSkip(layers, draft_model_policy(settings.tree), "given", vocab)
     path = skip_cache_path(target, kernels)
     stored = read_choice(path)
     if stored is None or s.recalibrate:
@@ -312,5 +386,12 @@ def resolve_layer_skip(settings: InferJobConfig, target, kernels: bool, out: Tex
         source = f"this machine's calibration ({path}; skip.recalibrate=true calibrates again)"
     layers = check_skipped(len(target.layers), stored["layers"])
     depth, gate = int(stored["depth"]), float(stored["min_path_prob"])
-    out.write(f"layer skip: skips layers {list(layers)}, a chain of {depth} stopping under p {gate:g} ({source})\n")
-    return LayerSkip(layers, chain_policy(depth, gate), source)
+    width = int(stored.get("width", 1))  # a choice stored before widths were weighed is a chain
+    vocab = tuple(stored["vocab"]) if stored.get("vocab") else None
+    beside = f" with {width - 1} alternatives beside each node" if width > 1 else ""
+    over = f" over {len(vocab)} tokens" if vocab else ""
+    out.write(
+        f"layer skip: skips layers {list(layers)}, a chain of {depth}{beside}{over} stopping under p {gate:g} "
+        f"({source})\n"
+    )
+    return LayerSkip(layers, chain_policy(depth, gate, width), source, vocab)

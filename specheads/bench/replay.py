@@ -333,7 +333,7 @@ def run_replay(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> d
     """
     b = settings.bench
     target = session.target
-    questions = read_questions(b.questions, b.limit, b.per_category)
+    questions = read_questions(b.questions, b.limit, b.per_category, b.categories)
     paths = output_paths(b.output)
     paths["replay"].parent.mkdir(parents=True, exist_ok=True)
     heads: dict[str, tuple[Any, list[list[int]] | None, str]] = {}

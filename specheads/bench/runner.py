@@ -36,7 +36,6 @@ from ..decode.baselines import Assistant, PlainDrafter, hf_generate
 from ..decode.draft_model import DraftModelDrafter, draft_model_policy
 from ..decode.drafters import make_drafter, make_hybrid_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
-from ..decode.layer_skip import LayerSkipDrafter
 from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, policy_depth, tree_policy_for
 from ..heads.io import draft_precision
 from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
@@ -273,7 +272,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     """
     b = settings.bench
     target = session.target
-    questions = read_questions(b.questions, b.limit, b.per_category)
+    questions = read_questions(b.questions, b.limit, b.per_category, b.categories)
     reference = (
         read_reference(b.reference, {"max_new_tokens": b.max_new_tokens, "temperature": settings.temperature})
         if b.reference
@@ -310,7 +309,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         spec_heads["draft"] = (DraftModelDrafter(session.draft, drafting), drafting, session.draft.name)
     if "skip" in b.methods:
         skip = session.skip
-        spec_heads["skip"] = (LayerSkipDrafter(target, skip.layers, skip.policy), skip.policy, None)
+        spec_heads["skip"] = (skip.drafter(target), skip.policy, None)
     assistant = assistant_for(settings, session) if "assisted" in b.methods else None
     spec_heads.update(open_compared_heads(b.heads, session))
     if b.head_dtypes:
@@ -448,6 +447,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         report["identical_to_baseline"] = compare_to_baseline(
             target, rows, prompts, methods, greedy=settings.temperature <= 0
         )
+    elif "plain" in methods and settings.temperature <= 0:  # no HF baseline: our own plain loop's answers
+        report["identical_to_plain"] = compare_outputs(rows, methods, "plain")
     if reference is not None:
         report["agreement_with_reference"] = {
             "reference": str(b.reference),
@@ -461,6 +462,8 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         if "acceptance_per_depth" in report:
             plot_acceptance_per_depth(report["acceptance_per_depth"], paths["acceptance_png"])
     out.write(format_table(summary) + "\n")
+    for m, cmp in report.get("identical_to_plain", {}).items():
+        out.write(f"{m}: {cmp['equal']}/{cmp['total']} outputs identical to plain\n")
     for m, cmp in report.get("identical_to_baseline", {}).items():
         out.write(f"{m}: {cmp['equal']}/{cmp['total']} outputs identical to baseline\n")
         for d in cmp["divergences"]:
@@ -533,25 +536,36 @@ def describe_choice(choice) -> str:
     return f"text {choice.text_nodes}" if choice.text_nodes else "plain"
 
 
-def compare_to_baseline(target, rows, prompts: dict, methods, greedy: bool) -> dict:
-    """How many answers equal the baseline's; at temperature 0 also where and how close the first
-    divergence is (a tiny top-2 margin means a numerical tie, not a verification bug).
-
-    prompts: (question_id, turn, method) -> prompt ids; an answer is compared with the baseline's
-    answer to the same question and turn."""
+def compare_outputs(rows, methods, reference: str, divergence=None) -> dict:
+    """How many answers of each method equal `reference`'s answer to the same question and turn;
+    divergence(question_id, turn, reference_ids, other_ids), when given, describes each that does
+    not (first_divergence at temperature 0)."""
     by_key = {(r["question_id"], r.get("turn", 1), r["method"]): r for r in rows}
-    answers = [(q, t) for (q, t, m) in by_key if m == "baseline"]
+    answers = [(q, t) for (q, t, m) in by_key if m == reference]
     out = {}
     for m in methods:
-        if m == "baseline":
+        if m == reference:
             continue
         equal, divergences = 0, []
         for q, t in answers:
-            base, other = by_key[q, t, "baseline"], by_key[q, t, m]
+            base, other = by_key[q, t, reference], by_key[q, t, m]
             if base["output_ids"] == other["output_ids"]:
                 equal += 1
-            elif greedy:
-                d = first_divergence(target, prompts[q, t, "baseline"], base["output_ids"], other["output_ids"])
-                divergences.append({"question_id": q, "turn": t, **d})
+            elif divergence is not None:
+                divergences.append(
+                    {"question_id": q, "turn": t, **divergence(q, t, base["output_ids"], other["output_ids"])}
+                )
         out[m] = {"equal": equal, "total": len(answers), "divergences": divergences}
     return out
+
+
+def compare_to_baseline(target, rows, prompts: dict, methods, greedy: bool) -> dict:
+    """How many answers equal the baseline's (compare_outputs); at temperature 0 also where and how
+    close the first divergence is (a tiny top-2 margin means a numerical tie, not a verification bug).
+
+    prompts: (question_id, turn, method) -> prompt ids."""
+
+    def divergence(q, t, base, other):
+        return first_divergence(target, prompts[q, t, "baseline"], base, other)
+
+    return compare_outputs(rows, methods, "baseline", divergence if greedy else None)

@@ -163,6 +163,9 @@ class BenchConfig:
     prompt_lookup_max_ngram: int = 2  # prompt_lookup: the longest n-gram matched
     limit: int | None = None  # only the first N questions
     per_category: int | None = None  # only the first N questions of every category
+    # only these categories ([] = all): a benchmark too long for one sitting split into runs, each
+    # timing all its methods on every one of its questions
+    categories: list[str] = field(default_factory=list)
     # first: each question's first turn; all: every turn, each after the method's own answers to
     # the turns before it (MT-bench turn 2 as the EAGLE and Spec-Bench harnesses run it)
     turns: str = "first"
@@ -222,6 +225,14 @@ class LayerSkipConfig:
     recalibrate: bool = False  # auto: calibrate again (the new choice replaces the stored one if faster)
     max_share: float = 0.5  # auto: skip at most this share of the layers
     depth: int = 6  # auto: the deepest chain weighed
+    # auto: the most ranks drafted per level (1 = a chain; w = the chain with the next w - 1 ranks
+    # beside each of its nodes, decode/tree.spine_paths: drafted at a chain's cost, verified wider)
+    width: int = 4
+    # > 0: draft over the draft_vocab most frequent answer tokens of vocab_data (a conversation file
+    # or directory train.py reads, e.g. the target's own answers), reading only their LM-head rows
+    # per level; a target token outside them is never drafted (auto: stored with the choice)
+    draft_vocab: int = 0
+    vocab_data: str | None = None
 
 
 @dataclass
@@ -380,6 +391,14 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError(f"skip.max_share must be in (0, 1), got {k.max_share}")
     if k.depth < 1:
         raise SpecHeadsError(f"skip.depth must be >= 1, got {k.depth}")
+    if k.width < 1:
+        raise SpecHeadsError(f"skip.width must be >= 1, got {k.width}")
+    if k.draft_vocab < 0:
+        raise SpecHeadsError(f"skip.draft_vocab must be 0 (every token) or a token count, got {k.draft_vocab}")
+    if k.draft_vocab and not k.vocab_data:
+        raise SpecHeadsError(
+            "skip.draft_vocab counts the answer tokens of skip.vocab_data: give a conversation file or directory"
+        )
     skipping = k.layers is not None
     if (d.model or skipping) and list(b.methods) == list(DEFAULT_METHODS):  # the methods left as they are
         kept = [m for m in DEFAULT_METHODS if settings.head_path or m not in HEAD_METHODS]

@@ -11,7 +11,10 @@ skipped layers never get any. Nothing of the target is changed, so the verificat
 runs every layer on the committed sequence alone.
 
 Which layers to skip, how deep to draft and where to stop on low confidence (tree.min_path_prob)
-is what bench/layer_skip.py calibrates on this machine and keeps in its cache.
+is what bench/layer_skip.py calibrates on this machine and keeps in its cache, with, on request, a
+draft vocabulary: the ids of the target's most frequent answer tokens, whose LM-head rows alone a
+level reads (the full head is a large share of a small target's weights; a target token outside
+them is never drafted, which costs acceptance, never correctness).
 """
 
 from __future__ import annotations
@@ -47,6 +50,34 @@ def kept_layers(num_layers: int, skipped: Sequence[int]) -> list[int]:
     return [i for i in range(num_layers) if i not in gone]
 
 
+class VocabReader:
+    """The target's final norm and LM head over all its tokens, or over a draft vocabulary (sorted
+    target ids) whose LM-head rows are copied once, contiguous, so a level reads only them."""
+
+    def __init__(self, target, vocab: Sequence[int] | None = None):
+        self.target = target
+        self.ids = None
+        if vocab is not None:
+            ids = sorted({int(i) for i in vocab})
+            size = target.lm_head.weight.shape[0]
+            if not ids or ids[0] < 0 or ids[-1] >= size:
+                raise SpecHeadsError(f"a draft vocabulary holds target token ids 0..{size - 1}, got {len(ids)} ids")
+            self.ids = torch.tensor(ids, dtype=torch.long, device=target.lm_head.weight.device)
+            self.weight = target.lm_head.weight.detach()[self.ids].contiguous()
+            bias = target.lm_head.bias
+            self.bias = bias.detach()[self.ids].contiguous() if bias is not None else None
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        normed = self.target.final_norm(states)
+        if self.ids is None:
+            return self.target.lm_head(normed)
+        return torch.nn.functional.linear(normed, self.weight, self.bias)
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of drafted ids (indices into the draft vocabulary)."""
+        return ids if self.ids is None else self.ids[ids.to(self.ids.device)]
+
+
 class LayerSkipDrafter:
     """Drafts with the target itself, `skipped` decoder layers left out (module docstring)."""
 
@@ -54,12 +85,13 @@ class LayerSkipDrafter:
     reads_final = False
     head = None  # not a head: no head calibration, no draft precision of a head's
 
-    def __init__(self, target, skipped: Sequence[int], policy: TreePolicy):
+    def __init__(self, target, skipped: Sequence[int], policy: TreePolicy, vocab: Sequence[int] | None = None):
         check_layer_family(target)
         self.target = target
         self.policy = policy
         self.skipped = check_skipped(len(target.layers), skipped)
         self.layers = kept_layers(len(target.layers), self.skipped)
+        self.reader = VocabReader(target, vocab)
         self.target_cache = None  # the target's own KV cache (bind_target_cache)
         self.table: DraftTable | None = None  # every node the last draft() drafted (grow_tree)
 
@@ -80,8 +112,9 @@ class LayerSkipDrafter:
         return [prefix_len + d for d in depths]
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
-        """The target's own logits [.., V] from the stream leaving its last decoder layer."""
-        return self.target.lm_head(self.target.final_norm(states))
+        """The target's own logits [.., V] (over the draft vocabulary, if any) from the stream
+        leaving its last decoder layer."""
+        return self.reader.logits(states)
 
     def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
         if self.target_cache is None:
@@ -93,4 +126,5 @@ class LayerSkipDrafter:
         return grow_on_target_layers(
             self.target, self.layers, self.target_cache, root, prefix_len, max_depth, self.policy, self.table,
             lambda states, positions, visible, ids: self.logits(states)[0], self.node_positions,
+            self.reader.to_target,
         )  # fmt: skip

@@ -151,6 +151,14 @@ def chain_paths(depth: int) -> list[list[int]]:
     return [[0] * d for d in range(1, depth + 1)]
 
 
+def spine_paths(depth: int, width: int) -> list[list[int]]:
+    """The top-1 chain of `depth` tokens with the next width - 1 ranks beside each of its nodes as
+    leaves: a drafter that runs one node per level (the spine) drafts it at a chain's cost, and
+    the verification takes the alternatives almost for free where a forward is bound by its
+    per-layer overhead rather than its tokens (one-row decoding on a CPU)."""
+    return [[0] * (d - 1) + [r] for d in range(1, depth + 1) for r in range(width)]
+
+
 def full_paths(depth: int, width: int) -> list[list[int]]:
     """Every path of up to `depth` ranks below `width` (a full width-ary tree)."""
     out: list[list[int]] = []

@@ -1,6 +1,6 @@
 """skip.layers=auto's calibration (bench/layer_skip.py): the chain drafts it reads along an answer,
 walked step by step, are exactly the steps the generation loop takes with the layer-skip drafter
-(accepted drafts and levels drafted, for several depths and stop probabilities); a teacher-forced
+(accepted drafts and levels drafted, for several depths, ranks a level and stop probabilities); a teacher-forced
 reduced forward (the reduced stack's own keys and values for the prefix) is shown to differ. The
 choice is stored in the machine's cache and used again; too few positions change nothing."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import hf_greedy, write_questions
+from conftest import hf_greedy, write_conversations, write_questions
 
 from specheads.bench import layer_skip
 from specheads.bench.layer_skip import Along, chain_walk, draft_along, resolve_layer_skip, skip_cache_path
@@ -19,7 +19,7 @@ from specheads.config.infer import BenchConfig, InferJobConfig, LayerSkipConfig,
 from specheads.config.model import ModelConfig
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.layer_skip import LayerSkipDrafter, kept_layers
-from specheads.decode.tree import chain_paths, static_tree
+from specheads.decode.tree import spine_paths, static_tree
 from specheads.errors import SpecHeadsError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,27 +39,40 @@ def teacher_forced(target, skipped, ids, start, depth):
             h = target.layers[i](h, attention_mask=None, position_ids=pos, position_embeddings=rotary)
         logp = torch.log_softmax(target.lm_head(target.final_norm(h))[0].float(), dim=-1)
     top = logp.max(dim=-1)
-    matches, probs = [], []
+    matches, probs, ranks = [], [], []
     for s in range(start, len(ids) - 1):
         n = min(depth, len(ids) - 1 - s)
         matches.append([int(top.indices[s + j]) == ids[s + j + 1] for j in range(n)])
         probs.append([float(top.values[s + j].exp()) for j in range(n)])
-    return Along(matches, probs)
+        ranks.append([int((logp[s + j] > logp[s + j, ids[s + j + 1]]).sum()) for j in range(n)])
+    return Along(matches, probs, ranks)
 
 
-@pytest.mark.parametrize("depth,gate", [(1, 0.0), (3, 0.0), (4, 0.3)])
-def test_the_walk_is_the_loops_steps(depth, gate, tiny_target):
+@pytest.mark.parametrize(
+    "depth,width,gate,vocab",
+    [(1, 1, 0.0, False), (3, 1, 0.0, False), (4, 1, 0.3, False), (1, 3, 0.0, False), (3, 2, 0.3, False)]
+    + [(3, 2, 0.0, True)],
+)
+def test_the_walk_is_the_loops_steps(depth, width, gate, vocab, tiny_target):
     n = 32
     answer = hf_greedy(tiny_target, PROMPT, n)
     ids, start = PROMPT[0].tolist() + answer, PROMPT.shape[1]
-    drafter = LayerSkipDrafter(tiny_target, SKIP, static_tree(chain_paths(depth), gate))
+    if vocab:  # without the answer's most frequent token: it is never drafted, by the loop or the walk
+        common = max(set(answer), key=answer.count)
+        vocab = [i for i in range(tiny_target.lm_head.weight.shape[0]) if i != common]
+    vocab = vocab or None
+    drafter = LayerSkipDrafter(tiny_target, SKIP, static_tree(spine_paths(depth, width), gate), vocab)
     res = speculative_generate(tiny_target, drafter, PROMPT, SamplingConfig(max_new_tokens=n))
     assert res.output_ids == answer
     loop = list(zip(res.accepted_drafts, res.tree_depths))
-    walk = chain_walk(draft_along(tiny_target, SKIP, ids, start, depth), depth, gate)
-    assert walk == loop
+    along = draft_along(tiny_target, SKIP, ids, start, depth, vocab=vocab)
+    assert chain_walk(along, depth, gate, width) == loop
+    if vocab:  # the full vocabulary's walk is another
+        assert chain_walk(draft_along(tiny_target, SKIP, ids, start, depth), depth, gate, width) != loop
     assert sum(a for a, _ in loop) >= 3  # drafts were accepted
-    wrong = chain_walk(teacher_forced(tiny_target, SKIP, ids, start, depth), depth, gate)
+    if width > 1:  # some step took an alternative beside the chain, which a chain's walk misses
+        assert chain_walk(along, depth, gate, 1) != loop
+    wrong = chain_walk(teacher_forced(tiny_target, SKIP, ids, start, depth), depth, gate, width)
     if depth > 1:
         assert wrong != loop
 
@@ -102,6 +115,21 @@ def test_auto_calibrates_once_then_uses_the_stored_choice(tiny_target, tmp_path,
     assert "too few to decide" in out.getvalue() and json.loads(path.read_text()) == stored
 
 
+def test_a_draft_vocabulary_is_counted_from_the_data_and_stored_with_the_choice(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    data = write_conversations(tmp_path / "chats.jsonl")
+    s = validate(settings(tmp_path, layers="auto", max_share=0.2, depth=2, draft_vocab=40, vocab_data=str(data)))
+    choice = resolve_layer_skip(s, tiny_target, False, io.StringIO())
+    stored = json.loads(skip_cache_path(tiny_target, False).read_text())
+    assert choice.vocab is not None and len(choice.vocab) == 40 and list(choice.vocab) == stored["vocab"]
+    assert 0 < stored["calibration"]["draft_vocab"]["coverage"] <= 1
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    answer = tiny_target.tokenizer(rows[0]["messages"][1]["content"], add_special_tokens=False)["input_ids"]
+    assert set(answer) <= set(choice.vocab)  # 40 ids cover the byte-level answers' few letters
+    again = resolve_layer_skip(s, tiny_target, False, io.StringIO())
+    assert again.vocab == choice.vocab and again.drafter(tiny_target).reader.ids.tolist() == list(choice.vocab)
+
+
 def test_a_given_list_drafts_as_the_tree_settings_say(tiny_target, tmp_path):
     s = validate(settings(tmp_path, layers=[4, 5]))
     s.tree.kind, s.tree.depth = "chain", 2
@@ -119,6 +147,8 @@ def test_a_given_list_drafts_as_the_tree_settings_say(tiny_target, tmp_path):
         ({"layers": [1.5]}, None, "decoder layer indices"),
         ({"layers": "auto", "max_share": 1.0}, None, "max_share"),
         ({}, ["plain", "skip"], "give skip.layers"),
+        ({"layers": "auto", "draft_vocab": 64}, None, "skip.vocab_data"),
+        ({"layers": "auto", "width": 0}, None, "skip.width"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(skip, methods, message, tmp_path):

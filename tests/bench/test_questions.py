@@ -32,3 +32,11 @@ def test_per_category_keeps_the_first_questions_of_every_category(tmp_path):
     path = questions_about(tmp_path / "q.jsonl", ["a", "a", "a", "b", "b", "c"])
     picked = read_questions(path, per_category=2)
     assert [q["question_id"] - 80 for q in picked] == [0, 1, 3, 4, 5]
+
+
+def test_categories_keep_only_those_and_name_the_ones_missing(tmp_path):
+    path = questions_about(tmp_path / "q.jsonl", ["a", "b", "a", "c", "b"])
+    assert [q["question_id"] - 80 for q in read_questions(path, categories=["b", "c"])] == [1, 3, 4]
+    assert [q["question_id"] - 80 for q in read_questions(path, per_category=1, categories=["a", "b"])] == [0, 1]
+    with pytest.raises(SpecHeadsError, match=r"no questions of categories \['d'\] \(it has: a, b, c\)"):
+        read_questions(path, categories=["a", "d"])

@@ -66,6 +66,35 @@ def test_greedy_output_is_the_targets_with_drafts_accepted(policy, tiny_target):
     assert sum(res.accepted_drafts) >= 5, res.accepted_drafts
 
 
+def recording(drafter: LayerSkipDrafter, drafted: list[int]) -> LayerSkipDrafter:
+    """The drafter, with every token it drafts (roots left out) appended to `drafted`."""
+    draft = drafter.draft
+
+    def draft_and_record(root, prefix_len, max_depth):
+        tokens, layout = draft(root, prefix_len, max_depth)
+        drafted.extend(tokens[1:])
+        return tokens, layout
+
+    drafter.draft = draft_and_record
+    return drafter
+
+
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(tiny_target):
+    """Over a draft vocabulary without the answer's most frequent token: greedy output is still the
+    target's, drafts are accepted, and that token is never drafted; over every token it is."""
+    answer = hf_greedy(tiny_target, PROMPT, 24)
+    common = max(set(answer), key=answer.count)
+    vocab = [i for i in range(tiny_target.lm_head.weight.shape[0]) if i != common]
+    drafted: list[int] = []
+    res = check_greedy(tiny_target, recording(LayerSkipDrafter(tiny_target, SKIP, POLICIES["wide"], vocab), drafted))
+    assert sum(res.accepted_drafts) >= 5 and drafted and common not in drafted
+    everything: list[int] = []
+    check_greedy(tiny_target, recording(LayerSkipDrafter(tiny_target, SKIP, POLICIES["wide"]), everything))
+    assert common in everything  # the check above can fail
+    with pytest.raises(SpecHeadsError, match="draft vocabulary"):
+        LayerSkipDrafter(tiny_target, SKIP, POLICIES["wide"], [0, 10**6])
+
+
 def test_each_nodes_logits_are_the_reduced_stacks(tiny_target):
     """A tree with siblings and grandchildren: every node's draft logits against a plain forward of
     the kept layers over the node's path, on a copy of the full model's cache of the prefix."""
