@@ -44,7 +44,7 @@ demo: setup
 		bench.output=$(DEMO_DIR)/bench/dev_questions.jsonl bench.max_new_tokens=32 bench.per_category=1
 
 test: setup
-	$(PY) -m pytest tests -x -p no:cacheprovider -m "not engines" --durations=30
+	$(PY) -m pytest tests -x -p no:cacheprovider -m "not engines" --durations=30 -n auto --dist loadfile
 
 lint: setup
 	$(PY) -m ruff format --check $(LINT)

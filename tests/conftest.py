@@ -18,7 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPECHEADS_SHM_ALLREDUCE", "0")  # CPU ranks all-reduce through gloo: no op compile per run
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# make test runs the modules on one pytest-xdist worker per core: each worker, and the processes
+# its tests start, then keeps to one thread (two loaded threads on one core run tiny matrices ~10x slower)
+THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+torch.set_num_threads(THREADS)
 
 # trees of depth 4 for the lossless-decoding tests
 POLICIES = {

@@ -228,10 +228,11 @@ class LayerSkipConfig:
     # auto: the most ranks drafted per level (1 = a chain; w = the chain with the next w - 1 ranks
     # beside each of its nodes, decode/tree.spine_paths: drafted at a chain's cost, verified wider)
     width: int = 4
-    # > 0: draft over the draft_vocab most frequent answer tokens of vocab_data (a conversation file
-    # or directory train.py reads, e.g. the target's own answers), reading only their LM-head rows
-    # per level; a target token outside them is never drafted (auto: stored with the choice)
+    # > 0: draft over the draft_vocab most frequent answer tokens of vocab_data, reading only their
+    # LM-head rows per level; a target token outside them is never drafted (auto: stored with the choice)
     draft_vocab: int = 0
+    # draft_vocab: the conversations its tokens are counted on (a file or directory train.py reads,
+    # e.g. the target's own answers)
     vocab_data: str | None = None
 
 
