@@ -44,6 +44,9 @@ class DraftHead(nn.Module):
     # are a subset of ours; `own_tensors` (top-level names) are the ones that then start fresh.
     grows_from: ClassVar[tuple[str, ...]] = ()
     own_tensors: ClassVar[tuple[str, ...]] = ()
+    # a head whose draft vocabulary is only a choice of the target's own LM-head rows: continued by
+    # train.init_from, it may gain the maps (d2t, t2d) from this run's data that its source lacks
+    vocab_from_data: ClassVar[bool] = False
 
     def __init__(self, spec: HeadSpec, info: TargetInfo):
         super().__init__()

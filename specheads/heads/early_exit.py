@@ -39,6 +39,7 @@ from .vocab import DraftVocabulary
 
 class EarlyExitHead(DraftVocabulary, DraftHead):
     family = "early_exit"
+    vocab_from_data = True  # its draft vocabulary picks rows of the target's own LM head
     title = "early-exit (Kangaroo)"
     # a drafted node runs the target's first exit_layer layers, then the adapter (decode.drafters.EarlyExitDrafter)
     draft_kind = "early_exit"

@@ -235,7 +235,7 @@ def warm_start(head: DraftHead, directory: str | os.PathLike, target: FrozenTarg
         raise SpecHeadsError(f"train.init_from={directory} is a {source.family} head; this run trains {head.family}")
     theirs, ours = source.state_dict(), head.state_dict()
     fresh = {k for k in ours if k.split(".")[0] in head.own_tensors} if grows else set()
-    if head.family == "early_exit":  # its draft rows are the target's: maps from this run's data do
+    if head.vocab_from_data:  # its draft rows are the target's: maps from this run's data do
         fresh |= {"d2t", "t2d"} & ours.keys() - theirs.keys()
     missing, unexpected = sorted(ours.keys() - theirs.keys() - fresh), sorted(theirs.keys() - ours.keys())
     if missing or unexpected:

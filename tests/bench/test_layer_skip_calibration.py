@@ -105,6 +105,8 @@ def test_auto_calibrates_once_then_uses_the_stored_choice(tiny_target, tmp_path,
     assert list(first.layers) == stored["layers"] and 1 <= len(first.layers) <= 2
     assert first.policy.layout.max_depth == stored["depth"] <= 3
     assert len(stored["calibration"]["candidates"]) >= 1 and stored["calibration"]["positions"] == 2 * 11
+    rows = stored["calibration"]["candidates"]
+    assert sum(bool(r.get("retimed")) for r in rows) == min(layer_skip.FINALISTS, len(rows))
     assert "calibrated now" in out.getvalue() and "skipped  agree" in out.getvalue()
     again = resolve_layer_skip(s, tiny_target, False, io.StringIO())
     assert again.layers == first.layers and "this machine's calibration" in again.source
