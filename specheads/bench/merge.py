@@ -4,7 +4,8 @@ sittings a long benchmark needs, joined into one table and summary.
 Each run times every one of its methods on each of its questions back to back, so what a method
 gains on a question is measured in one sitting; the joined totals add the runs' tokens and
 seconds, per category exactly the run's own. The runs must have run the same methods on disjoint
-questions; at temperature 0 every answer is compared with our own plain loop's.
+questions on one machine (their summaries' `machine`); at temperature 0 every answer is compared
+with our own plain loop's.
 
     python -m specheads.bench.merge --output runs/bench/mt_all.jsonl runs/bench/mt_a.jsonl runs/bench/mt_b.jsonl
 """
@@ -66,6 +67,13 @@ def join_runs(paths: Sequence[Path]) -> tuple[list[dict], list[str], list[dict]]
         differ = [k for k in settings if summary.get(k) != first.get(k)]
         if differ:
             raise SpecHeadsError(f"{path} differs from {paths[0]} in {differ}: join runs of one setting")
+        ours, theirs = summary.get("machine"), first.get("machine")
+        if ours and theirs and ours != theirs:  # runs written before summaries named their machine pass
+            changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+            raise SpecHeadsError(
+                f"{path} ran on another machine than {paths[0]} ({', '.join(changed)} differ): "
+                "join runs of one machine, whose ratios are comparable"
+            )
         for key in {(r["question_id"], r.get("turn", 1)) for r in run}:
             if key in where:
                 raise SpecHeadsError(f"question {key[0]} (turn {key[1]}) is in both {where[key]} and {path}")
@@ -86,8 +94,8 @@ def merge_runs(paths: Sequence[str | Path], output: str | Path, out: TextIO = sy
     summary = summarize(rows, methods)
     report = {
         key: summaries[0].get(key)
-        for key in ("target", "head", "family", "tree", "device", "dtype", "temperature", "max_new_tokens", "turns")
-    }
+        for key in ("target", "head", "family", "tree", "device", "machine", "dtype", "temperature", "max_new_tokens")
+    } | {"turns": summaries[0].get("turns")}
     report |= {
         "runs": [{"rows": str(p), "questions": s.get("questions")} for p, s in zip(runs, summaries)],
         "questions": len({r["question_id"] for r in rows}),

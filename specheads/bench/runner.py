@@ -43,7 +43,7 @@ from .compared import open_compared_heads, open_precision_variants, open_tree_va
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
 from .questions import read_questions
-from .trees import warn_overlap
+from .trees import machine_record, warn_overlap
 
 SPEC_FIELDS = ("accept_lengths", "accepted_drafts", "tree_depths", "tree_sizes")
 
@@ -395,6 +395,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         "family": session.head.family if session.head is not None else None,
         "tree": describe_policy(spec_heads["spec"][1]) if "spec" in spec_heads else None,
         "device": str(target.device),
+        "machine": machine_record(target.device, kernels=getattr(session, "layouts", None) is not None),
         "dtype": str(target.dtype).replace("torch.", ""),
         "head_dtype": draft_precision(session.head) if session.head is not None else None,
         "temperature": settings.temperature,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import sys
 from collections.abc import Iterable, Sequence
@@ -29,7 +30,7 @@ from ..atomic import write_json
 from ..config.infer import SEARCH_DEFAULTS
 from ..decode.policy import stored_dynamic
 from ..heads.io import CONFIG_NAME, draft_precision
-from ..kernels.linear_layout import cpu_model
+from ..kernels.linear_layout import cpu_isa, cpu_model
 from ..target import cache_root, target_identity
 
 CACHE_VERSION = 1
@@ -64,6 +65,12 @@ def machine_description(device: torch.device, kernels: bool) -> dict[str, Any]:
         "torch": torch.__version__.split("+")[0],
         "kernels": "measured" if kernels else "stock",
     }
+
+
+def machine_record(device: torch.device, kernels: bool) -> dict[str, Any]:
+    """machine_description and what tells two machines of one model name apart in a benchmark's
+    summary (its instruction sets, its cores); not part of machine_key, which names the host."""
+    return {**machine_description(device, kernels), "isa": cpu_isa(), "cores": os.cpu_count()}
 
 
 def machine_key(target, kernels: bool, **extra: Any) -> str:

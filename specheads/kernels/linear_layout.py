@@ -216,9 +216,24 @@ def machine_key(model: nn.Module) -> str:
 
 def cpu_model() -> str:
     """The processor's model name from /proc/cpuinfo ("" where there is none)."""
+    return _cpuinfo_field("model name")
+
+
+# the instruction sets that decide which matmul kernels torch's CPU build runs: two processors of one
+# model name (a cloud's "Intel Xeon Processor") may differ in them, and so in every timing
+KERNEL_ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+def cpu_isa() -> list[str]:
+    """Which of KERNEL_ISA the processor has, from /proc/cpuinfo's flags ([] where there are none)."""
+    flags = set(_cpuinfo_field("flags").split())
+    return [f for f in KERNEL_ISA if f in flags]
+
+
+def _cpuinfo_field(name: str) -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == name), "")
     except OSError:
         return ""
 

@@ -85,3 +85,23 @@ def test_runs_that_cannot_be_joined_are_refused_in_one_line(two_runs, tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_runs_on_another_machine_are_refused(two_runs, tmp_path):
+    """A run's summary names its machine (cpu, instruction sets, cores, threads, torch); two runs
+    whose machines differ only in an instruction set (two processors of one model name) are not
+    joined, and a run written before summaries named their machine still joins."""
+    tmp, reports = two_runs
+    machine = reports["b"]["machine"]
+    assert {"cpu", "isa", "cores", "threads", "torch", "device"} <= machine.keys()
+    assert machine == reports["a"]["machine"]
+    (tmp_path / "b.jsonl").write_text((tmp / "b.jsonl").read_text())
+    summary = json.loads((tmp / "b.summary.json").read_text())
+    summary["machine"] = {**machine, "isa": machine["isa"] + ["amx_bf16"]}
+    (tmp_path / "b.summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SpecHeadsError, match="another machine .*isa differ"):
+        merge_runs([tmp / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "x.jsonl", io.StringIO())
+    del summary["machine"]
+    (tmp_path / "b.summary.json").write_text(json.dumps(summary))
+    joined = merge_runs([tmp / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "x.jsonl", io.StringIO())
+    assert joined["questions"] == 4 and joined["machine"] == machine
