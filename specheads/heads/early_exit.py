@@ -154,12 +154,16 @@ class EarlyExitHead(DraftVocabulary, DraftHead):
         return shifted(batch["loss_mask"].bool(), 1 + j, False) & within(batch, 1 + j)
 
     def loss(self, batch, states):
-        target_p = torch.softmax(self.target_logits(states["final"]), dim=-1)  # position t: token t+1
-        logq = torch.log_softmax(self.full_logits(self.adapted(batch, states)), dim=-1)
         mask = self._counted(batch, 0)
         n = mask.sum().clamp(min=1)
-        loss = -((target_p * logq).sum(-1) * mask).sum() / n
-        acc = ((logq.argmax(-1) == target_p.argmax(-1)) & mask).sum() / n
+        # only the counted positions reach the LM head: on a small target its full-vocabulary
+        # logits, their softmaxes and their backward cost more than the target's forward, and a
+        # batch's prompts and padding are a large share of its positions
+        out = self.adapted(batch, states)[mask]  # the adapter itself attends over every position
+        target_p = torch.softmax(self.target_logits(states["final"][mask]), dim=-1)  # position t: token t+1
+        logq = torch.log_softmax(self.full_logits(out), dim=-1)
+        loss = -(target_p * logq).sum() / n
+        acc = (logq.argmax(-1) == target_p.argmax(-1)).sum() / n
         return loss, {"loss_0": loss.item(), "acc_0": acc.item()}
 
     @torch.no_grad()

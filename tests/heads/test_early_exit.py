@@ -6,7 +6,8 @@ with the real drafter on the target's cache, and failing for a head whose teache
 position off); it saves and loads through the head directory like its siblings, and its config
 is refused in one line where it cannot hold. With head.draft_vocab it drafts over the training
 answers' most frequent tokens, reading only their rows of the LM head: its logits are the full
-ones at those ids, and they follow a reload of other maps."""
+ones at those ids, and they follow a reload of other maps. Its loss reads the LM head at the
+counted positions only, and equals (with its gradients) the loss over every position, masked."""
 
 import json
 
@@ -197,3 +198,35 @@ def test_a_head_without_a_draft_vocabulary_continues_into_one(tiny_target, seque
     assert torch.equal(head.d2t, maps[0]) and torch.equal(head.t2d, maps[1])
     theirs = source.state_dict()
     assert all(torch.equal(t, theirs[k]) for k, t in head.state_dict().items() if k not in ("d2t", "t2d"))
+
+
+def every_position_loss(head, batch, states):
+    """The plain implementation: the soft cross-entropy at every position, masked afterwards."""
+    target_p = torch.softmax(head.target_logits(states["final"]), dim=-1)
+    logq = torch.log_softmax(head.full_logits(head.adapted(batch, states)), dim=-1)
+    mask = head._counted(batch, 0)
+    return -((target_p * logq).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
+
+
+def test_the_loss_reads_the_lm_head_at_counted_positions_only(tiny_target, sequences):
+    """The loss and its gradients equal the plain every-position loss, masked, while the LM head
+    sees only the counted rows; a mask shifted by one position (a wrong variant) gives another loss."""
+    head = early_exit(tiny_target, 3).train()
+    with torch.no_grad():  # a trained-looking adapter: the fresh one adds nothing to the stream
+        head.layer.self_attn.o_proj.weight.normal_(0, 0.05)
+    batch = batch_of(sequences[:4])
+    batch["loss_mask"][:, : sequences.shape[1] // 3] = 0  # prompts: not counted
+    states = head_states(tiny_target, head, batch)
+    rows = []
+    hook = head.frozen.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
+    loss, _ = head.loss(batch, states)
+    hook.remove()
+    counted = int(head._counted(batch, 0).sum())
+    assert rows == [counted, counted] and counted < sequences[:4].numel()
+    grads = torch.autograd.grad(loss, [head.layer.self_attn.o_proj.weight, head.norm.weight])
+    plain = every_position_loss(head, batch, states)
+    torch.testing.assert_close(loss, plain)
+    for ours, theirs in zip(grads, torch.autograd.grad(plain, [head.layer.self_attn.o_proj.weight, head.norm.weight])):
+        torch.testing.assert_close(ours, theirs)
+    shifted_batch = {**batch, "loss_mask": batch["loss_mask"].roll(1, dims=1)}
+    assert not torch.isclose(every_position_loss(head, shifted_batch, states), loss)
