@@ -32,6 +32,19 @@ from .runner import (
 )
 
 NOT_DRAFTING = ("baseline", "plain", "prompt_lookup", "assisted")  # methods with no draft/verify split
+# the first run's settings the joined summary repeats
+REPORTED = (
+    "target",
+    "head",
+    "family",
+    "tree",
+    "device",
+    "machine",
+    "dtype",
+    "temperature",
+    "max_new_tokens",
+    "turns",
+)
 
 
 def read_run(path: Path) -> tuple[list[dict], dict]:
@@ -92,10 +105,7 @@ def merge_runs(paths: Sequence[str | Path], output: str | Path, out: TextIO = sy
     rows, methods, summaries = join_runs(runs)
     greedy = summaries[0].get("temperature", 0.0) <= 0
     summary = summarize(rows, methods)
-    report = {
-        key: summaries[0].get(key)
-        for key in ("target", "head", "family", "tree", "device", "machine", "dtype", "temperature", "max_new_tokens")
-    } | {"turns": summaries[0].get("turns")}
+    report = {key: summaries[0].get(key) for key in REPORTED}
     report |= {
         "runs": [{"rows": str(p), "questions": s.get("questions")} for p, s in zip(runs, summaries)],
         "questions": len({r["question_id"] for r in rows}),

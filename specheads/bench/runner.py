@@ -395,7 +395,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         "family": session.head.family if session.head is not None else None,
         "tree": describe_policy(spec_heads["spec"][1]) if "spec" in spec_heads else None,
         "device": str(target.device),
-        "machine": machine_record(target.device, kernels=getattr(session, "layouts", None) is not None),
+        "machine": machine_record(target.device, kernels=session.layouts is not None),
         "dtype": str(target.dtype).replace("torch.", ""),
         "head_dtype": draft_precision(session.head) if session.head is not None else None,
         "temperature": settings.temperature,
