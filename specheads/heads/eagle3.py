@@ -8,7 +8,6 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..target import TargetInfo
-from .base import shifted
 from .eagle import AutoregressiveHead
 from .spec import HeadSpec
 from .vocab import DraftVocabulary
@@ -64,21 +63,33 @@ class Eagle3Head(DraftVocabulary, AutoregressiveHead):
         return self.lm_head(self.norm(h)).float()
 
     def loss(self, batch, states):
-        target_logits = self.target_logits(states["final"])  # [B,T,V]; position t predicts t+1
-        in_vocab_logits = target_logits[..., self.t2d]
+        steps = self.spec.ttt_steps
+        counted = [self._counted(batch, j) for j in range(steps)]
+        # step j at position t predicts token t+2+j, whose target distribution sits at t+1+j: the
+        # target's full-vocabulary logits are read at those positions only, once each (on a small
+        # target they cost more than the draft itself, and a batch is largely prompts and padding)
+        where, needed = [], torch.zeros_like(counted[0])
+        for j, m in enumerate(counted):
+            b, t = m.nonzero(as_tuple=True)
+            where.append((b, t + 1 + j))
+            needed[b, t + 1 + j] = True
+        row = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
+        row[needed] = torch.arange(int(needed.sum()), device=needed.device)
+        target_logits = self.target_logits(states["final"][needed])  # [N, V]
+        in_vocab_logits = target_logits[:, self.t2d]
         in_vocab_top = self.t2d[target_logits.argmax(-1)]
-        outs = self.unrolled_batch(batch, self.input_features(states), self.spec.ttt_steps)
+        outs = self.unrolled_batch(batch, self.input_features(states), steps)
         total = target_logits.new_zeros(())
         metrics = {}
-        for j, h in enumerate(outs):
-            # step j at position t predicts token t+2+j, whose target distribution sits at t+1+j
-            p = torch.softmax(shifted(in_vocab_logits, 1 + j), dim=-1)
-            mask = self._counted(batch, j) & shifted(in_vocab_top, 1 + j, False)
-            n = mask.sum().clamp(min=1)
-            logq = torch.log_softmax(self.draft_logits(h), dim=-1)
-            loss_j = -((p * logq).sum(-1) * mask).sum() / n
+        for j, (h, m, (b, t)) in enumerate(zip(outs, counted, where)):
+            r = row[b, t]
+            keep = in_vocab_top[r]  # a target token outside the draft vocabulary teaches nothing
+            n = keep.sum().clamp(min=1)
+            p = torch.softmax(in_vocab_logits[r], dim=-1)
+            logq = torch.log_softmax(self.draft_logits(h[m]), dim=-1)
+            loss_j = -((p * logq).sum(-1) * keep).sum() / n
             total = total + self.spec.ttt_decay**j * loss_j
-            acc = ((logq.argmax(-1) == p.argmax(-1)) & mask).sum() / n
+            acc = ((logq.argmax(-1) == p.argmax(-1)) & keep).sum() / n
             metrics[f"loss_{j}"] = loss_j.item()
             metrics[f"acc_{j}"] = acc.item()
         return total, metrics
