@@ -1,5 +1,6 @@
-"""The head shipped in the repository (heads/smollm2-135m-eagle3): it loads on the embedded target,
-is small bf16 safetensors with its calibrated tree and provenance, and decodes losslessly."""
+"""The heads shipped in the repository (heads/smollm2-135m-eagle3, the default, and
+heads/smollm2-135m-early-exit): each loads on the embedded target, is small bf16 safetensors with
+its calibrated tree and provenance, and decodes losslessly."""
 
 import json
 from pathlib import Path
@@ -24,12 +25,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "heads" / "smollm2-135m-eagle3"
+EARLY_EXIT = ROOT / "heads" / "smollm2-135m-early-exit"
+# each shipped head, its family and the target layers it reads
+SHIPPED_HEADS = {SHIPPED: ("eagle3", [2, 15, 27]), EARLY_EXIT: ("early_exit", [3])}
 
 
-def run_records() -> list[dict]:
-    """The shipped head's training record, then, for a head continued from another
+def run_records(head: Path = SHIPPED) -> list[dict]:
+    """A shipped head's training record, then, for a head continued from another
     (train.init_from), that head's record, and so on: every run behind the shipped weights."""
-    records, training = [], json.loads((SHIPPED / "config.json").read_text())["training"]
+    records, training = [], json.loads((head / "config.json").read_text())["training"]
     while training:
         records.append(training)
         training = training.get("init_from", {}).get("training")
@@ -42,19 +46,20 @@ def data_paths(training: dict) -> list[Path]:
 
 
 def shipped_data() -> list[Path]:
-    """The data sets of every run behind the shipped head: paths inside the repository."""
-    return list(dict.fromkeys(p for t in run_records() for p in data_paths(t)))
+    """The data sets of every run behind the shipped heads: paths inside the repository."""
+    return list(dict.fromkeys(p for head in SHIPPED_HEADS for t in run_records(head) for p in data_paths(t)))
 
 
-def test_shipped_head_is_small_bf16_with_tree_and_provenance():
-    weights = SHIPPED / "model.safetensors"
+@pytest.mark.parametrize("head", SHIPPED_HEADS, ids=lambda p: p.name)
+def test_shipped_head_is_small_bf16_with_tree_and_provenance(head):
+    weights = head / "model.safetensors"
     assert weights.stat().st_size <= 30 * 2**20
     with safe_open(str(weights), framework="pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16", "I64", "BOOL"}  # weights; d2t, t2d maps
-    config = json.loads((SHIPPED / "config.json").read_text())
-    assert config["family"] == "eagle3" and config["target"]["name"] == "smollm2-135m"
+    config = json.loads((head / "config.json").read_text())
+    assert config["family"] == SHIPPED_HEADS[head][0] and config["target"]["name"] == "smollm2-135m"
     assert config["default_tree"], "the calibrated tree is stored with the head"
-    for training in run_records():  # a continued head names every run behind it
+    for training in run_records(head):  # a continued head names every run behind it
         check_run_record(training)
 
 
@@ -105,9 +110,10 @@ def test_the_overlap_check_fails_on_contaminated_data(shipped_training_data):
     assert leaked(broken, index) == [quoting]
 
 
-def test_shipped_head_decodes_losslessly_on_the_embedded_target(smollm2_target):
-    head = open_head(SHIPPED, smollm2_target)
-    assert head.target_layer_ids() == [2, 15, 27]
+@pytest.mark.parametrize("path", SHIPPED_HEADS, ids=lambda p: p.name)
+def test_shipped_head_decodes_losslessly_on_the_embedded_target(smollm2_target, path):
+    head = open_head(path, smollm2_target)
+    assert head.target_layer_ids() == SHIPPED_HEADS[path][1]
     tok = smollm2_target.tokenizer
     prompt = torch.tensor([encode_prompt(tok, "Give me three tips for staying focused while studying.", None, True)])
     cfg = SamplingConfig(max_new_tokens=24, temperature=0.0, eos_token_ids=(tok.eos_token_id,))
