@@ -159,6 +159,17 @@ def head_states(target, head, batch):
     return {**s.hidden, "final": s.final}
 
 
+def loss_and_lm_head_rows(head, batch, states):
+    """head.loss(batch, states), and how many rows each call of the target's LM head read in it."""
+    rows = []
+    hook = head.frozen.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
+    try:
+        loss, metrics = head.loss(batch, states)
+    finally:
+        hook.remove()
+    return loss, metrics, rows
+
+
 def overfit(head, batch, states, steps, lr=3e-3):
     """`steps` AdamW steps on the head's loss over one batch: the loss of every step and the last metrics."""
     opt = torch.optim.AdamW(head.parameters(), lr=lr)

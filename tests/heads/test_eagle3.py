@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import batch_rows, head_states
+from conftest import batch_rows, head_states, loss_and_lm_head_rows
 
 from specheads.config.train import HeadConfig
 from specheads.heads import build_head
@@ -44,10 +44,7 @@ def test_the_loss_reads_the_target_lm_head_at_needed_positions_only(tiny_target,
     states = head_states(tiny_target, head, toy_batch)  # the same states for both losses: packed or not
     if pack:
         toy_batch = packed(toy_batch)
-    rows = []
-    hook = head.frozen.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
-    loss, metrics = head.loss(toy_batch, states)
-    hook.remove()
+    loss, metrics, rows = loss_and_lm_head_rows(head, toy_batch, states)
     positions = toy_batch["input_ids"].numel()
     needed = torch.zeros_like(head._counted(toy_batch, 0))
     for j in range(cfg.ttt_steps):

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from conftest import head_states, overfit
+from conftest import head_states, loss_and_lm_head_rows, overfit
 
 from specheads.bench.replay import rank_vectors
 from specheads.config.train import HeadConfig
@@ -217,10 +217,7 @@ def test_the_loss_reads_the_lm_head_at_counted_positions_only(tiny_target, seque
     batch = batch_of(sequences[:4])
     batch["loss_mask"][:, : sequences.shape[1] // 3] = 0  # prompts: not counted
     states = head_states(tiny_target, head, batch)
-    rows = []
-    hook = head.frozen.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
-    loss, _ = head.loss(batch, states)
-    hook.remove()
+    loss, _, rows = loss_and_lm_head_rows(head, batch, states)
     counted = int(head._counted(batch, 0).sum())
     assert rows == [counted, counted] and counted < sequences[:4].numel()
     grads = torch.autograd.grad(loss, [head.layer.self_attn.o_proj.weight, head.norm.weight])
