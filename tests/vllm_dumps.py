@@ -62,8 +62,9 @@ def write_vllm_dump(path: Path, target, ids: list[int], aux_layer_ids, dtype=tor
 class FakeVLLMServer(JsonServer):
     """An extract_hidden_states vLLM server of `target` extracting `aux_layer_ids`."""
 
-    def __init__(self, target, aux_layer_ids, storage: Path, model: str = "tiny", shift: int = 0):
+    def __init__(self, target, aux_layer_ids, storage: Path, model: str = "tiny", shift: int = 0, names=None):
         self.target, self.aux, self.storage, self.model, self.shift = target, list(aux_layer_ids), storage, model, shift
+        self.names = names  # the path its answers name, from the path it wrote (a hostile server's)
         self.prompts: list[list[int]] = []
         self.lock = threading.Lock()
         self.start()
@@ -107,5 +108,5 @@ class FakeVLLMServer(JsonServer):
             "model": body["model"],
             "choices": [{"index": 0, "text": "x", "logprobs": logprobs, "finish_reason": "length"}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1},
-            "kv_transfer_params": {"hidden_states_path": str(path)},
+            "kv_transfer_params": {"hidden_states_path": str(self.names(path) if self.names else path)},
         }

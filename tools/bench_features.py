@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", help="the cache's dtype")
     p.add_argument("--device", default="auto", help="where the transformers forward runs")
     p.add_argument("--url", help="a vLLM server running extract_hidden_states for these layers (+ L)")
+    p.add_argument("--storage", help="with --url: the server's shared_storage_path as this machine sees it")
     p.add_argument("--serve", action="store_true", help="start one here with engines/vllm_serve.py (vLLM's CPU build)")
     p.add_argument("--port", type=int, default=8793)
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight to the server")
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if bool(args.url) == bool(args.serve):
         raise SystemExit("give one of --url URL and --serve")
+    if args.url and not args.storage:
+        raise SystemExit("--url needs --storage DIR: the server's shared_storage_path, where its dumps are read")
 
     import torch
 
@@ -103,14 +106,15 @@ def main(argv=None) -> int:
     stop = None
     if args.serve:
         url, cmd, env = serve(args, extract, work / "serve")
+        storage = work / "serve" / "hidden_states"
         stop = lambda: subprocess.run([*cmd, "stop"], capture_output=True, text=True, env=env)  # noqa: E731
     else:
-        url = args.url
+        url, storage = args.url, args.storage
     try:
         common = dict(max_length=args.max_length, dtype=args.dtype)
         hf_s, _ = timed(lambda: write_features(target, rows, layers, True, work / "hf", **common))
         t0 = time.perf_counter()
-        source = VLLMStates(target, ServerConfig(url=url, concurrency=args.concurrency), layers, True)
+        source = VLLMStates(target, ServerConfig(url=url, concurrency=args.concurrency), layers, True, str(storage))
         check_s = time.perf_counter() - t0
         vllm_s, vllm_index = timed(
             lambda: write_features(target, rows, layers, True, work / "vllm", source=source, **common)

@@ -64,6 +64,10 @@ class FeaturesConfig:
     # logprobs/auto the weights, plus the states of a probe against the target's where it is loaded
     # here); `engines/vllm_serve.py start --extract-layers ...` starts one on this machine
     server: ServerConfig = field(default_factory=ServerConfig)
+    # backend=vllm: the directory the server's connector writes its dumps to (its
+    # shared_storage_path), as this machine sees it. A dump the server names is read, then deleted,
+    # only when it lies inside this directory: the path comes from the server's answer.
+    storage: str | None = None
     output: str | None = None  # default: <distill.output>/features
     # Which states to cache (our convention); null = the EAGLE-3 default [2, L//2, L-3]. The
     # post-norm final state is cached too, so one cache serves Medusa, EAGLE-1 and EAGLE-3.

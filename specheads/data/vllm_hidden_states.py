@@ -66,14 +66,32 @@ def read_dump(path: str | os.PathLike, wait: bool = True) -> dict[str, torch.Ten
                 f"vLLM's hidden-states file {path} is missing: the server writes it on its own disk, "
                 "so this process must see the server's shared_storage_path at the same path"
             )
-        tensors = load_file(str(path), device="cpu")
+        try:
+            tensors = load_file(str(path), device="cpu")
+        except Exception as err:  # safetensors raises its own error types for a truncated or foreign file
+            raise SpecHeadsError(f"{path} is not a readable safetensors file ({err})") from None
     missing = [k for k in (HIDDEN_STATES, TOKEN_IDS) if k not in tensors]
     if missing:
         raise SpecHeadsError(f"{path} is not a vLLM hidden-states dump (no {', '.join(missing)})")
     return tensors
 
 
+def confined_dump(path: str | os.PathLike, storage: str | os.PathLike) -> Path:
+    """The dump a server's answer names, refused in one line unless it is a `.safetensors` file
+    directly or below `storage` once links and `..` are resolved: the answer decides which file is
+    read and then deleted, so it must not be able to name one outside the connector's directory."""
+    root = Path(storage).resolve()
+    where = Path(path).resolve()
+    if where.suffix != ".safetensors" or not where.is_relative_to(root) or where == root:
+        raise SpecHeadsError(
+            f"the server named the hidden-states file {str(path)!r}, which is not a .safetensors file inside "
+            f"distill.features.storage={str(storage)!r}: nothing was read or deleted"
+        )
+    return where
+
+
 def remove_dump(path: str | os.PathLike) -> None:
+    """Deletes a dump and its lock; `path` must already be confined (confined_dump)."""
     for p in (Path(path), Path(str(path) + LOCK_SUFFIX)):
         p.unlink(missing_ok=True)
 

@@ -56,6 +56,11 @@ def distill_on(job: DistillJobConfig, d: Dist | None) -> Path:
             "distill.features.backend=vllm needs distill.features.server.url=http://HOST:PORT/v1: a vLLM server "
             "running extract_hidden_states (docs/training.md, Features from vLLM)"
         )
+    if feats.enabled and feats.backend == "vllm" and not feats.storage:
+        raise SpecHeadsError(
+            "distill.features.backend=vllm needs distill.features.storage=DIR: the server's shared_storage_path as "
+            "this machine sees it (its dumps are read and deleted only there)"
+        )
     if needs_no_weights(job):
         target = load_tokenizer_target(job.model)  # the weights are served elsewhere
     else:
@@ -114,7 +119,7 @@ def cache_features(job: DistillJobConfig, target, data_dir: Path, d: Dist | None
     if feats.backend == "vllm":
         from .vllm_features import VLLMStates
 
-        source = VLLMStates(target, feats.server, layer_ids, feats.final)
+        source = VLLMStates(target, feats.server, layer_ids, feats.final, feats.storage)
     ensure_split_features(
         target,
         {"train": train_rows, "eval": eval_rows},

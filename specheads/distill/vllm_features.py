@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..config.distill import ServerConfig
-from ..data.vllm_hidden_states import dump_states, read_dump, remove_dump, request_layer_ids
+from ..data.vllm_hidden_states import confined_dump, dump_states, read_dump, remove_dump, request_layer_ids
 from ..errors import SpecHeadsError
 from ..target import LAYER_CONVENTION, check_layer_ids, load_final_norm
 from . import identity as ident
@@ -85,8 +85,8 @@ class VLLMStates:
 
     backend = "vllm"
 
-    def __init__(self, target, cfg: ServerConfig, layer_ids, final: bool):
-        self.cfg, self.final = cfg, bool(final)
+    def __init__(self, target, cfg: ServerConfig, layer_ids, final: bool, storage: str):
+        self.cfg, self.final, self.storage = cfg, bool(final), storage
         self.num_layers = target.info.num_layers
         self.layer_ids = check_layer_ids(target.info, layer_ids)
         self.asked = request_layer_ids(self.layer_ids, self.final, self.num_layers)
@@ -144,7 +144,8 @@ class VLLMStates:
 
     @contextlib.contextmanager
     def _removing_dumps(self):
-        """Every completion answered within the block has its dump deleted (once its writer is done)."""
+        """Every completion answered within the block has its dump deleted once its writer is done and
+        it was read whole; a path outside the storage directory is refused, never touched."""
         completions = self.server.client.completions
         create = completions.create
         paths = []
@@ -159,10 +160,16 @@ class VLLMStates:
             yield
         finally:
             completions.create = create
-            for path in filter(None, paths):
-                with contextlib.suppress(SpecHeadsError):
-                    read_dump(path)  # waits for the writer's lock
-                remove_dump(path)
+        for path in filter(None, paths):  # not when the block failed: its dumps stay for a look
+            self._read_and_remove(path)
+
+    def _read_and_remove(self, path: str) -> dict[str, torch.Tensor]:
+        """The tensors of the dump at `path` (confined to the storage directory first), deleted once
+        read; a dump that cannot be read is left where it is, for the user to look at."""
+        where = confined_dump(path, self.storage)
+        tensors = read_dump(where)  # waits for the writer's lock
+        remove_dump(where)
+        return tensors
 
     # -- one conversation -------------------------------------------------------------------------
 
@@ -188,10 +195,7 @@ class VLLMStates:
                 f"the server at {self.cfg.url} returned no hidden_states_path: it does not run extract_hidden_states "
                 "with a hidden-states connector (start it with specheads.distill.vllm_features.server_args)"
             )
-        try:
-            return read_dump(path)
-        finally:
-            remove_dump(path)
+        return self._read_and_remove(path)
 
     def _states(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors = self._dump(ids.tolist())

@@ -47,6 +47,7 @@ def job(data, out, backend, url=None, identity="logprobs"):
         enabled=True,
         backend=backend,
         server=ServerConfig(url=url, retries=0, identity=identity),
+        storage=str(Path(out).parent / "hidden_states"),  # the storage of the vllm_server fixture
         output=str(out),
         layer_ids=LAYERS,
         dtype="float32",
@@ -159,6 +160,46 @@ def test_a_server_that_is_not_the_target_or_extracts_other_layers_is_refused(
     assert not (tmp_path / "feat").exists() and not (tmp_path / ".feat.partial").exists()
 
 
+@pytest.mark.parametrize(
+    "named",
+    [
+        lambda dump, victim: victim,  # any file the user can write
+        lambda dump, victim: dump.parent / ".." / victim.name,  # `..` out of the storage directory
+        lambda dump, victim: dump.parent / "link.safetensors",  # a link inside it to a file outside
+        lambda dump, victim: dump.with_suffix(".txt"),  # inside it, but not a dump
+    ],
+    ids=["outside", "dot-dot", "link", "not-safetensors"],
+)
+def test_a_server_cannot_make_this_process_read_or_delete_a_file_outside_its_storage(
+    tiny_target, distilled, tmp_path, vllm_server, named
+):
+    """The answer's hidden_states_path decides which file is read and deleted: one outside
+    distill.features.storage (after links and `..`) is refused in one line, and it and its `.lock`
+    are still there."""
+    victim = tmp_path / "victim.safetensors"
+    victim.write_text("keep me")
+    Path(str(victim) + ".lock").write_text("keep me too")
+    (tmp_path / "hidden_states").mkdir()
+    (tmp_path / "hidden_states" / "link.safetensors").symlink_to(victim)
+    server = vllm_server(tiny_target, [1, 3, 6], names=lambda dump: named(dump, victim))
+    with pytest.raises(SpecHeadsError, match=r"which is not a .safetensors file inside distill.features.storage="):
+        cache_features(job(distilled, tmp_path / "feat", "vllm", server.url), tiny_target, distilled)
+    assert victim.read_text() == "keep me" and Path(str(victim) + ".lock").read_text() == "keep me too"
+    assert not (tmp_path / "feat").exists()
+
+
+def test_a_dump_that_cannot_be_read_is_not_deleted(tiny_target, distilled, tmp_path, vllm_server):
+    """A file in the storage directory that is not a dump stays there for the user to look at."""
+    def broken(dump):
+        dump.write_bytes(b"not safetensors")
+        return dump
+
+    server = vllm_server(tiny_target, [1, 3, 6], names=broken)
+    with pytest.raises(SpecHeadsError, match=r"is not a readable safetensors file"):
+        cache_features(job(distilled, tmp_path / "feat", "vllm", server.url), tiny_target, distilled)
+    assert list((tmp_path / "hidden_states").glob("*.safetensors"))
+
+
 def test_identity_tokenizer_cannot_tell_a_layer_off_and_says_so(tiny_target, distilled, tmp_path, vllm_server, capsys):
     """Where the target's weights are not compared (identity=tokenizer: a target too large to load
     here), the layers are the server's command line's: the warning names the ids it must extract
@@ -205,6 +246,10 @@ def test_a_missing_server_url_or_an_unknown_backend_is_one_line_before_any_work(
     missing = job(tmp_path / "d", tmp_path / "f", "vllm")
     with pytest.raises(SpecHeadsError, match=r"^distill.features.backend=vllm needs distill.features.server.url="):
         distill_on(missing, None)
+    no_storage = job(tmp_path / "d", tmp_path / "f", "vllm", url="http://127.0.0.1:9/v1")
+    no_storage.distill.features.storage = None
+    with pytest.raises(SpecHeadsError, match=r"^distill.features.backend=vllm needs distill.features.storage=DIR"):
+        distill_on(no_storage, None)
     unknown = job(tmp_path / "d", tmp_path / "f", "sglang")
     with pytest.raises(SpecHeadsError, match=r"^unknown distill.features.backend='sglang'; use one of"):
         distill_on(unknown, None)
@@ -253,6 +298,7 @@ def test_vllm_cpu_features_equal_the_transformers_forward(tmp_path, smollm2_targ
             [sys.executable, str(ROOT / "distill.py"), f"distill.prompts={prompts}", "distill.max_new_tokens=24"]
             + ["distill.num_prompts=null", "distill.decontaminate=[]", f"distill.output={tmp_path / 'out'}"]
             + ["distill.features.enabled=true", "distill.features.backend=vllm", f"distill.features.server.url={url}"]
+            + [f"distill.features.storage={tmp_path / 'hs'}"]
             + ["distill.features.server.identity=logprobs", "distill.features.dtype=float32"]
             + ["distill.features.eval_fraction=0.34"],
             capture_output=True,
@@ -290,7 +336,8 @@ def test_the_feature_benchmark_times_both_writers_on_the_same_conversations(
 
     server = vllm_server(tiny_target, [1, 3, 6])
     main = runpy.run_path(str(ROOT / "tools" / "bench_features.py"), run_name="bench_features")["main"]
-    args = ["--data", str(distilled), "--model", "tiny-random", "--url", server.url, "--conversations", "3"]
+    args = ["--data", str(distilled), "--model", "tiny-random", "--url", server.url, "--storage", str(server.storage)]
+    args += ["--conversations", "3"]
     assert main([*args, "--max-length", "64", "--layers", "1", "3", "--dtype", "float32", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out[out.index("{") : out.rindex("}") + 1])
