@@ -3,8 +3,12 @@
 A checkpoint is DeepSpeed's own (head weights, optimizer, LR scheduler; any ZeRO stage) plus our
 client state (step, data position, run fingerprint) and each rank's RNG states. It is written
 under a temporary name, marked complete, then renamed, so a run killed at any moment leaves
-either a complete checkpoint or none. These are torch files meant only for resuming from our own
-output_dir; the exported head (output_dir/head) is safetensors.
+either a complete checkpoint or none.
+
+Resuming never unpickles: a checkpoint directory may come from someone else, and unpickling runs
+whatever code it names. DeepSpeed's files are read through torch's weights-only loader (tensors,
+containers and numbers, plus the few DeepSpeed classes DEEPSPEED_SAFE_GLOBALS names), and the RNG
+states are a safetensors file with their non-tensor parts as JSON metadata.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from ..errors import SpecHeadsError
 
 COMPLETE = "complete.json"
 TMP_PREFIX = ".tmp-"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+RNG_FILE = "rng-rank{rank}.safetensors"
 
 
 def capture_rng() -> dict[str, Any]:
@@ -40,6 +47,79 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_rng(state: dict[str, Any], path: Path) -> None:
+    """capture_rng()'s state as safetensors: the generators' words as int64 tensors, the rest
+    (versions, positions, a cached Gaussian) as JSON metadata."""
+    version, words, gauss = state["python"]
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    tensors = {
+        "python": torch.tensor(words, dtype=torch.int64),
+        "numpy": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "torch": state["torch"],
+    }
+    tensors |= {f"cuda_{i}": t for i, t in enumerate(state.get("cuda", []))}
+    meta = {"python": [version, gauss], "numpy": [kind, int(pos), int(has_gauss), float(cached)]}
+    save_file(tensors, str(path), metadata={"rng": json.dumps(meta)})
+
+
+def load_rng(path: Path) -> dict[str, Any]:
+    """save_rng's file back as capture_rng()'s state; one line if it is missing or not ours."""
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {})["rng"])
+        (version, gauss), (kind, pos, has_gauss, cached) = meta["python"], meta["numpy"]
+        state = {
+            "python": (version, tuple(tensors["python"].tolist()), gauss),
+            "numpy": (kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached),
+            "torch": tensors["torch"],
+        }
+    except (OSError, SafetensorError, KeyError, ValueError, TypeError) as err:
+        raise SpecHeadsError(
+            f"{path} is not an RNG state written by this version of specheads ({type(err).__name__}: {err}); "
+            "resume from a checkpoint it wrote, or use a new output_dir"
+        ) from None
+    cuda = sorted((k for k in tensors if k.startswith("cuda_")), key=lambda k: int(k[5:]))
+    if cuda:
+        state["cuda"] = [tensors[k] for k in cuda]
+    return state
+
+
+def deepspeed_safe_globals() -> list:
+    """The non-container classes DeepSpeed pickles into its checkpoints of our runs (its loss
+    scalers, the ZeRO stage enum, the parameter fragments' addresses: plain records whose
+    reconstruction sets attributes and runs nothing); torch's weights-only loader rebuilds these
+    and refuses every other global."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+class WeightsOnlyLoads:
+    """DeepSpeed's checkpoint engine, its loads through torch's weights-only unpickler (which
+    refuses any global outside the allow-list instead of running it)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load(self, path, map_location=None):
+        try:
+            with torch.serialization.safe_globals(deepspeed_safe_globals()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as err:  # torch's UnpicklingError, or a torn/foreign file
+            named = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+            why = f"it names {named.group(1)}" if named else f"{type(err).__name__}"
+            raise SpecHeadsError(
+                f"{path} cannot be loaded without unpickling arbitrary code, or is not a DeepSpeed checkpoint "
+                f"({why}); resume only from a checkpoint this version wrote"
+            ) from None
 
 
 def _barrier() -> None:
@@ -86,7 +166,7 @@ class Checkpoints:
             self.root.mkdir(parents=True, exist_ok=True)
         _barrier()
         engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=client_state, save_latest=False)
-        torch.save(capture_rng(), tmp / f"rng-rank{self.rank}.pt")
+        save_rng(capture_rng(), tmp / RNG_FILE.format(rank=self.rank))
         _barrier()
         if self.rank == 0:
             marker = {"step": step, "world_size": self.world_size}
@@ -113,11 +193,16 @@ class Checkpoints:
                 f"{path} was written by {marker.get('world_size')} ranks but this run has "
                 f"{self.world_size}; resume with the same number of processes or use a new output_dir"
             )
-        load_path, client_state = engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        rng = load_rng(path / RNG_FILE.format(rank=self.rank))  # before DeepSpeed's files: one line if not ours
+        own = engine.checkpoint_engine
+        engine.checkpoint_engine = WeightsOnlyLoads(own)
+        try:
+            load_path, client_state = engine.load_checkpoint(
+                str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        finally:
+            engine.checkpoint_engine = own
         if load_path is None:
             raise SpecHeadsError(f"DeepSpeed could not load the checkpoint {path}")
-        # Our own file in our own output_dir: RNG states are numpy/python objects, not tensors only.
-        restore_rng(torch.load(path / f"rng-rank{self.rank}.pt", weights_only=False))
+        restore_rng(rng)
         return client_state or {}

@@ -14,14 +14,23 @@ from safetensors.torch import load_file
 from test_train import ROOT, assert_head_written, clean_env, run, tiny_args
 
 from specheads.errors import SpecHeadsError
-from specheads.train.checkpoint import COMPLETE, Checkpoints, capture_rng, restore_rng
+from specheads.train.checkpoint import COMPLETE, Checkpoints, capture_rng, load_rng, restore_rng, save_rng
+
+
+class TorchFiles:
+    """DeepSpeed's default checkpoint engine, as far as loading goes: it unpickles."""
+
+    def load(self, path, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=False)
 
 
 class FakeEngine:
-    """Stands in for a DeepSpeed engine: one file per checkpoint holding the client state."""
+    """Stands in for a DeepSpeed engine: one file per checkpoint holding the client state, read
+    through its checkpoint engine as DeepSpeed's load_checkpoint reads its files."""
 
     def __init__(self):
         self.loaded = None
+        self.checkpoint_engine = TorchFiles()
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         assert not save_latest  # DeepSpeed's "latest" file would point into a temporary name
@@ -33,7 +42,7 @@ class FakeEngine:
 
     def load_checkpoint(self, load_dir, tag, **kwargs):
         self.loaded = tag
-        return f"{load_dir}/{tag}", torch.load(f"{load_dir}/{tag}/state.pt")
+        return f"{load_dir}/{tag}", self.checkpoint_engine.load(f"{load_dir}/{tag}/state.pt")
 
 
 def test_keeps_the_newest_complete_checkpoints(tmp_path):
@@ -67,11 +76,54 @@ def test_world_size_must_match_on_resume(tmp_path):
         ckpts.load(FakeEngine(), ckpts.latest())
 
 
-def test_rng_round_trip():
-    state = capture_rng()
-    a = torch.rand(3)
-    restore_rng(state)
-    assert torch.equal(torch.rand(3), a)
+def test_rng_round_trip(tmp_path):
+    """Through the checkpoint's safetensors file: python's, numpy's and torch's generators all
+    continue where they were (a Gaussian cached by numpy too)."""
+    import random
+
+    import numpy as np
+
+    np.random.standard_normal()  # leaves a cached Gaussian in numpy's state
+    save_rng(capture_rng(), tmp_path / "rng.safetensors")
+    a = (torch.rand(3), random.random(), np.random.standard_normal(2))
+    restore_rng(load_rng(tmp_path / "rng.safetensors"))
+    b = (torch.rand(3), random.random(), np.random.standard_normal(2))
+    assert torch.equal(a[0], b[0]) and a[1] == b[1] and np.array_equal(a[2], b[2])
+
+
+class RunsCode:
+    """A pickle that runs a command when it is loaded."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize("where", ["deepspeed", "rng"])
+def test_resuming_never_unpickles_a_checkpoint(tmp_path, where):
+    """A checkpoint directory from someone else: a DeepSpeed file that unpickles to code is refused
+    in one line by the weights-only loader; the RNG file is safetensors, and an old pickled one is
+    not read at all. Either way the code never ran (it fails on the loads used before)."""
+    ckpts = Checkpoints(tmp_path)
+    ckpts.save(FakeEngine(), 2, {"step": 2})
+    step = ckpts.latest()
+    ran = tmp_path / "ran"
+    if where == "deepspeed":
+        torch.save({"step": RunsCode(ran)}, step / "state.pt")
+        refusal = r"cannot be loaded without unpickling arbitrary code"
+    else:
+        (step / "rng-rank0.safetensors").unlink()
+        torch.save(RunsCode(ran), step / "rng-rank0.pt")
+        refusal = r"rng-rank0.safetensors is not an RNG state written by this version"
+    with pytest.raises(SpecHeadsError, match=refusal):
+        ckpts.load(FakeEngine(), step)
+    assert not ran.exists()
+    engine = FakeEngine()
+    with pytest.raises(SpecHeadsError):
+        ckpts.load(engine, step)
+    assert isinstance(engine.checkpoint_engine, TorchFiles)  # DeepSpeed's own engine is put back
 
 
 def test_kill_during_training_then_resume_gives_the_same_weights(tmp_path):
