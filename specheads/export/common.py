@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from .. import atomic
 from ..errors import SpecHeadsError
 from ..heads.io import CONFIG_NAME, WEIGHTS_NAME, read_head_config
+from ..heads.registry import HEADS
 from ..heads.spec import HeadSpec
 from ..target import FLOAT_DTYPES, LAYER_CONVENTION, TargetInfo
 
@@ -66,6 +67,24 @@ class HeadSource:
     @property
     def default_tree(self) -> list | None:
         return self.config.get("default_tree")
+
+    def speculative_tokens(self, requested: int | None = None) -> int:
+        """The chain an engine drafts with this head (num_speculative_tokens): `requested`, refused in
+        one line past the deepest position the family drafts (a P-EAGLE head's parallel_depths,
+        Medusa's heads); by default that depth, else the default tree's, else 3."""
+        limit = HEADS[self.family].max_draft_depth(self.spec)
+        if requested is not None:
+            if requested < 1 or (limit is not None and requested > limit):
+                most = f"1..{limit}" if limit is not None else "at least 1"
+                raise SpecHeadsError(
+                    f"num_speculative_tokens={requested}: this {self.family} head drafts {most} tokens "
+                    "(the positions it was trained on); an engine would draft positions it never learned"
+                )
+            return requested
+        if limit is not None:
+            return limit
+        tree = self.default_tree
+        return max((len(p) for p in tree), default=3) if tree else 3
 
 
 @dataclass

@@ -18,16 +18,6 @@ from .hub import looks_like_hub_id
 # -- serving commands -----------------------------------------------------------------------------
 
 
-def chain_length(src: HeadSource, override: int | None = None) -> int:
-    if override:
-        return override
-    limit = HEADS[src.family].max_draft_depth(src.spec)
-    if limit is not None:
-        return limit
-    tree = src.default_tree
-    return max((len(p) for p in tree), default=3) if tree else 3
-
-
 def sglang_tree_flags(src: HeadSource) -> str:
     """SGLang's (num_steps, eagle_topk, num_draft_tokens) from the default tree (docs defaults 5/4/8)."""
     tree = src.default_tree
@@ -45,13 +35,12 @@ def serve_commands(
     src: HeadSource, fmt: str, engines: list[str], draft: str, target: str, tokens: int | None = None
 ) -> list[tuple[str, str]]:
     """(engine title, shell command) for every engine the export was written for."""
-    k = chain_length(src, tokens)
+    k = src.speculative_tokens(tokens)
     out = []
     if "vllm" in engines:
         method = {"eagle3": "eagle3", "speculators": "eagle3", "eagle": "eagle", "vllm-medusa": "medusa"}.get(fmt, fmt)
         if src.family == "dflash":  # native or speculators: served by vLLM's dflash method
-            method = "dflash"
-            k = tokens or src.spec.block_size - 1  # the regime it was trained in: the whole block
+            method = "dflash"  # k: the whole block by default, the regime it was trained in
         settings = {"method": method, "model": draft, "num_speculative_tokens": k}
         if src.family == "peagle":  # all K drafts from one forward: vLLM's parallel drafting of an EAGLE-3 draft
             settings["parallel_drafting"] = True

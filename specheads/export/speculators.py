@@ -73,7 +73,7 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
             "bias-free); this head was trained with head.fc_bias=true"
         )
     dtype = resolve_export_dtype(opts.dtype, src.tensors)
-    tokens = opts.num_speculative_tokens or default_speculative_tokens(src)
+    tokens = src.speculative_tokens(opts.num_speculative_tokens)
     reduced = spec.draft_vocab_size != info.vocab_size
     parallel = src.family == "peagle"
     algorithm = "peagle" if parallel else "eagle3"
@@ -108,12 +108,6 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
     if parallel:
         notes.append(parallel_serving_note(spec))
     return Exported(config, {WEIGHTS: cast(to_engine_names(tensors, "layers.0"), dtype)}, engines, notes)
-
-
-def default_speculative_tokens(src: HeadSource) -> int:
-    """The chain length vLLM drafts by default: the default tree's depth, else 3."""
-    tree = src.default_tree
-    return max((len(path) for path in tree), default=3) if tree else 3
 
 
 def detect(config: dict[str, Any], directory: Path) -> bool:

@@ -374,3 +374,23 @@ def test_model_card_serves_peagle_with_parallel_drafting(tiny_target, tmp_path):
         src = HeadSource.read(make_head_dir(tiny_target, tmp_path / family, family))
         vllm = dict(serve_commands(src, "eagle3", ["vllm"], "DRAFT", "TARGET"))["vLLM"]
         assert '"method": "eagle3"' in vllm and ('"parallel_drafting": true' in vllm) == parallel
+
+
+def test_a_chain_longer_than_a_peagle_head_drafts_is_refused(tiny_target, tmp_path):
+    """vLLM drafts num_speculative_tokens positions in one P-EAGLE forward: past the head's
+    parallel_depths it would draft positions never trained. Refused in one line, nothing written;
+    by default the export and its serve command name exactly parallel_depths."""
+    parallel = make_head_dir(tiny_target, tmp_path / "p", "peagle", parallel_depths=2, **EAGLE3)
+    for k in (3, 0):
+        with pytest.raises(SpecHeadsError, match=rf"num_speculative_tokens={k}: this peagle head drafts 1..2 tokens"):
+            export_head(parallel, "speculators", tmp_path / "x", num_speculative_tokens=k)
+        assert not (tmp_path / "x").exists()
+    export_head(parallel, "speculators", tmp_path / "ok")
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    from specheads.export.common import HeadSource
+    from specheads.export.model_card import serve_commands
+
+    commands = serve_commands(HeadSource.read(parallel), "speculators", ["vllm"], "DRAFT", "TARGET")
+    assert '"num_speculative_tokens": 2' in commands[-1][1]
+    export_head(parallel, "speculators", tmp_path / "one", num_speculative_tokens=1)
