@@ -40,6 +40,11 @@ class HeadConfig:
     draft_vocab_size: int = 8192
     ttt_steps: int = 7  # eagle3: draft steps unrolled in training on the head's own outputs (training-time test)
     ttt_decay: float = 0.8  # eagle3: unrolled step j's loss is weighted decay^j
+    # eagle3, peagle: the variants of vLLM's speculators format (its trainer turns all three on by
+    # default; false is the EAGLE-3 paper's draft): an RMSNorm over the fused target states before fc
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False  # eagle3, peagle: layer 0's residual is the normed fused state
+    norm_output: bool = False  # eagle3, peagle: each draft step feeds back its final-normed state (Eagle 3.1)
     # peagle (also reads the eagle3 fields above but the training-time test's): one draft forward
     # fills `parallel_depths` positions, the later ones from a mask token and a learned feature
     parallel_depths: int = 4
@@ -54,8 +59,10 @@ class HeadConfig:
     mask_token_id: int | None = None
     # dflash (also reads intermediate_size and mask_token_id above): a non-causal draft decoder filling
     # a block of [next token, MASK x (block_size - 1)] in one forward, the target's features injected
-    # into every layer's keys and values. Training blocks have block_size slots; a draft forward
-    # always runs the whole block and drafts up to block_size - 1 tokens.
+    # into every layer's keys and values
+
+    # dflash: the block's slots (training blocks have block_size slots; a draft forward always runs
+    # the whole block and drafts up to block_size - 1 tokens)
     block_size: int = 8
     dflash_layers: int = 2  # its decoder layers (also how many target layers it reads by default)
     # the loss weight of block slot k >= 1: exp(-(k - 1) / gamma) (the DFlash paper: 4 for blocks of 8)
@@ -63,12 +70,14 @@ class HeadConfig:
     # blocks per training sequence, at random anchors redrawn every step (fewer where fewer fit)
     anchors_per_sequence: int = 64
     # hydra (also reads num_heads, num_layers, shared_lm_head and medusa_decay above)
+
     # Hydra++ teacher distillation: soft CE against the target's next-token distribution
     hydra_teacher_loss: bool = False
     # Hydra++ prefix layer: one causal decoder layer over the target's final states feeds the heads
     hydra_prefix_layer: bool = False
     # medusa2 (also reads the medusa fields above): a peft LoRA on the target trains with the heads
-    lora_r: int = 16
+
+    lora_r: int = 16  # medusa2: the LoRA's rank
     lora_alpha: int = 32  # the LoRA's scale numerator (scale = alpha / r)
     lora_dropout: float = 0.05  # dropout on the LoRA's input
     # the target's linear layers that get a LoRA
@@ -79,9 +88,9 @@ class HeadConfig:
     # lambda: weight of the adapted target's own loss; 10x the heads' loss, as the Medusa recipe's
     # heads coefficient of 0.1 has it (BENCHMARKS.md: lambda = 1 let the target drift into repetition)
     lm_loss_weight: float = 10.0
-    # that loss: kl = KL(original target || adapted target), the original being the target with its
-    # LoRA switched off (self-distillation: the adapted target is held to the original's answers);
-    # ce = cross-entropy on the data's assistant tokens
+    # the adapted target's own loss: kl = KL(original target || adapted target), the original being
+    # the target with its LoRA switched off (self-distillation: the adapted target is held to the
+    # original's answers); ce = cross-entropy on the data's assistant tokens
     lm_loss: str = "kl"
     # the LoRA's peak learning rate, a quarter of the heads' default train.lr (the recipe's
     # differential rate); null = train.lr (the heads')
@@ -107,6 +116,7 @@ class HeadConfig:
 COMMON_HEAD_FIELDS = ("family", "layer_ids", "draft_vocab_size", "eval_depth")
 _MEDUSA = ("num_heads", "num_layers", "shared_lm_head", "medusa_decay")
 _EAGLE_LAYER = ("num_decoder_layers", "intermediate_size", "fc_bias")
+_EAGLE3_NORMS = ("norm_before_fc", "norm_before_residual", "norm_output")
 FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
     "medusa": _MEDUSA,
     "hydra": (*_MEDUSA, "hydra_teacher_loss", "hydra_prefix_layer", "intermediate_size"),
@@ -124,9 +134,10 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
         "merge_lora",
     ),
     "eagle": (*_EAGLE_LAYER, "feature_loss_weight", "token_loss_weight", "noise", "noise_std"),
-    "eagle3": (*_EAGLE_LAYER, "ttt_steps", "ttt_decay"),
+    "eagle3": (*_EAGLE_LAYER, *_EAGLE3_NORMS, "ttt_steps", "ttt_decay"),
     "peagle": (
         *_EAGLE_LAYER,
+        *_EAGLE3_NORMS,
         "parallel_depths",
         "depth_keep_rate",
         "depth_min_rate",
@@ -187,12 +198,12 @@ class DataConfig:
     # dropped, besides the shipped dev prompts (always kept out).
     decontaminate: list[str] = field(default_factory=list)
     ngram: int = 13  # a conversation sharing an n-gram this long with an evaluation prompt is dropped
-    # builtin data: how many self-written conversations and how long their answers are.
-    # 256 x 80 answer tokens builds in about 4.5 minutes on a 2-core CPU with SmolLM2-135M.
+    # builtin data: how many conversations the target writes (256 with answers of up to 80 tokens
+    # build in about 4.5 minutes on a 2-core CPU with SmolLM2-135M)
     builtin_examples: int = 256
     builtin_answer_tokens: int = 80  # builtin data: the longest answer, in tokens
     builtin_batch_size: int = 64  # builtin data: prompts answered together
-    # conversation turns (> 1: the target also writes follow-up user turns) and the build's seed
+    # builtin data: conversation turns (> 1: the target also writes follow-up user turns)
     builtin_turns: int = 1
     builtin_seed: int = 0  # builtin data: the seed of its build
     # offline features: a cache directory written by distill.py, or "auto" (one target pass over
@@ -317,7 +328,7 @@ class TrainJobConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    # the trackers that get the metrics (`tracker=wandb|tensorboard|mlflow|none`, or a list of them)
+    # the trackers that get the metrics: `tracker=NAME` (wandb, tensorboard, mlflow or none) or `tracker=[NAME,...]`
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     # the run's directory: checkpoints, metrics, the head in OUTPUT_DIR/head (the same command resumes)
     output_dir: str = "runs/${model.name}-${head.family}"

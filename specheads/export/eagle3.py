@@ -80,6 +80,8 @@ def to_engine_names(tensors: dict[str, torch.Tensor], layer0: str) -> dict[str, 
     for name, t in tensors.items():
         if name == "input_norm.weight":
             out[f"{layer0}.input_layernorm.weight"] = t
+        elif name == "fc_input_norm.weight":  # norm_before_fc
+            out["input_norm.weight"] = t
         elif name == "hidden_norm.weight":
             out[f"{layer0}.hidden_norm.weight"] = t
         elif (idx := layer_index(name, "layers.")) is not None:
@@ -101,6 +103,13 @@ def from_engine_names(tensors: dict[str, torch.Tensor], keep_embeddings: bool = 
             name = "layers.0." + name[len("midlayer.") :]
         if name == "layers.0.input_layernorm.weight":
             out["input_norm.weight"] = t
+        elif name == "input_norm.weight":  # the engines' norm before fc (norm_before_fc)
+            out["fc_input_norm.weight"] = t
+        elif name.startswith("fc_norm."):
+            raise SpecHeadsError(
+                "this checkpoint normalises each target layer's state on its own before fc (fc_norm.*, speculators' "
+                "--fc-norm); specheads heads have one norm over all of them (norm_before_fc): not read"
+            )
         elif name == "layers.0.hidden_norm.weight":
             out["hidden_norm.weight"] = t
         elif (idx := layer_index(name, "layers.")) is not None and idx[0] > 0 and idx[1] == "input_layernorm.weight":
@@ -139,7 +148,33 @@ def eagle3_fields(src: HeadSource, dtype: torch.dtype) -> dict[str, Any]:
     return {
         **llama_layer_fields(info, spec.intermediate_size, spec.num_decoder_layers, dtype),
         "draft_vocab_size": spec.draft_vocab_size,
+        **norm_fields(spec),
     }
+
+
+# The EAGLE-3 variants both vLLM (llama_eagle3.py, speculators/algos.py) and speculators read from
+# config.json, as our HeadSpec names them. Always written: vLLM reads an absent
+# norm_before_residual in a speculators config as true.
+NORM_FIELDS = ("norm_before_fc", "norm_before_residual", "norm_output")
+# what SGLang's EAGLE-3 draft reads of them (norm_before_residual only)
+SGLANG_NORM_FIELDS = ("norm_before_residual",)
+
+
+def norm_fields(spec) -> dict[str, bool]:
+    return {name: bool(getattr(spec, name)) for name in NORM_FIELDS}
+
+
+def norm_fields_from_config(config: dict[str, Any], absent_residual: bool) -> dict[str, bool]:
+    """The variants a checkpoint's config.json says; `absent_residual`: how its reader takes a
+    missing norm_before_residual (vLLM: true in a speculators config, false in an eagle3 one)."""
+    if config.get("fc_norm"):
+        raise SpecHeadsError(
+            "this checkpoint has fc_norm=true (a norm per target layer before fc, speculators' --fc-norm); "
+            "specheads heads have one norm over all of them (norm_before_fc): not read"
+        )
+    fields = {name: bool(config.get(name, False)) for name in NORM_FIELDS}
+    fields["norm_before_residual"] = bool(config.get("norm_before_residual", absent_residual))
+    return fields
 
 
 def build(src: HeadSource, opts: ExportOptions) -> Exported:
@@ -165,8 +200,14 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         )
     dtype = resolve_export_dtype(opts.dtype, src.tensors)
     eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
-    config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_fields(src, dtype), "norm_before_residual": False}
+    config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_fields(src, dtype)}
     notes = []
+    vllm_only = [k for k in NORM_FIELDS if k not in SGLANG_NORM_FIELDS and getattr(spec, k)]
+    if vllm_only and engine == "sglang":
+        raise SpecHeadsError(
+            f"SGLang's EAGLE-3 draft does not read {', '.join(vllm_only)}: it would draft this head wrongly; "
+            "export it for vLLM (engine=vllm or format=speculators)"
+        )
     if parallel:
         check_parallel_export(src, opts)
         config["mask_token_id"] = spec.mask_token_id
@@ -174,6 +215,9 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
     if default and parallel:
         engines, numbering = ["vllm"], None
         notes.append(f"layer ids {ids} are vLLM's default: eagle_aux_hidden_state_layer_ids left out")
+    elif default and vllm_only:
+        engines, numbering = ["vllm"], None
+        notes.append(f"for vLLM only: SGLang does not read {', '.join(vllm_only)}")
     elif default:
         engines, numbering = ["vllm", "sglang"], None
         notes.append(f"layer ids {ids} are both engines' default: eagle_aux_hidden_state_layer_ids left out")
@@ -256,9 +300,18 @@ def our_layer_ids(config: dict[str, Any], num_layers: int, numbering: str | None
     return [int(k) + (1 if numbering == "sglang" else 0) for k in ids]
 
 
-def spec_fields(config: dict[str, Any], tensors: dict[str, torch.Tensor], layer_ids: list[int]) -> dict[str, Any]:
+def spec_fields(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], layer_ids: list[int], absent_residual: bool = False
+) -> dict[str, Any]:
     """The head fields the engine config says; a `mask_hidden` tensor makes it a P-EAGLE head."""
+    norms = norm_fields_from_config(config, absent_residual)
+    if norms["norm_before_fc"] != ("fc_input_norm.weight" in tensors):
+        raise SpecHeadsError(
+            f"config.json says norm_before_fc={str(norms['norm_before_fc']).lower()} but the weights "
+            f"{'lack' if norms['norm_before_fc'] else 'hold'} input_norm.weight (the norm before fc)"
+        )
     fields = {
+        **norms,
         "family": "eagle3",
         "layer_ids": layer_ids,
         "num_decoder_layers": int(config.get("num_hidden_layers", 1)),

@@ -42,10 +42,12 @@ from .common import (
     speculators_config,
 )
 from .eagle3 import (
+    NORM_FIELDS,
     check_capturable,
     check_parallel_export,
     engine_default_ids,
     from_engine_names,
+    norm_fields,
     parallel_serving_note,
     spec_fields,
     to_engine_names,
@@ -84,8 +86,7 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         "speculators_config": speculators_config(algorithm, tokens, opts, info.name),
         "transformer_layer_config": llama_layer_fields(info, spec.intermediate_size, spec.num_decoder_layers, dtype),
         "draft_vocab_size": spec.draft_vocab_size,
-        "norm_before_residual": False,
-        "norm_before_fc": False,
+        **norm_fields(spec),
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": list(ids),
         "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
@@ -125,11 +126,6 @@ def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: st
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise SpecHeadsError(f"{directory}/config.json: transformer_layer_config must be a dict")
-    if config.get("norm_before_residual", True):
-        raise SpecHeadsError(
-            f"{directory}: norm_before_residual is true (or absent, which vLLM reads as "
-            "true); specheads heads normalise after the residual"
-        )
     engine_tensors = read_tensors(directory / WEIGHTS)
     tensors = from_engine_names(engine_tensors, keep_embeddings="mask_hidden" in engine_tensors)
     block = config.get(PROVENANCE_KEY) or {}
@@ -138,9 +134,11 @@ def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: st
         ids = engine_default_ids(num_layers)
     merged = {
         **layer,
+        **{k: config[k] for k in (*NORM_FIELDS, "fc_norm") if k in config},
         "draft_vocab_size": config.get("draft_vocab_size") or layer.get("vocab_size"),
         "mask_token_id": config.get("mask_token_id"),
     }
-    spec = spec_fields(merged, tensors, [int(k) for k in ids])
+    # vLLM reads an absent norm_before_residual in a speculators config as true (algos.py)
+    spec = spec_fields(merged, tensors, [int(k) for k in ids], absent_residual=True)
     tensors.update(vocab_maps(tensors, int(layer["vocab_size"]), spec["draft_vocab_size"]))
     return ReadBack(spec["family"], spec, draft_fields_from_config(layer), tensors, block)

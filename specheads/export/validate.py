@@ -187,6 +187,8 @@ def eagle3_rules(cfg: dict, s: dict[str, int], layer0: str, extra_layers: str, f
     }
     if fc_bias:
         required["fc.bias"] = ((h,), FLOAT)
+    if cfg.get("norm_before_fc"):  # one RMSNorm over the concatenated target states
+        required["input_norm.weight"] = ((3 * ht,), FLOAT)
     p0 = f"{layer0}."
     required.update(attention_mlp_rules(p0, s, 2 * h))
     required[f"{p0}input_layernorm.weight"] = ((h,), FLOAT)
@@ -229,8 +231,8 @@ def vllm_eagle3(directory: Path, cfg: dict, files: dict) -> list[str]:
     p.need(cfg.get("model_type") == "llama", "model_type must be 'llama' (EAGLEConfig wraps an AutoConfig)")
     s = eagle3_common(cfg, p)
     p.need(
-        cfg.get("norm_before_residual") is False,
-        "norm_before_residual must be written as false (EAGLE heads normalise after the residual)",
+        isinstance(cfg.get("norm_before_residual"), bool),
+        "norm_before_residual must be written (true or false): the readers' defaults for an absent field differ",
     )
     p.need(
         not cfg.get("bias") and not cfg.get("attention_bias"),
@@ -268,6 +270,8 @@ def sglang_eagle3(directory: Path, cfg: dict, files: dict) -> list[str]:
     p.need(
         s["L"] == 1, f"SGLang's EAGLE-3 draft runs extra layers differently; num_hidden_layers must be 1, got {s['L']}"
     )
+    unread = [k for k in ("norm_before_fc", "norm_output", "fc_norm") if cfg.get(k)]
+    p.need(not unread, f"SGLang's EAGLE-3 draft does not read {unread}: it would draft another function")
     meta = files.get("model.safetensors")
     if meta is None:
         return [*p, "missing model.safetensors"]
@@ -301,8 +305,8 @@ def speculators_config_problems(cfg: dict, p: Problems) -> dict:
     p.need(isinstance(layer, dict), "transformer_layer_config must be a dict")
     # algos.update_eagle3: an absent norm_before_residual reads as True
     p.need(
-        cfg.get("norm_before_residual") is False,
-        "norm_before_residual must be written as false (vLLM reads an absent field as true)",
+        isinstance(cfg.get("norm_before_residual"), bool),
+        "norm_before_residual must be written (true or false): vLLM reads an absent field as true",
     )
     return layer if isinstance(layer, dict) else {}
 
@@ -319,6 +323,7 @@ def vllm_speculators(directory: Path, cfg: dict, files: dict) -> list[str]:
         "draft_vocab_size": cfg.get("draft_vocab_size"),
         "target_hidden_size": cfg.get("target_hidden_size"),
         "eagle_aux_hidden_state_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids"),
+        "norm_before_fc": cfg.get("norm_before_fc"),
     }
     s = eagle3_common(merged, p)
     p.need(not layer.get("attention_bias") and not layer.get("bias"), "transformer_layer_config has biases")
@@ -363,13 +368,14 @@ def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
     kind = cfg.get("speculators_model_type")
     arch = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}.get(kind)
     speculators_block_problems(cfg, cfg.get("speculators_config") or {}, arch, kind, p)
-    p.need(not cfg.get("norm_before_fc"), "norm_before_fc must be false (no input_norm in this head)")
+    p.need(not cfg.get("fc_norm"), "fc_norm must be false (one norm before fc at most: norm_before_fc)")
     if not layer:
         return p
     merged = {
         **layer,
         "draft_vocab_size": cfg.get("draft_vocab_size"),
         "target_hidden_size": cfg.get("target_hidden_size"),
+        "norm_before_fc": cfg.get("norm_before_fc"),
     }
     s = eagle3_common(merged, p)
     meta = files.get("model.safetensors")

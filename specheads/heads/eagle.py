@@ -54,9 +54,17 @@ class AutoregressiveHead(DraftHead):
         raise NotImplementedError
 
     # -- one pass through the decoder layers ----------------------------------------------------
+    def first_layer_residual(self, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream layer 0 adds its attention to: the fused state itself."""
+        return h
+
+    def fed_back(self, h: torch.Tensor) -> torch.Tensor:
+        """What a draft step passes to the next one as its feature: its last layer's output."""
+        return h
+
     def _layer_inputs(self, i: int, emb: torch.Tensor, h: torch.Tensor):
         if i == 0:
-            return self.first_layer_input(emb, h), h
+            return self.first_layer_input(emb, h), self.first_layer_residual(h)
         return self.extra_input_norms[i - 1](h), h
 
     def new_cache(self) -> DraftCache:
@@ -70,14 +78,15 @@ class AutoregressiveHead(DraftHead):
         cache: DraftCache | None,
         attention_mask: torch.Tensor | None = None,
     ):
-        """Run T new draft positions; returns (hidden_out [B,T,H], draft logits [B,T,Vd])."""
+        """Run T new draft positions; returns (the feature each feeds back [B,T,H], draft logits
+        [B,T,Vd])."""
         emb = self.embed(input_ids)
         h = self.fuse(emb, features.to(self.dtype))
         cos, sin = self.rotary(h, position_ids)
         for i, layer in enumerate(self.layers):
             x, residual = self._layer_inputs(i, emb, h)
             h = layer(x, residual, cos, sin, cache, i, attention_mask)
-        return h, self.draft_logits(h)
+        return self.fed_back(h), self.draft_logits(h)
 
     def unrolled(
         self,
@@ -113,7 +122,7 @@ class AutoregressiveHead(DraftHead):
                 else:
                     chains[i].append(kv)
             outputs.append(h)
-            feat = h
+            feat = self.fed_back(h)
         return outputs
 
     def teacher_forced_logits(self, input_ids, states, depth):

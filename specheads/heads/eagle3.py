@@ -22,6 +22,8 @@ class Eagle3Head(DraftVocabulary, AutoregressiveHead):
         super().__init__(spec, info)
         h, eps = info.hidden_size, info.rms_norm_eps
         self.fc = nn.Linear(len(spec.layer_ids) * h, h, bias=spec.fc_bias)
+        # speculators' input_norm (norm_before_fc): one RMSNorm over the concatenated target states
+        self.fc_input_norm = LlamaRMSNorm(len(spec.layer_ids) * h, eps=eps) if spec.norm_before_fc else None
         self.input_norm = LlamaRMSNorm(h, eps=eps)
         self.hidden_norm = LlamaRMSNorm(h, eps=eps)
         self.norm = LlamaRMSNorm(h, eps=eps)
@@ -51,7 +53,17 @@ class Eagle3Head(DraftVocabulary, AutoregressiveHead):
                 self.norm.weight.copy_(norm_w.to(self.norm.weight.dtype))
 
     def input_features(self, states):
-        return self.fc(torch.cat([states[k].to(self.dtype) for k in self.spec.layer_ids], dim=-1))
+        return self.fuse_states(torch.cat([states[k].to(self.dtype) for k in self.spec.layer_ids], dim=-1))
+
+    def fuse_states(self, fused: torch.Tensor) -> torch.Tensor:
+        """[.., n_layers x H] concatenated target states -> the draft's [.., H] feature."""
+        return self.fc(fused if self.fc_input_norm is None else self.fc_input_norm(fused))
+
+    def first_layer_residual(self, h):
+        return self.hidden_norm(h) if self.spec.norm_before_residual else h
+
+    def fed_back(self, h):
+        return self.norm(h) if self.spec.norm_output else h
 
     def fuse(self, emb, features):
         return features

@@ -108,7 +108,7 @@ class PEagleHead(Eagle3Head):
 
     def mask_feature(self) -> torch.Tensor:
         """[H]: the fused feature of every position after the first."""
-        return self.fc(self.mask_hidden.to(self.dtype))
+        return self.fuse_states(self.mask_hidden.to(self.dtype))
 
     # -- inference -------------------------------------------------------------------------
     def parallel_logits(self, input_ids, features, cache, positions: int) -> torch.Tensor:

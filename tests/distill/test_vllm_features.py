@@ -190,6 +190,7 @@ def test_a_server_cannot_make_this_process_read_or_delete_a_file_outside_its_sto
 
 def test_a_dump_that_cannot_be_read_is_not_deleted(tiny_target, distilled, tmp_path, vllm_server):
     """A file in the storage directory that is not a dump stays there for the user to look at."""
+
     def broken(dump):
         dump.write_bytes(b"not safetensors")
         return dump

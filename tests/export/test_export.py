@@ -26,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"input_ids": list(range(40, 200)), "loss_mask": [1] * 160}]
 EAGLE3 = dict(layer_ids=[1, 3, 5], draft_vocab_size=96)
+NORMS_ON = dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)
 
 
 # -- helpers (also used by the other test_export_* files) -----------------------------------------
@@ -91,6 +92,9 @@ ROUND_TRIPS = [
     ("peagle", {**EAGLE3, "train_embeddings": True, "num_decoder_layers": 2}, "eagle3", "vllm"),
     ("peagle", EAGLE3, "speculators", "auto"),
     ("peagle", {**EAGLE3, "train_embeddings": True}, "speculators", "auto"),
+    # speculators' variants (its trainer's defaults), for vLLM in both of its formats
+    ("eagle3", {**EAGLE3, **NORMS_ON}, "eagle3", "vllm"),
+    ("peagle", {**EAGLE3, **NORMS_ON}, "speculators", "auto"),
 ]
 
 
