@@ -4,11 +4,15 @@ Every key of every entry point (train, distill, infer, export) with its type, it
 what it means, grouped as the config groups are. Everything comes from specheads/config/*.py:
 
 - the keys, their types and their defaults from the dataclasses themselves (`dataclasses.fields`);
-- a key's meaning from the comment lines directly above its field and the comment at the end of
-  its line (read with `ast` and the source's lines), a group's from its class docstring;
-- which head family reads a `head.` key from `FAMILY_FIELDS`;
+- a key's meaning from its field's own comment (`field_comments`), a group's from its class docstring;
+- which head families read a `head.` key from `FAMILY_FIELDS`, and for a key every head stores, from
+  the heads' code (`readers`);
 - the options of each config group from conf/<group>/*.yaml, with the keys each sets to a value
   other than the schema's default.
+
+The page is read on GitHub (the README links it) as well as in mkdocs, so it uses only Markdown both
+render alike: no attr_list `{#id}` (headings are linked by their slug, `slug`) and no `|` or `<` that
+either would misread (`inline`).
 
     python tools/config_reference.py            # rewrite docs/configuration.md
     python tools/config_reference.py --check    # exit 1 when docs/configuration.md is stale
@@ -22,6 +26,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -37,7 +42,8 @@ from specheads.config.distill import DistillJobConfig  # noqa: E402
 from specheads.config.export import ExportJobConfig  # noqa: E402
 from specheads.config.infer import InferJobConfig  # noqa: E402
 from specheads.config.model import ModelConfig  # noqa: E402
-from specheads.config.train import FAMILY_FIELDS, HeadConfig, TrainJobConfig  # noqa: E402
+from specheads.config.train import COMMON_HEAD_FIELDS, FAMILY_FIELDS, HeadConfig, TrainJobConfig  # noqa: E402
+from specheads.heads.registry import HEADS  # noqa: E402
 
 # entry point -> (its schema, the command, the primary config file, how it is run)
 ENTRY_POINTS: dict[str, tuple[type, str, str]] = {
@@ -56,27 +62,22 @@ GROUPS = ("model", "head", "data", "deepspeed", "tree", "tracker")
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment: the comment lines directly above it plus the one ending its line."""
-    lines, start = inspect.getsourcelines(cls)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    klass = tree.body[0]
+    """Each field's own comment: the one ending its line, else the comment lines directly above it.
+    Comment lines set off from the next field by a blank line, or above a field that has its own
+    comment at the end of its line, head a group of fields and are no one field's meaning."""
+    lines, _ = inspect.getsourcelines(cls)
+    klass = ast.parse(textwrap.dedent("".join(lines))).body[0]
     assert isinstance(klass, ast.ClassDef)
-    text = [line.rstrip("\n") for line in lines]
     found: dict[str, str] = {}
     for node in klass.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        first = node.lineno - 1  # index into text
         above: list[str] = []
-        i = first - 1
-        while i >= 0 and text[i].strip().startswith("#"):
-            above.insert(0, text[i].strip().lstrip("#").strip())
+        i = node.lineno - 2  # the line above the field, as an index into lines
+        while i >= 0 and lines[i].strip().startswith("#"):
+            above.insert(0, lines[i].strip().lstrip("#").strip())
             i -= 1
-        inline = _inline_comment(text[node.end_lineno - 1])
-        parts = [" ".join(above)] if above else []
-        if inline:
-            parts.append(inline)
-        found[node.target.id] = "; ".join(parts)
+        found[node.target.id] = _inline_comment(lines[node.end_lineno - 1]) or " ".join(above)
     return found
 
 
@@ -98,7 +99,28 @@ def class_doc(cls: type) -> str:
     doc = inspect.getdoc(cls) or ""
     if doc.startswith(f"{cls.__name__}("):  # the dataclass's generated signature, not a docstring
         return ""
-    return " ".join(doc.split())
+    return inline(" ".join(doc.split()))
+
+
+def inline(text: str, cell: bool = False) -> str:
+    """Comment text as Markdown that GitHub and mkdocs render alike. Outside code, `<` is escaped:
+    both take `<arch>` for an HTML tag and show nothing. In a table cell a `|` outside code is
+    `&#124;`, since inside a code span mkdocs shows the `\\|` escape as it is, and GitHub ends the
+    cell at a `|` even there: one inside code cannot be written in a cell at all."""
+    parts = re.split(r"(`[^`]*`)", text)  # odd parts are code spans
+    for i, part in enumerate(parts):
+        if i % 2:
+            if cell and "|" in part:
+                raise ValueError(f"{text!r}: a `|` inside code would end its table cell on GitHub; rephrase it")
+            continue
+        part = part.replace("<", "&lt;")
+        parts[i] = part.replace("|", "&#124;") if cell else part
+    return "".join(parts)
+
+
+def type_name(field: dataclasses.Field) -> str:
+    """`str or None` for `str | None`: a `|` cannot be written in a table cell's code (`inline`)."""
+    return "`" + str(field.type).replace(" | ", " or ") + "`"
 
 
 def default_of(field: dataclasses.Field) -> Any:
@@ -156,8 +178,38 @@ _SCHEMA_MODULES = (
 )
 
 
-def anchor(entry: str, key: str) -> str:
-    return f"{entry}-" + key.replace(".", "-").replace("_", "-")
+def slug(heading: str) -> str:
+    """The anchor GitHub and mkdocs (toc) both give a heading: lower case, punctuation dropped (code
+    marks included), spaces as hyphens. The headings here have no two spaces or hyphens in a row,
+    where the two differ."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).strip().replace(" ", "-")
+
+
+def group_heading(entry: str, key: str) -> str:
+    """A nested schema's heading, as "infer: `tree.*`": its slug, infer-tree, is what other pages link to."""
+    return f"{entry}: `{key}.*`"
+
+
+def group_anchor(entry: str, key: str, schema: type | None) -> str:
+    """Where a nested schema's keys are: under its own heading, or a shared group's one section."""
+    return SHARED_ANCHOR.get(schema) or slug(group_heading(entry, key))
+
+
+def readers(name: str) -> str:
+    """The head families that read head.<name>: those FAMILY_FIELDS gives it to. A key every head
+    stores (COMMON_HEAD_FIELDS) is read by the families whose head class, or a base of it, reads
+    `spec.<name>`: every head stores draft_vocab_size, only one with a draft vocabulary reads it."""
+    if name == "family":  # it picks the head class itself
+        families = list(FAMILY_FIELDS)
+    elif name in COMMON_HEAD_FIELDS:
+        families = [family for family in FAMILY_FIELDS if re.search(rf"\bspec\.{name}\b", _head_code(family))]
+    else:
+        families = [family for family, own in FAMILY_FIELDS.items() if name in own]
+    return "every family" if families == list(FAMILY_FIELDS) else ", ".join(families)
+
+
+def _head_code(family: str) -> str:
+    return "".join(inspect.getsource(k) for k in HEADS[family].__mro__ if k.__module__.startswith("specheads."))
 
 
 def rows(cls: type, entry: str, prefix: str) -> list[str]:
@@ -170,18 +222,18 @@ def rows(cls: type, entry: str, prefix: str) -> list[str]:
         out = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
         nested = nested_schema(field)
-        meaning = comments.get(field.name, "").replace("|", "\\|")
+        meaning = inline(comments.get(field.name, ""), cell=True)
         key = f"{prefix}{field.name}"
         if nested is not None:
-            target = SHARED_ANCHOR[nested] if nested in SHARED_ANCHOR else anchor(entry, key)
-            meaning = (meaning + "; " if meaning else "") + f"its keys: [`{key}.*`](#{target})"
+            meaning = (
+                meaning + "; " if meaning else ""
+            ) + f"its keys: [`{key}.*`](#{group_anchor(entry, key, nested)})"
             default = "`null`" if default_of(field) is None else "the group's defaults"
         else:
             default = render_value(default_of(field))
-        cells = [f"`{key}`", "`" + str(field.type).replace("|", "\\|") + "`", default]
+        cells = [f"`{key}`", type_name(field), default]
         if families:
-            readers = [family for family, own in FAMILY_FIELDS.items() if field.name in own]
-            cells.append(", ".join(readers) if readers else "every family")
+            cells.append(readers(field.name))
         cells.append(meaning)
         out.append("| " + " | ".join(cells) + " |")
     return out
@@ -203,13 +255,14 @@ def section(cls: type, entry: str, prefix: str, level: int) -> list[str]:
         if nested is None or nested in SHARED_ANCHOR:
             continue
         key = f"{prefix}{field.name}"
-        out += [f"{'#' * level} `{key}.*` {{#{anchor(entry, key)}}}", ""]
+        out += [f"{'#' * level} {group_heading(entry, key)}", ""]
         out += section(nested, entry, f"{key}.", level + 1)
     return out
 
 
 # groups every entry point shares: documented once, linked from each
-SHARED_ANCHOR = {ModelConfig: "model-the-frozen-target"}
+MODEL_HEADING = "`model`: the frozen target"
+SHARED_ANCHOR = {ModelConfig: slug(MODEL_HEADING)}
 
 
 def group_options(group: str, schema: type) -> list[str]:
@@ -280,13 +333,11 @@ def generate() -> str:
     out = [INTRO.rstrip("\n")]
     for entry, (schema, primary, command) in ENTRY_POINTS.items():
         groups = [f.name for f in dataclasses.fields(schema) if nested_schema(f) is not None]
-        links = ", ".join(
-            f"[`{g}`](#{SHARED_ANCHOR.get(nested_schema(_field(schema, g)), anchor(entry, g))})" for g in groups
-        )
+        links = ", ".join(f"[`{g}`](#{group_anchor(entry, g, nested_schema(_field(schema, g)))})" for g in groups)
         out.append(f"| [{entry}](#{entry}) | {command} | `{primary}` | {links} |")
     out.append("")
     model_doc = class_doc(ModelConfig)
-    out += ["## `model`: the frozen target {#model-the-frozen-target}", ""]
+    out += [f"## {MODEL_HEADING}", ""]
     out += [
         f"{model_doc} Shared by every entry point: train and distill default to the embedded target; "
         "infer and export take the target named by the head unless `model=NAME` is given.",
@@ -298,10 +349,10 @@ def generate() -> str:
     for field in dataclasses.fields(ModelConfig):
         nested = nested_schema(field)
         if nested is not None:
-            out += [f"### `model.{field.name}.*` {{#{anchor('model', 'model.' + field.name)}}}", ""]
+            out += [f"### {group_heading('model', 'model.' + field.name)}", ""]
             out += section(nested, "model", f"model.{field.name}.", 4)
     for entry, (schema, primary, command) in ENTRY_POINTS.items():
-        out += [f"## {entry} {{#{entry}}}", "", f"{command}; primary config `{primary}`.", ""]
+        out += [f"## {entry}", "", f"{command}; primary config `{primary}`.", ""]
         out += section(schema, entry, "", 3)
     return "\n".join(out).rstrip("\n") + "\n"
 

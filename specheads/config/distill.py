@@ -77,10 +77,10 @@ class FeaturesConfig:
     # A cache shard closes at this many tokens; ranks write whole shards, so more shards than
     # ranks keeps every rank busy (8 GiB a shard for 3 layers + final in bf16 at hidden 4096).
     shard_tokens: int = 262144
-    # Must equal train.py's data.max_length / eval_fraction / shuffle_seed for the same split.
-    max_length: int = 512  # tokens per conversation (longer ones are cut)
-    eval_fraction: float = 0.05  # the share held out as the evaluation split
-    shuffle_seed: int = 0  # the seed of the train/eval split
+    # the split: each must equal train.py's data.max_length, eval_fraction and shuffle_seed
+    max_length: int = 512  # tokens per conversation (longer ones are cut); must equal data.max_length
+    eval_fraction: float = 0.05  # the share held out as the evaluation split; must equal data.eval_fraction
+    shuffle_seed: int = 0  # the seed of the train/eval split; must equal data.shuffle_seed
 
 
 @dataclass

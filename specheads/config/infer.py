@@ -46,9 +46,9 @@ DEFAULT_BENCH_DIR = "runs/bench"  # where OUT.jsonl goes when bench.output is no
 class TreeConfig:
     """The draft tree: its kind, its sizes, tree=auto's calibration and hybrid's text nodes."""
 
-    # default: the head's stored tree, else dynamic (EAGLE) / a static Medusa tree
-    # static: `paths`; dynamic: EAGLE-2 (depth, top_k, total_tokens); chain: top-1 chain of depth
-    # auto: calibrate on this machine (target cost per tree size x head acceptance per rank)
+    # default = the head's stored tree, else dynamic (EAGLE) or a static Medusa tree; static = `paths`;
+    # dynamic = EAGLE-2 (depth, top_k, total_tokens); chain = a top-1 chain of depth; auto = calibrated
+    # on this machine (target cost per tree size x head acceptance per rank)
     kind: str = "default"
     paths: list[Any] | None = None  # static: rank paths, Medusa's `choices` format ([[0],[1],[0,0]])
     # levels drafted (chain: tokens; auto: the deepest path considered); None: 5, and for tree=auto
@@ -62,7 +62,7 @@ class TreeConfig:
     # path has at least this probability.
     min_path_prob: float | None = None
     # auto calibration
-    calibration_questions: str | None = None  # question.jsonl; None = built-in prompts
+    calibration_questions: str | None = None  # auto: a question.jsonl to calibrate on; None = built-in prompts
     # auto: prompts the head's acceptance is measured on. tree=auto's search (this key, depth, top_k,
     # max_nodes, dynamic, calibration_tokens): a key left None takes what the head's calibration
     # searched (this machine's cached one, else config.json's), else its SEARCH_DEFAULTS value (here 8)
@@ -75,12 +75,11 @@ class TreeConfig:
     # export it). None: weigh
     dynamic: str | None = None
     # hybrid (the head's tree + what followed the text's last n-gram earlier in the prompt and
-    # answer, one tree): the longest n-gram matched (shorter ones after it) and the text nodes per
-    # step (None: the calibrated share, else 8); hybrid_paths is the head's part of the hybrid
-    # tree, set by tree=auto (None: the head's tree as above; []: no head nodes)
+    # answer, one tree): the longest n-gram matched (shorter ones after it)
     ngram_max: int = 3
     ngram_nodes: int | None = None  # hybrid: text nodes per step; None = the calibrated share, else 8
-    hybrid_paths: list[Any] | None = None  # hybrid: the head's part of the tree (set by tree=auto)
+    # hybrid: the head's part of the tree, set by tree=auto; None = the head's tree as above, [] = no head nodes
+    hybrid_paths: list[Any] | None = None
     # hybrid: the depth gate of hybrid_paths (set by tree=auto with them); None: tree.min_path_prob, else 0
     hybrid_min_path_prob: float | None = None
     # > 0: when the text's last text_alone_ngram tokens (or more, up to ngram_max) occurred before,
