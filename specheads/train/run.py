@@ -153,9 +153,26 @@ def training_record(
     }
 
 
+def check_train_settings(t) -> None:
+    """The train.* values no run can start with, refused in one line before anything is loaded."""
+    limits = [
+        (t.epochs is not None or t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"),
+        (t.epochs is None or t.epochs > 0, f"train.epochs must be > 0 (or null), got {t.epochs}"),
+        (t.max_minutes is None or t.max_minutes > 0, f"train.max_minutes must be > 0 (or null), got {t.max_minutes}"),
+        (t.batch_size >= 1 and t.grad_accum >= 1, "train.batch_size and train.grad_accum must be >= 1"),
+        (t.lr > 0, f"train.lr must be > 0, got {t.lr}"),
+        (t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}"),
+        (0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"),
+    ]
+    for ok, message in limits:
+        if not ok:
+            raise SpecHeadsError(message)
+
+
 def train(cfg: TrainJobConfig) -> Path | None:
     """Run (or resume) the training job described by cfg. Returns output_dir/head on rank 0;
     with dry_run, prints the memory plan instead and returns None, having loaded nothing."""
+    check_train_settings(cfg.train)
     if cfg.dry_run:
         print(dry_run(cfg), flush=True)
         return None

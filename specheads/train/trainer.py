@@ -166,9 +166,7 @@ class Trainer:
     def __init__(self, cfg: TrainJobConfig, head: nn.Module, source: StateSource, d: Dist, output_dir: Path):
         self.cfg, self.head, self.source, self.d = cfg, head, source, d
         self.output_dir = output_dir
-        t = cfg.train
-        if t.batch_size < 1 or t.grad_accum < 1:
-            raise SpecHeadsError("train.batch_size and train.grad_accum must be >= 1")
+        t = cfg.train  # its values were checked by train.run.check_train_settings
         source.require(*head.training_states())
         lengths = row_lengths(source.rows("train"))
         # data.pack: the rows a micro-batch reads are packs of conversations (a pure function of
@@ -226,8 +224,6 @@ class Trainer:
         if t.epochs is not None:
             micro = t.epochs * self.batches.batches_per_epoch
             return max(1, math.ceil(micro / t.grad_accum))
-        if t.max_steps < 1:
-            raise SpecHeadsError(f"train.max_steps must be >= 1, got {t.max_steps}")
         return t.max_steps
 
     # -- resume ----------------------------------------------------------------------------

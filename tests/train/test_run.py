@@ -132,3 +132,54 @@ def test_a_resumed_continued_run_keeps_the_init_from_record_of_its_first_start(t
     # a checkpoint from before checkpoints kept the record: read again if there, else its path alone
     job = tiny_job(data, out, init_from=str(source))
     assert run.init_from_reread(job)["init_from"] == {**record, "weights_sha256": None, "training": None}
+
+
+@pytest.mark.parametrize(
+    "field,value,refusal",
+    [
+        ("max_minutes", -1.0, r"train.max_minutes must be > 0 \(or null\), got -1.0"),
+        ("max_minutes", 0.0, "train.max_minutes must be > 0"),
+        ("max_steps", 0, "train.max_steps must be >= 1, got 0"),
+        ("epochs", 0.0, "train.epochs must be > 0"),
+        ("batch_size", 0, "train.batch_size and train.grad_accum must be >= 1"),
+        ("grad_accum", 0, "train.batch_size and train.grad_accum must be >= 1"),
+        ("lr", 0.0, "train.lr must be > 0"),
+        ("warmup_steps", -1, "train.warmup_steps must be >= 0"),
+        ("min_lr_ratio", 1.5, r"train.min_lr_ratio must be in \[0, 1\]"),
+    ],
+)
+def test_train_values_no_run_can_start_with_are_one_line_before_anything_is_loaded(tmp_path, field, value, refusal):
+    """Refused before the target is loaded or output_dir is made (a dry run too): the model path
+    here does not exist, so getting past the check would fail another way."""
+    cfg = TrainJobConfig(
+        model=ModelConfig(name="missing", path=str(tmp_path / "no-model")),
+        train=TrainConfig(**{field: value}),
+        output_dir=str(tmp_path / "out"),
+    )
+    with pytest.raises(SpecHeadsError, match=refusal):
+        run.train(cfg)
+    cfg.dry_run = True
+    with pytest.raises(SpecHeadsError, match=refusal):
+        run.train(cfg)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_negative_time_budget_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    from test_train import ROOT, clean_env
+
+    proc = subprocess.run(
+        [sys.executable, "train.py", "model=tiny-random", f"output_dir={tmp_path / 'out'}", "train.max_minutes=-1"],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: train.max_minutes must be > 0 (or null), got -1.0"]
+    assert "it/s" not in proc.stdout + proc.stderr  # no progress bar: nothing started
+    # only Hydra's record of the command (written before any task runs, as for every refusal)
+    assert {p.name for p in (tmp_path / "out").iterdir()} <= {".hydra", "train.log"}
