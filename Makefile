@@ -34,9 +34,9 @@ $(STAMP): pyproject.toml setup.py
 
 # The default job: the target writes and answers its own prompts (cached), an EAGLE-3 head trains
 # on them in minutes, its tree is calibrated on this machine, then a quick benchmark on the shipped
-# dev prompt set (1 question per category): the fresh head and the shipped head (4,000 steps on
-# 23,497 conversations the target answered, docs/shipped-head.md) against
-# HF greedy, our own plain decoding and prompt lookup, all in one run.
+# dev prompt set (1 question per category): the fresh head and the shipped head (EAGLE-3, 4,929
+# steps in 9.1 minutes of one H200 on 23,497 conversations the target answered,
+# docs/shipped-head.md) against HF greedy, our own plain decoding and prompt lookup, all in one run.
 demo: setup
 	$(PY) train.py output_dir=$(DEMO_DIR)
 	$(PY) infer.py head=$(DEMO_DIR)/head tree=auto tree.save=head tree.calibration_prompts=2 tree.calibration_tokens=32 \
