@@ -7,7 +7,8 @@ it, never from a layer above, and no import cycle exists (tests/test_layers.py c
 __version__ = "0.1.0"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "cli", "atomic", "provenance"),  # one-line errors, entry points, atomic writes, provenance
+    # one-line errors, entry points, atomic writes, provenance, the float tolerance
+    ("errors", "cli", "atomic", "provenance", "numerics"),
     ("config",),  # structured configs: one schema module per entry point
     ("target", "tiny", "sampling", "distributed"),  # frozen target, tiny targets, sampling rules, process group
     ("kernels",),  # CPU kernels of decoding: the target's forward (cached under its cache root), int8 drafting

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config.model import ModelConfig
 from .errors import SpecHeadsError
+from .numerics import relative_error, same_numbers
 
 EMBEDDED_PREFIX = "embedded:"
 TINY_PREFIX = "tiny:"
@@ -245,11 +246,10 @@ def check_packing(target: FrozenTarget) -> None:
     positions = torch.tensor([list(range(len(first))) + list(range(len(second)))], device=device)
     packed = target.states(ids, **forward_masks({"position_ids": positions}), layer_ids=[layer], final=True)
     alone = target.states(torch.tensor([second], device=device), layer_ids=[layer], final=True)
-    tolerance = 1e-3 if target.dtype == torch.float32 else 5e-2
     for name, a, b in (("layer", packed.hidden[layer], alone.hidden[layer]), ("final", packed.final, alone.final)):
-        a, b = a[0, len(first) :].float(), b[0].float()
-        error = float((a - b).norm() / b.norm().clamp(min=1e-6))
-        if error > tolerance:
+        a, b = a[0, len(first) :], b[0]
+        if not same_numbers(a, b, target.dtype):
+            error = relative_error(a, b)
             raise SpecHeadsError(
                 f"data.pack=true: target {target.info.name!r} does not keep packed conversations apart (its "
                 f"{name} states of a packed sequence are {error:.2g} off its states alone: its forward ignores "

@@ -12,6 +12,7 @@ import torch
 from specheads.decode.drafters import HybridDrafter
 from specheads.decode.policy import DynamicTreeSpec
 from specheads.decode.tree import chain_paths, full_paths, static_tree
+from specheads.numerics import relative_error, same_numbers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -280,6 +281,22 @@ def write_questions(path, prompts, categories=("writing",), first_id=0, later_tu
         for i, p in enumerate(prompts)
     ]
     return write_jsonl(path, rows)
+
+
+def assert_same_numbers(actual, expected, dtype=None):
+    """The product's own rule for two float computations of the same numbers (specheads.numerics:
+    the largest difference relative to the magnitude, the dtype's tolerance), which holds whatever
+    order this machine's kernels sum in."""
+    __tracebackhide__ = True
+    if not same_numbers(actual, expected, dtype):
+        raise AssertionError(f"not the same numbers: relative error {relative_error(actual, expected):.3g}")
+
+
+def assert_other_numbers(actual, expected, dtype=None):
+    """A wrong variant is caught by the same rule: further apart than the tolerance."""
+    __tracebackhide__ = True
+    if same_numbers(actual, expected, dtype):
+        raise AssertionError(f"the same numbers (relative error {relative_error(actual, expected):.3g})")
 
 
 def fails_for_some_seed(check, variant, seeds) -> bool:

@@ -31,7 +31,6 @@ one-hot proposals: greedy output is the target's own, and sampling follows the t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ import torch
 from ..config.infer import DraftModelConfig, TreeConfig, resolve_search
 from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
+from ..numerics import relative_error, same_numbers
 from ..target import FrozenTarget, target_source
 from .drafters import DraftTable, grow_tree
 from .kv import cache_length, compact_cache, new_cache, tree_attention_bias
@@ -326,8 +326,10 @@ def make_draft_model(target: FrozenTarget, layers: int, out):
         ids = torch.arange(min(16, target.info.vocab_size), device=target.device)[None] % target.info.vocab_size
         with torch.no_grad():
             mine, ref = loaded(ids).logits.float(), first_layers_logits(target, ids, layers).float()
-        error = float((mine - ref).abs().max())
-        if not math.isfinite(error) or error > 1e-3 * max(1.0, float(ref.abs().max())):
-            raise RuntimeError(f"the saved draft's logits differ from the target's first {layers} layers by {error}")
+        if not same_numbers(mine, ref, target.dtype):
+            raise RuntimeError(
+                f"the saved draft's logits differ from the target's first {layers} layers by "
+                f"{relative_error(mine, ref):.2g} of their magnitude"
+            )
 
     return write_directory(out, fill, check)

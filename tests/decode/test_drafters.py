@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import POLICIES, fails_for_some_seed, hf_greedy, overfit
+from conftest import POLICIES, assert_same_numbers, fails_for_some_seed, hf_greedy, overfit
 
 from specheads.config.infer import TreeConfig
 from specheads.config.train import HeadConfig
@@ -93,7 +93,7 @@ def test_one_head_call_per_level_matches_a_node_by_node_loop(tiny_target):
             d = table.depths[i]
             path = torch.tensor(path_tokens(table, i))
             plain = torch.log_softmax(head.head_logits(d, base, path), -1)
-            torch.testing.assert_close(batched[r], plain, atol=1e-5, rtol=1e-5)
+            assert_same_numbers(batched[r], plain)
 
 
 @pytest.mark.parametrize("flags", [{}, {"hydra_prefix_layer": True}], ids=["hydra", "hydra-prefix"])
@@ -135,7 +135,7 @@ def test_prefix_drafter_base_state_follows_the_committed_text(tiny_target, seque
                 drafter.advance({"final": final[:, prev:end]}, ids[prev:end], ids[end])
             tree = drafter.draft(ids[end], end, 3)
             full = head.base_states(final[:, :end])[0, -1]
-            torch.testing.assert_close(drafter.base, full, atol=1e-5, rtol=1e-5)
+            assert_same_numbers(drafter.base, full)
             assert drafter.cache.length == end
             prev = end
         drafter.rewind(3)

@@ -5,6 +5,7 @@ exactly as it was. The check is shown failing for positions off by one."""
 
 import pytest
 import torch
+from conftest import assert_same_numbers
 
 from specheads.decode.kv import new_cache
 from specheads.decode.target_layers import check_layer_family, crop_layers, layers_length, run_layers
@@ -64,7 +65,7 @@ def check_against_full_forward(target, n_layers, shift=0):
     for node, h in states.items():
         with torch.no_grad(), target.capture([n_layers]) as store:
             target.model(torch.tensor([PREFIX + path(node)]))
-        torch.testing.assert_close(h, store[n_layers][0, -1], rtol=1e-4, atol=1e-4)
+        assert_same_numbers(h, store[n_layers][0, -1])
     # the layers run hold the prefix and the tree's five nodes; the others were not touched
     for i, layer in enumerate(cache.layers):
         assert layer.get_seq_length() == len(PREFIX) + (len(TOKENS) if i < n_layers else 0)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_questions
+from conftest import assert_same_numbers, write_questions
 from vllm_dumps import FakeVLLMServer
 
 from specheads.config.distill import DistillConfig, DistillJobConfig, FeaturesConfig, ServerConfig
@@ -84,7 +84,7 @@ def test_features_from_vllm_equal_the_transformers_forwards(tiny_target, distill
             a, b = ours[i], theirs[i]
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
             for k in b.states:
-                assert torch.allclose(a.states[k], b.states[k], rtol=1e-5, atol=1e-5), (split, i, k)
+                assert_same_numbers(a.states[k], b.states[k])
         assert ours.index["key"] == theirs.index["key"]
         writer = ours.index["writer"]
         assert writer["backend"] == "vllm" and writer["vllm"] == "0.32.0" and writer["vllm_layer_ids"] == [1, 3, 6]

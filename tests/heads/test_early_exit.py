@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from conftest import head_states, loss_and_lm_head_rows, overfit
+from conftest import assert_same_numbers, head_states, loss_and_lm_head_rows, overfit
 
 from specheads.bench.replay import rank_vectors
 from specheads.config.train import HeadConfig
@@ -64,7 +64,7 @@ def test_a_fresh_head_is_the_targets_logit_lens(tiny_target, sequences, adapter_
     batch = batch_of(sequences[:2])
     states = head_states(tiny_target, head, batch)
     out = head.adapted(batch, states)
-    torch.testing.assert_close(head.full_logits(out), head.target_logits(states["final"]))
+    assert_same_numbers(head.full_logits(out), head.target_logits(states["final"]))
     torch.testing.assert_close(head.draft_logits(out), head.full_logits(out), rtol=0, atol=0)
     params = sum(p.numel() for p in head.parameters())
     h = tiny_target.info.hidden_size
@@ -176,7 +176,7 @@ def test_a_draft_vocabulary_reads_its_rows_of_the_lm_head(tiny_target, sequences
     torch.testing.assert_close(head.draft_logits(out), head.full_logits(out)[..., other], rtol=0, atol=0)
     # the training loss is the full distribution's, and the head without a draft vocabulary has no maps
     assert "d2t" not in early_exit(tiny_target, 3).state_dict()
-    torch.testing.assert_close(head.loss(batch, states)[0], early_exit_loss(head, batch, states))
+    assert_same_numbers(head.loss(batch, states)[0], early_exit_loss(head, batch, states))
 
 
 def early_exit_loss(head, batch, states):
@@ -222,8 +222,8 @@ def test_the_loss_reads_the_lm_head_at_counted_positions_only(tiny_target, seque
     assert rows == [counted, counted] and counted < sequences[:4].numel()
     grads = torch.autograd.grad(loss, [head.layer.self_attn.o_proj.weight, head.norm.weight])
     plain = every_position_loss(head, batch, states)
-    torch.testing.assert_close(loss, plain)
+    assert_same_numbers(loss, plain)
     for ours, theirs in zip(grads, torch.autograd.grad(plain, [head.layer.self_attn.o_proj.weight, head.norm.weight])):
-        torch.testing.assert_close(ours, theirs)
+        assert_same_numbers(ours, theirs)
     shifted_batch = {**batch, "loss_mask": batch["loss_mask"].roll(1, dims=1)}
     assert not torch.isclose(every_position_loss(head, shifted_batch, states), loss)
