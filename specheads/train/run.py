@@ -160,7 +160,7 @@ def check_train_settings(t) -> None:
         (t.epochs is None or t.epochs > 0, f"train.epochs must be > 0 (or null), got {t.epochs}"),
         (t.max_minutes is None or t.max_minutes > 0, f"train.max_minutes must be > 0 (or null), got {t.max_minutes}"),
         (t.batch_size >= 1 and t.grad_accum >= 1, "train.batch_size and train.grad_accum must be >= 1"),
-        (t.lr > 0, f"train.lr must be > 0, got {t.lr}"),
+        (t.lr >= 0, f"train.lr must be >= 0 (0 trains nothing: a head rewritten as it is), got {t.lr}"),
         (t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}"),
         (0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"),
     ]

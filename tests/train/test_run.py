@@ -143,7 +143,7 @@ def test_a_resumed_continued_run_keeps_the_init_from_record_of_its_first_start(t
         ("epochs", 0.0, "train.epochs must be > 0"),
         ("batch_size", 0, "train.batch_size and train.grad_accum must be >= 1"),
         ("grad_accum", 0, "train.batch_size and train.grad_accum must be >= 1"),
-        ("lr", 0.0, "train.lr must be > 0"),
+        ("lr", -1e-3, "train.lr must be >= 0"),
         ("warmup_steps", -1, "train.warmup_steps must be >= 0"),
         ("min_lr_ratio", 1.5, r"train.min_lr_ratio must be in \[0, 1\]"),
     ],
