@@ -144,9 +144,9 @@ class FrozenTarget:
         if tokenizer is not None and tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.info = TargetInfo.from_hf_config(model.config, name=name, revision=revision)
-        decoder = model.get_decoder()
-        self.layers = decoder.layers
-        self.final_norm = decoder.norm
+        self.decoder = decoder_of(model)
+        self.layers = self.decoder.layers
+        self.final_norm = final_norm_of(self.decoder)
         # where the weights came from and how they were loaded (load_target fills it in); part of
         # the identity a head records of its target
         self.loaded: dict[str, Any] = {"source": name}
@@ -216,11 +216,38 @@ class FrozenTarget:
         graph; with it (where grad is enabled), a LoRA inside the model (Medusa-2) trains through it."""
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()), self.capture(layer_ids, final=final) as store:
             # without logits the decoder alone runs: no LM head over the vocabulary
-            forward = self.model if logits else self.model.get_decoder()
+            forward = self.model if logits else self.decoder
             out = forward(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
         out_logits = out.logits if logits else None
         hidden = {k: v for k, v in store.items() if k != "final"}
         return TargetStates(hidden=hidden, final=store.get("final"), logits=out_logits)
+
+
+# transformers' layer types whose cache holds a state folded over every token (Gated DeltaNet
+# linear attention, Mamba's SSM and convolution), alone or beside an attention layer's keys
+RECURRENT_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")
+
+
+def recurrent_layer_types(config) -> list[str]:
+    """The model's layer types (transformers' config.layer_types) with a recurrent state."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return sorted({t for t in getattr(text, "layer_types", None) or [] if t in RECURRENT_TYPES})
+
+
+def decoder_of(model) -> torch.nn.Module:
+    """The model's decoder (embedding -> layers -> final norm). get_decoder() finds it by the base
+    model's prefix, which some causal LMs do not name as their attribute (llama4_text's is
+    `language_model` while its decoder is `model`): then it is the `model` attribute."""
+    decoder = model.get_decoder()
+    if not hasattr(decoder, "layers") and hasattr(getattr(model, "model", None), "layers"):
+        decoder = model.model
+    return decoder
+
+
+def final_norm_of(decoder) -> torch.nn.Module:
+    """The decoder's final norm: `norm` in most families, `final_layernorm` in Falcon-H1's."""
+    norm = getattr(decoder, "norm", None)
+    return norm if norm is not None else decoder.final_layernorm
 
 
 def forward_masks(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -371,7 +398,7 @@ def load_final_norm(cfg: ModelConfig) -> torch.nn.Module:
         raise SpecHeadsError(f"cannot read the config of target {cfg.path!r}: {err}") from err
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    norm = model.get_decoder().norm
+    norm = final_norm_of(decoder_of(model))
     prefix = next(name for name, module in model.named_modules() if module is norm)
     wanted = [f"{prefix}.{name}" for name, _ in norm.named_parameters()]
     found = _checkpoint_tensors(source, wanted, cfg.revision)

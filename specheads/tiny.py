@@ -18,13 +18,115 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BYTE_VOCAB = 256
 
-# Architecture -> (model_type, extra config fields). All share the same small sizes.
+# Architecture -> (model_type, extra config fields). All share the same small sizes; the extras
+# shrink each family's own parts (experts, MLA ranks, Mamba and linear-attention heads) to match, and
+# give the sliding-window and chunked types a window of 8, shorter than a test's prompt and answer.
+_EXPERTS = {"num_experts_per_tok": 2}
 ARCHITECTURES = {
     "llama": ("llama", {}),
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", {"use_sliding_window": False}),
     "qwen3": ("qwen3", {"use_sliding_window": False}),
     "gemma": ("gemma", {"hidden_act": "gelu_pytorch_tanh"}),
+    # mixture-of-experts
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"use_sliding_window": False, "num_experts": 4, "moe_intermediate_size": 32, **_EXPERTS},
+    ),
+    "mixtral": ("mixtral", {"sliding_window": None, "num_local_experts": 4, **_EXPERTS}),
+    "deepseek_v3": (  # MLA attention, shared + routed experts, the first layer dense
+        "deepseek_v3",
+        {
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "head_dim": 8,  # the RoPE part of a head
+            "num_key_value_heads": 4,  # MLA: a key per query head
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 32,
+            **_EXPERTS,
+        },
+    ),
+    # sliding-window or chunked layers (some with experts)
+    "gpt_oss": (  # sliding and full layers in turn, attention sinks, YaRN
+        "gpt_oss",
+        {
+            "sliding_window": 8,
+            "num_local_experts": 4,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 150000.0,
+            },
+            **_EXPERTS,
+        },
+    ),
+    "llama4_text": (  # chunked layers with RoPE, full ones without (every 2nd), experts every 2nd
+        "llama4_text",
+        {
+            "attention_chunk_size": 8,
+            "no_rope_layer_interval": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 2,
+            "intermediate_size_mlp": 128,
+        },
+    ),
+    "gemma3_text": (  # sliding and full layers in turn
+        "gemma3_text",
+        {
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 16,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+    "phi3": ("phi3", {"sliding_window": 8}),  # every layer sliding
+    # dense, full attention
+    "olmo2": ("olmo2", {}),
+    "smollm3": ("smollm3", {"use_sliding_window": False, "no_rope_layer_interval": 2}),  # every 2nd layer without RoPE
+    # hybrids: layers with a recurrent state beside attention ones
+    "qwen3_next": (  # Gated DeltaNet linear attention and full attention in turn, experts
+        "qwen3_next",
+        {
+            "full_attention_interval": 2,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "num_experts": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            **_EXPERTS,
+        },
+    ),
+    "falcon_h1": (  # Mamba-2 and attention side by side in every layer
+        "falcon_h1",
+        {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16},
+    ),
+    "granitemoehybrid": (  # Mamba-2 layers and attention layers in turn, experts
+        "granitemoehybrid",
+        {
+            "layer_types": ["linear_attention", "full_attention"],  # a pattern, repeated
+            "mamba_n_heads": 4,
+            "mamba_d_head": 32,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 16,
+            "num_local_experts": 4,
+            "shared_intermediate_size": 64,
+            **_EXPERTS,
+        },
+    ),
 }
 
 
@@ -68,6 +170,9 @@ def tiny_config(arch: str = "llama", **overrides):
     )
     fields.update(extra)
     fields.update(overrides)
+    if "layer_types" in extra and "layer_types" not in overrides:  # a pattern: repeated over the layers
+        pattern = extra["layer_types"]
+        fields["layer_types"] = [pattern[i % len(pattern)] for i in range(fields["num_hidden_layers"])]
     if fields["vocab_size"] < tok_vocab:
         raise ValueError(f"tiny vocab_size must be >= {tok_vocab} for the byte tokenizer")
     return AutoConfig.for_model(model_type, **fields)

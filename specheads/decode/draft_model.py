@@ -149,7 +149,7 @@ def load_draft_model(cfg: DraftModelConfig, target: FrozenTarget) -> DraftModel:
     if made_from.is_file():
         model.specheads_made_from = json.loads(made_from.read_text())
     draft = DraftModel(model, tokenizer, name, min(model.get_output_embeddings().out_features, target.info.vocab_size))
-    new_cache(model)  # refuses a sliding-window or hybrid cache now, not at the first draft
+    new_cache(model)  # refuses a recurrent-state (hybrid) cache now, not at the first draft
     return draft
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ..sampling import sampling_probs
 from ..target import synchronize
-from .kv import compact_cache, new_cache, verify_tree
+from .kv import commit, new_cache, save_states, verify_tree
 from .tree import FROM_HEAD, FROM_TEXT
 from .verify import Acceptance, greedy_accept, speculative_accept, typical_accept
 
@@ -153,7 +153,7 @@ def speculative_generate(
     if cfg.max_new_tokens <= 0:
         res.stopped_by = "max_new_tokens"
         return res
-    cache = new_cache(model)
+    cache = new_cache(model, recurrent=True)  # a recurrent state: chains only, restored by commit
     if hasattr(drafter, "bind_target_cache"):  # a drafter that runs the target's own layers (early exit)
         drafter.bind_target_cache(cache)
     with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
@@ -173,6 +173,7 @@ def speculative_generate(
         if tokens[0] != root:
             raise RuntimeError("a drafter must put the root token first")
         t2 = time.perf_counter()
+        saved = save_states(cache)
         with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
             out = verify_tree(target, tokens, layout, prefix_len, cache)
         res.target_forwards += 1
@@ -190,7 +191,7 @@ def speculative_generate(
                 key = SOURCE_NAMES[sources[node]]
                 res.accepted_sources[key] = res.accepted_sources.get(key, 0) + 1
         if not done:
-            compact_cache(cache, prefix_len, path)
+            commit(target, cache, prefix_len, tokens, path, saved)
             prefix_len += len(path)
             drafter.advance(_select(dict(store), torch.tensor(path)), [tokens[i] for i in path], acc.bonus)
             root = acc.bonus

@@ -5,6 +5,17 @@ A verification forward appends all N tree nodes after the committed prefix. Thei
 cache slots. After acceptance, the accepted nodes' keys/values are moved down into contiguous
 slots right after the prefix and the rest is cropped: the cache again holds exactly the
 committed sequence, as if it had been decoded one token at a time.
+
+Sliding-window and chunked layers (gemma3, gpt-oss, phi3, llama4) keep every key like full ones,
+so that one gather compacts all layers alike; the tree mask gives each kind of layer its own
+window or chunk, counted in the positions a node would have in the committed sequence (prefix +
+depth), as transformers' own masks count them.
+
+Layers with a recurrent state (linear attention, Mamba: qwen3_next, falcon_h1, granitemoehybrid)
+fold every token of a forward into one state: tree siblings would see each other there, and the
+rejected tail of a chain cannot be cropped out. Such a target verifies chains only (a tree is
+refused in one line); its states are saved before the forward and, unless the whole chain was
+accepted, restored and advanced by the accepted tokens alone (one more forward over them).
 """
 
 from __future__ import annotations
@@ -14,25 +25,58 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from ..errors import SpecHeadsError
+from ..target import recurrent_layer_types
 from .tree import TreeLayout
 
 
-def new_cache(model) -> DynamicCache:
+def new_cache(model, recurrent: bool = False) -> DynamicCache:
+    """The cache of a model verified in trees: a full DynamicLayer for every attention layer,
+    sliding-window and chunked ones too (the tree mask applies their windows). A model with
+    recurrent-state layers is refused unless the caller verifies chains and restores the state
+    (recurrent=True: speculative_generate)."""
     cache = DynamicCache(config=model.config)
-    check_cache(cache)
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    check_cache(cache, recurrent, model.config)
     return cache
 
 
-def check_cache(cache: DynamicCache) -> None:
-    """Tree verification rewrites slots in place; only plain full-attention layers allow it."""
+def recurrent_refusal(config, what: str) -> SpecHeadsError:
+    """The one line refusing `what` on a target with recurrent-state layers, and what works instead."""
+    kinds = ", ".join(recurrent_layer_types(config)) or "recurrent"
+    model_type = config.get_text_config(decoder=True).model_type
+    return SpecHeadsError(
+        f"{what} is refused for {model_type}: its {kinds} layers (linear attention / Mamba) keep a recurrent "
+        "state, not per-token keys, which cannot branch or be cropped; draft chains instead (tree=chain, "
+        "no hybrid text nodes)"
+    )
+
+
+def check_cache(cache: DynamicCache, recurrent: bool = False, config=None) -> None:
+    """Verification rewrites key slots in place: plain DynamicLayers allow it; a recurrent state
+    (linear attention, Mamba) only where the caller verifies chains and restores it (recurrent=True),
+    and not beside a window that drops keys (hybrid_sliding)."""
     for layer in cache.layers:
-        if type(layer).__name__ != "DynamicLayer":
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, DynamicSlidingWindowLayer):
+            if recurrent:
+                continue
+            if config is not None:
+                raise recurrent_refusal(config, "tree verification")
+        if type(layer) is not DynamicLayer:
             raise SpecHeadsError(
                 f"tree verification supports full-attention KV caches only; this target uses "
                 f"{type(layer).__name__} (sliding-window or hybrid attention)"
             )
+
+
+def has_recurrent_state(cache: DynamicCache) -> bool:
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
+
+
+def is_chain(layout: TreeLayout) -> bool:
+    return all(len(children) <= 1 for children in layout.children)
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -52,33 +96,123 @@ def cache_prefix(cache: DynamicCache, length: int) -> DynamicCache:
     return view
 
 
+def attention_spans(config) -> dict[str, tuple[str, int] | None]:
+    """What each of the target's attention layer types sees, by transformers' layer type name:
+    None for every earlier position, ("window", w) for the last w positions (itself included),
+    ("chunk", c) for the earlier positions of its own chunk of c. A config without layer_types has
+    one type for all layers, read as transformers reads it: sliding_window, else
+    attention_chunk_size, else full attention."""
+    text = config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    types = getattr(text, "layer_types", None)
+    if not types:
+        types = ["sliding_attention" if window else "chunked_attention" if chunk else "full_attention"]
+    spans = {"sliding_attention": ("window", window), "chunked_attention": ("chunk", chunk)}
+    return {t: spans.get(t) for t in types}
+
+
 def tree_attention_bias(
-    tree_mask: torch.Tensor, prefix_len: int, dtype: torch.dtype, device: torch.device
+    tree_mask: torch.Tensor,
+    prefix_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    span: tuple[str, int] | None = None,
 ) -> torch.Tensor:
-    """[1, 1, N, prefix + N] additive mask: every node sees the prefix, its ancestors and itself.
+    """[1, 1, N, prefix + N] additive mask: every node sees the prefix, its ancestors and itself,
+    within `span` (attention_spans) of its position prefix + depth (a node's depth is its number
+    of ancestors, the row's sum minus one).
 
     Additive (0 / dtype min) rather than bool, because transformers' eager attention adds the
     mask to the scores while SDPA accepts either form.
     """
     n = tree_mask.shape[0]
-    allowed = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), tree_mask.cpu()], dim=1)
+    tree_mask = tree_mask.cpu()
+    allowed = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), tree_mask], dim=1)
+    if span is not None:
+        query = prefix_len + tree_mask.sum(1) - 1
+        key = torch.cat([torch.arange(prefix_len), query])
+        kind, size = span
+        if kind == "window":
+            allowed &= key[None] > query[:, None] - size
+        else:
+            allowed &= key[None] // size == query[:, None] // size
     bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     return bias.to(device)[None, None]
+
+
+def tree_attention_masks(config, tree_mask: torch.Tensor, prefix_len: int, dtype: torch.dtype, device):
+    """verify_tree's attention_mask: tree_attention_bias for each layer type's span; one tensor
+    where every layer sees alike (every model's forward takes it), else one per layer type, the
+    dict that forwards of models mixing kinds of layers (gemma3, gpt-oss, llama4) take as theirs."""
+    spans = attention_spans(config)
+    masks = {t: tree_attention_bias(tree_mask, prefix_len, dtype, device, span) for t, span in spans.items()}
+    return next(iter(masks.values())) if len(set(spans.values())) == 1 else masks
 
 
 def verify_tree(target, tokens: Sequence[int], layout: TreeLayout, prefix_len: int, cache: DynamicCache):
     """The target's forward over a tree after its `prefix_len` cached tokens; returns its output.
 
-    A 4D mask (prefix + tree mask) and explicit positions: works with the eager and SDPA
-    attention implementations. A lone root needs no mask (it sees the whole prefix), and without
-    one attention takes its 1-query fast path. All nodes are appended to the cache (compact_cache
-    keeps the accepted ones).
+    A 4D mask (prefix + tree mask, each layer's window) and explicit positions: works with the
+    eager and SDPA attention implementations. A lone root needs no mask (it sees the whole prefix),
+    and without one attention takes its 1-query fast path; nor does a chain on a target with a
+    recurrent state (the model's own causal masks; a tree there is refused). All nodes are
+    appended to the cache (commit keeps the accepted ones).
     """
     device = target.device
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-    bias = None if layout.size == 1 else tree_attention_bias(layout.mask, prefix_len, target.dtype, device)
+    recurrent = has_recurrent_state(cache)
+    if recurrent and not is_chain(layout):
+        raise recurrent_refusal(target.model.config, f"a draft tree ({layout.size} nodes, branching)")
+    mask = None
+    if layout.size > 1 and not recurrent:
+        mask = tree_attention_masks(target.model.config, layout.mask, prefix_len, target.dtype, device)
     positions = (prefix_len + layout.position_offsets(device))[None]
-    return target.model(input_ids=ids, attention_mask=bias, position_ids=positions, cache=cache, use_cache=True)
+    return target.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+
+
+def save_states(cache: DynamicCache) -> list | None:
+    """Copies of the cache's recurrent and convolution states (None without any): what commit
+    restores when a verified chain is not accepted whole."""
+    if not has_recurrent_state(cache):
+        return None
+    saved = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            saved.append(
+                {
+                    name: {i: None if t is None else t.clone() for i, t in getattr(layer, name).items()}
+                    for name in ("conv_states", "recurrent_states")
+                }
+            )
+        else:
+            saved.append(None)
+    return saved
+
+
+def commit(target, cache: DynamicCache, prefix_len: int, tokens: Sequence[int], path: Sequence[int], saved) -> None:
+    """Leave the cache holding the committed sequence: prefix + the accepted `path` of `tokens`.
+
+    Without recurrent states (saved None) compact_cache moves the accepted keys down. With them, a
+    chain accepted whole is already the committed sequence; otherwise the states saved before the
+    verification (save_states) are put back, every attention layer cropped to the prefix, and the
+    accepted tokens run again: the state then holds them and none of the rejected ones.
+    """
+    if saved is None:
+        compact_cache(cache, prefix_len, path)
+        return
+    if len(path) == len(tokens):
+        return
+    for layer, states in zip(cache.layers, saved):
+        if states is not None:
+            for name, by_index in states.items():
+                getattr(layer, name).update({i: None if t is None else t.clone() for i, t in by_index.items()})
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
+            layer.keys, layer.values = layer.keys[..., :prefix_len, :], layer.values[..., :prefix_len, :]
+    device = target.device
+    ids = torch.tensor([[tokens[i] for i in path]], dtype=torch.long, device=device)
+    positions = torch.arange(prefix_len, prefix_len + len(path), device=device)[None]
+    target.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
 
 
 def compact_cache(cache: DynamicCache, prefix_len: int, keep: Sequence[int]) -> None:

@@ -67,6 +67,44 @@ def check_capturable(layer_ids: list[int], num_layers: int) -> None:
         )
 
 
+# The target types of specheads.tiny and the vLLM class that serves each (vLLM 0.32.0's model
+# registry), with whether it serves EAGLE-3 drafts: only a class with SupportsEagle3 among its bases
+# records the aux layers' states (set_aux_hidden_state_layers); vLLM stops at load otherwise
+# ("Model does not support EAGLE3 interface"). tests/export/test_vllm_targets.py reads the wheel's
+# source to keep this true. Types not listed are not refused.
+VLLM_VERSION = "0.32.0"
+VLLM_TARGETS = {
+    "llama": ("LlamaForCausalLM", True),
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", True),
+    "qwen3": ("Qwen3ForCausalLM", True),
+    "gemma": ("GemmaForCausalLM", False),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", True),
+    "mixtral": ("MixtralForCausalLM", False),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", True),
+    "gpt_oss": ("GptOssForCausalLM", True),
+    "llama4_text": ("Llama4ForCausalLM", True),
+    "gemma3_text": ("Gemma3ForCausalLM", False),
+    "phi3": ("Phi3ForCausalLM", True),
+    "olmo2": ("Olmo2ForCausalLM", True),  # through vLLM's Transformers backend
+    "smollm3": ("SmolLM3ForCausalLM", True),  # through vLLM's Transformers backend
+    "qwen3_next": ("Qwen3NextForCausalLM", True),
+    "falcon_h1": ("FalconH1ForCausalLM", False),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", False),
+}
+
+
+def check_vllm_serves(model_type: str, fmt: str) -> None:
+    """One line refusing an export for vLLM of a head whose target vLLM serves no EAGLE-3 draft for."""
+    architecture, served = VLLM_TARGETS.get(model_type, (None, True))
+    if not served:
+        instead = " (engine=sglang writes SGLang's layout alone)" if fmt == "eagle3" else ""
+        raise SpecHeadsError(
+            f"vLLM {VLLM_VERSION} serves no EAGLE-3 draft for a {model_type} target: its {architecture} lacks "
+            f"SupportsEagle3 (it cannot record the aux layers' states); format={fmt} is not written for vLLM{instead}"
+        )
+
+
 def sglang_ids(layer_ids: list[int]) -> list[int]:
     return [k - 1 for k in layer_ids]
 
@@ -185,6 +223,8 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
     engine = opts.engine
     if engine not in ("auto", "vllm", "sglang"):
         raise SpecHeadsError(f"format eagle3 is read by vllm and sglang; engine={engine} is neither")
+    if engine != "sglang":
+        check_vllm_serves(info.model_type, NAME)
     parallel = src.family == "peagle"
     if not default and engine == "auto" and not parallel:
         raise SpecHeadsError(

@@ -45,6 +45,7 @@ from .eagle3 import (
     NORM_FIELDS,
     check_capturable,
     check_parallel_export,
+    check_vllm_serves,
     engine_default_ids,
     from_engine_names,
     norm_fields,
@@ -62,6 +63,8 @@ SPECULATORS_VERSION = "0.9.0"
 
 
 def build(src: HeadSource, opts: ExportOptions) -> Exported:
+    if opts.engine in ("auto", "vllm"):  # vLLM reads the target's aux layers for every algorithm
+        check_vllm_serves(src.info.model_type, NAME)
     if src.family == "dflash":
         return speculators_dflash.build(src, opts, SPECULATORS_VERSION)
     spec, info = src.spec, src.info

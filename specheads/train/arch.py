@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..config.model import ArchConfig, ModelConfig
 from ..errors import SpecHeadsError
-from ..target import EMBEDDED_PREFIX, TINY_PREFIX, TargetInfo
+from ..target import EMBEDDED_PREFIX, TINY_PREFIX, TargetInfo, recurrent_layer_types
 
 # config.json keys of a mixture-of-experts decoder, whose MLP the dense count below misses
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -50,10 +50,14 @@ class TargetArch:
     tie_word_embeddings: bool
     num_parameters: int
     source: str  # where the numbers came from, said in the plan's header
+    # a target counted from its model class (counted_parameters): the parameters one token runs
+    # through (every routed expert but the num_experts_per_tok chosen left out), and the mean layer
+    active_parameters: int | None = None
+    mean_layer_parameters: int | None = None
 
     @property
     def layer_parameters(self) -> int:
-        return layer_parameters(self.info)
+        return self.mean_layer_parameters or layer_parameters(self.info)
 
     @property
     def vocab_parameters(self) -> int:
@@ -82,20 +86,48 @@ def from_arch_config(name: str, a: ArchConfig, source: str = "model.arch") -> Ta
     return with_count(info, a.tie_word_embeddings, a.num_parameters, source)
 
 
-def from_hf_config(name: str, config, source: str) -> TargetArch:
-    """From a transformers config (the model class's defaults fill what config.json leaves out)."""
+def counted_parameters(config) -> tuple[int, int]:
+    """(all, active per token) parameters of the model transformers builds from `config`, built on
+    the meta device (no memory, no weights). All: every expert, as the weights fill memory. Active:
+    of the routed experts (the parameters under a module named `experts`, shared experts apart),
+    num_experts_per_tok of each layer's num_experts, as one token runs through them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = [k for k in EXPERT_KEYS if (getattr(text, k, None) or 0) > 1]
-    if experts:
-        raise SpecHeadsError(
-            f"{source} describes a mixture-of-experts target ({experts[0]}={getattr(text, experts[0])}): "
-            "the memory plan counts dense decoders only"
-        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in f".{name}")
+    experts = next((getattr(text, k) for k in EXPERT_KEYS if (getattr(text, k, None) or 0) > 1), 1)
+    chosen = getattr(text, "num_experts_per_tok", None) or experts
+    return total, total - routed + routed * chosen // experts
+
+
+def from_hf_config(name: str, config, source: str) -> TargetArch:
+    """From a transformers config (the model class's defaults fill what config.json leaves out). A
+    mixture-of-experts or hybrid (Mamba, linear attention) target is counted from its model class
+    (counted_parameters), a dense one by the formula above."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     try:
         info = TargetInfo.from_hf_config(config, name=name)
     except AttributeError as err:
         raise SpecHeadsError(f"{source} lacks a size the memory plan needs ({err})") from None
-    return with_count(info, bool(getattr(text, "tie_word_embeddings", False)), None, source)
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    experts = [k for k in EXPERT_KEYS if (getattr(text, k, None) or 0) > 1]
+    recurrent = recurrent_layer_types(config)
+    if not experts and not recurrent:
+        return with_count(info, tied, None, source)
+    try:
+        total, active = counted_parameters(config)
+    except Exception as err:  # a model class transformers does not have (remote code): no count
+        what = f"mixture-of-experts ({experts[0]}={getattr(text, experts[0])})" if experts else "hybrid"
+        raise SpecHeadsError(
+            f"{source} describes a {what} target whose model class transformers cannot build to count "
+            f"({type(err).__name__}); set model.arch.num_parameters"
+        ) from None
+    mean_layer = (total - vocab_parameters(info, tied)) // max(info.num_layers, 1)
+    return TargetArch(info, tied, total, source, active, mean_layer)
 
 
 def from_config_json(name: str, path: Path, source: str) -> TargetArch:

@@ -326,8 +326,12 @@ def format_plan(plan: Plan) -> str:
             f"{gb(plan.gpus.usable)} GB usable each ({USABLE:.0%})"
         )
     )
+    active = plan.arch.active_parameters
+    active = (
+        f" ({millions(active)} active per token)" if active is not None and active != plan.arch.num_parameters else ""
+    )
     lines = [
-        f"target  {info.name}: {millions(plan.arch.num_parameters)} parameters, {info.num_layers} layers, "
+        f"target  {info.name}: {millions(plan.arch.num_parameters)} parameters{active}, {info.num_layers} layers, "
         f"hidden {info.hidden_size}, vocab {info.vocab_size} (sizes from {plan.arch.source})",
         f"head    {spec.family}: {millions(plan.head_parameters)} parameters",
         f"run     ZeRO-{plan.zero_stage} over {plan.world} rank{'s' if plan.world > 1 else ''}, "

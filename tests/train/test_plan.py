@@ -360,3 +360,40 @@ def test_train_py_dry_run_of_an_unreachable_hub_id_is_one_line(dry_runs):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot fetch the config.json of"), proc.stderr
     assert "meta-llama/Llama-3.3-70B-Instruct" in lines[0] and "model.arch" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "model_type", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama4_text", "qwen3_next", "falcon_h1"]
+)
+def test_expert_and_hybrid_targets_count_as_the_model_built_from_their_config(model_type):
+    """Every expert counts (the weights fill memory), as in the model transformers builds."""
+    from specheads.tiny import tiny_target
+
+    arch = read_arch(ModelConfig(name=model_type, path=f"tiny:{model_type}", tiny={"num_hidden_layers": 4}))
+    model, _ = tiny_target(model_type, num_hidden_layers=4)
+    assert arch.num_parameters == sum(p.numel() for p in model.parameters())
+    assert arch.info.model_type == model_type
+
+
+def test_the_active_count_keeps_the_routed_experts_a_token_runs_through():
+    """A token runs through num_experts_per_tok of each layer's routed experts (SwiGLU: 3 x hidden x
+    moe_intermediate each), the shared experts and everything else: the tiny types by hand, and
+    DeepSeek-V3's own config (671B parameters, 37B activated: its paper's numbers)."""
+    from transformers import AutoConfig
+
+    from specheads.train.arch import from_hf_config
+
+    def tiny(model_type):
+        return read_arch(ModelConfig(name=model_type, path=f"tiny:{model_type}", tiny={"num_hidden_layers": 4}))
+
+    expert = 3 * 64 * 32  # hidden 64, moe_intermediate_size 32
+    moe = tiny("qwen3_moe")  # 4 MoE layers, 2 of 4 experts chosen
+    assert moe.active_parameters == moe.num_parameters - 4 * (4 - 2) * expert
+    deepseek = tiny("deepseek_v3")  # the first layer dense, a shared expert beside the routed ones
+    assert deepseek.active_parameters == deepseek.num_parameters - 3 * (4 - 2) * expert
+    full = from_hf_config("deepseek-v3", AutoConfig.for_model("deepseek_v3"), "DeepSeek-V3's config")
+    assert round(full.num_parameters / 1e9) == 671 and 37e9 <= full.active_parameters < 38e9
+    cfg = job("model=tiny-random", "model.path=tiny:qwen3_moe", "head=eagle3")
+    planned = read_arch(cfg.model)
+    shown = f"{planned.num_parameters / 1e6:.1f}M parameters ({planned.active_parameters / 1e6:.1f}M active per token)"
+    assert shown in dry_run(cfg)
