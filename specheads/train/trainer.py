@@ -25,12 +25,11 @@ from tqdm import tqdm
 from ..config.train import DeepSpeedConfig, HeadConfig, TrainConfig, TrainJobConfig
 from ..data.datasets import row_lengths
 from ..data.features import rows_digest
-from ..data.packing import pack_lengths, pack_rows
 from ..distributed import Dist, all_gather_objects, all_reduce_sum, peak_memory_gb, per_rank
 from ..errors import SpecHeadsError
 from ..heads import save_head
 from ..target import FLOAT_DTYPES
-from .batches import TrainBatches, eval_batches
+from .batches import eval_batches, training_order
 from .checkpoint import Checkpoints
 from .deepspeed_config import deepspeed_config, param_groups
 from .metrics import MetricsLog
@@ -171,26 +170,14 @@ class Trainer:
         lengths = row_lengths(source.rows("train"))
         # data.pack: the rows a micro-batch reads are packs of conversations (a pure function of
         # their lengths, so a resumed run packs alike); None: one conversation per row
-        self.packs: list[list[int]] | None = None
-        if cfg.data.pack:
-            self.packs = pack_rows(lengths, cfg.data.max_length)
-            conversations, tokens = len(lengths), sum(lengths)
-            lengths = pack_lengths(lengths, self.packs)
-            if d.is_main:
-                full = tokens / max(1, len(self.packs) * cfg.data.max_length)
-                print(
-                    f"data: {conversations} training conversations packed into {len(self.packs)} rows of up to "
-                    f"{cfg.data.max_length} tokens ({full:.0%} full)",
-                    file=sys.stderr,
-                )
-        self.batches = TrainBatches(
-            lengths,
-            t.batch_size,
-            d.rank,
-            d.world_size,
-            seed=cfg.seed,
-            group_by_length=t.group_by_length,
-        )
+        self.packs, self.batches = training_order(cfg, lengths, d.rank, d.world_size)
+        if self.packs is not None and d.is_main:
+            full = sum(lengths) / max(1, len(self.packs) * cfg.data.max_length)
+            print(
+                f"data: {len(lengths)} training conversations packed into {len(self.packs)} rows of up to "
+                f"{cfg.data.max_length} tokens ({full:.0%} full)",
+                file=sys.stderr,
+            )
         eval_rows = source.rows("eval")
         self.eval_batches = (
             eval_batches(row_lengths(eval_rows), t.batch_size, d.rank, d.world_size, max_batches=t.eval_batches)

@@ -1,0 +1,336 @@
+"""`make peer`: our EAGLE-3 trainer against vLLM's speculators trainer, on the same rows and budget.
+
+    .venv/bin/python engines/peer.py [--steps 100] [--seeds 0 1] [--batch-size 2] [--lr 5e-4]
+                                    [--questions Q.jsonl ...] [--out runs/peer] [train.py overrides ...]
+
+A development tool of the repository, beside compare.py. For each seed:
+
+1. rows: the training rows exactly as train.py builds them (the same Hydra config, tokenization,
+   loss masks, packing and order: specheads.train.batches.training_order), and the draft
+   vocabulary of the head train.py builds on them;
+2. the peer's data (write_peer_data): those conversations as the Arrow data set speculators reads
+   (input_ids, loss_mask, seq_len), each one's hidden states as `hidden_states/hs_{i}.safetensors`
+   ([T, 4, H]: the residual stream entering layers 2, 15, 27, then the last layer's output before
+   the final norm, from the target's own forward), the draft vocabulary as d2t.npy / t2d.npy, and
+   the schedule: per optimizer step, the conversations our trainer reads at that step;
+3. the peer trains (engines/peer_train.py, in vLLM's virtualenv) on that schedule, and train.py
+   trains ours on the same rows, with the same architecture (1 layer, layers 2/15/27, draft
+   vocabulary 8192, TTT 3 with decay 0.8), tokens a step, steps, AdamW (0.9, 0.999), clip 1.0,
+   learning rate and cosine schedule to 0, fp32 states;
+4. both heads are replayed exactly (`infer.py bench.mode=replay`: chains of 1-8 and the best trees
+   of 1-16 nodes) on each question set given.
+
+It writes OUT/peer.json (every figure), OUT/peer.md (the table) and OUT/peer.png (acceptance
+against K for both heads, each seed). What cannot be matched is listed in the output (UNMATCHED).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "engines" / "peer_train.py"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+LAYERS = [2, 15, 27]
+# The data of the shipped head's recipe (docs/shipped-head.md), at 512-token rows, packed.
+DATA = [
+    "data.path=data/sharegpt_smollm2_135m",
+    "data.mix=[data/smollm2_diverse_256,data/smollm2_selfdistill_23k.jsonl.gz]",
+    "data.partial_distill=true",
+    "data.max_repeat_rate=0.5",
+    "data.max_length=512",
+    "data.pack=true",
+    "data.features=null",
+]
+UNMATCHED = [
+    "loss: the peer's KL on every masked position; ours drops positions whose target top token lies "
+    "outside the draft vocabulary",
+    "LM head: the peer freezes the draft LM head at the target's rows and starts its final norm at 1; "
+    "ours trains the LM head from those rows and starts from the target's final norm",
+    "schedule: the peer's first step runs at learning rate 0 (its warm-up counts from 0); ours at lr/warmup",
+    "packing: the same conversations every step; the peer packs them into one row of batch_size x "
+    "max_length tokens, ours into batch_size rows of max_length",
+]
+
+
+def our_overrides(args, seed: int) -> list[str]:
+    """train.py's settings for this comparison (beside the data): the peer's fixed choices matched."""
+    return [
+        "model=smollm2-135m",
+        "head=eagle3",
+        f"head.layer_ids=[{','.join(map(str, LAYERS))}]",
+        "head.draft_vocab_size=8192",
+        "head.ttt_steps=3",
+        "head.ttt_decay=0.8",
+        *DATA,
+        f"train.max_steps={args.steps}",
+        f"train.batch_size={args.batch_size}",
+        f"train.lr={args.lr}",
+        f"train.warmup_steps={args.warmup}",
+        "train.min_lr_ratio=0",
+        "train.betas=[0.9,0.999]",
+        "train.grad_clip=1.0",
+        "train.weight_decay=0",
+        "train.eval_every=0",
+        "train.save_every=0",
+        f"seed={seed}",
+        *args.overrides,
+    ]
+
+
+def compose(overrides: list[str]):
+    """The TrainJobConfig train.py composes from these overrides."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from specheads.config import register_configs, typed
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return typed(hydra_compose(config_name="config", overrides=overrides))
+
+
+def step_schedule(cfg, train_rows) -> list[list[int]]:
+    """Per optimizer step, the training conversations train.py reads at that step, in its order."""
+    from specheads.data.datasets import row_lengths
+    from specheads.train.batches import training_order
+
+    packs, batches = training_order(cfg, row_lengths(train_rows), rank=0, world_size=1)
+    steps = []
+    for step in range(cfg.train.max_steps):
+        rows = []
+        for micro in range(cfg.train.grad_accum):
+            for r in batches[step * cfg.train.grad_accum + micro]:
+                rows.extend(packs[r] if packs is not None else [r])
+        steps.append(rows)
+    return steps
+
+
+def peer_states(target, input_ids):
+    """[T, 4, H] float32: what the peer reads for one conversation (vLLM's aux layers, then the
+    last layer's output before the final norm, our layer id L), from the target's own forward."""
+    import torch
+
+    every = [*LAYERS, target.info.num_layers]
+    states = target.states(torch.tensor([input_ids]), layer_ids=every, final=False)
+    return torch.stack([states.hidden[k][0].float() for k in every], dim=1)
+
+
+def write_peer_data(out: Path, target, train_rows, eval_rows, schedule, head, dtype="float32") -> dict:
+    """The peer's data directory (see the module's docstring); its summary."""
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    rows = [*train_rows, *eval_rows]
+    arrow = Dataset.from_dict(
+        {
+            "input_ids": [list(r["input_ids"]) for r in rows],
+            "loss_mask": [list(r["loss_mask"]) for r in rows],
+            "seq_len": [len(r["input_ids"]) for r in rows],
+        }
+    )
+    arrow.set_format("torch")  # speculators compares a row's input_ids with its states' token_ids as tensors
+    arrow.save_to_disk(str(out))
+    used = sorted({i for step in schedule for i in step} | set(range(len(train_rows), len(rows))))
+    states_dir = out / "hidden_states"
+    states_dir.mkdir(parents=True, exist_ok=True)
+    for i in tqdm(used, desc="peer: hidden states", unit="conv"):
+        ids = list(rows[i]["input_ids"])
+        states = peer_states(target, ids).to(getattr(torch, dtype)).contiguous()
+        save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(states_dir / f"hs_{i}.safetensors"))
+    np.save(out / "d2t.npy", head.d2t.cpu().numpy())
+    np.save(out / "t2d.npy", head.t2d.cpu().numpy())
+    plan = {"train_rows": len(train_rows), "batches": schedule}
+    (out / "schedule.json").write_text(json.dumps(plan))
+    tokens = sum(len(rows[i]["input_ids"]) for step in schedule for i in step)
+    return {"rows": len(rows), "train_rows": len(train_rows), "states_written": len(used), "tokens": tokens}
+
+
+def prepare(args, seed: int, out: Path) -> dict:
+    """Steps 1 and 2 for one seed: our rows, order and draft vocabulary; the peer's data from them."""
+    from specheads.distributed import process_group
+    from specheads.heads import build_head
+    from specheads.target import load_target, resolve_device
+    from specheads.train.run import data_splits
+
+    cfg = compose(our_overrides(args, seed))
+    with process_group("cpu") as d:
+        target = load_target(cfg.model, resolve_device("cpu"))
+        splits = data_splits(cfg.data, target, d)
+    train_rows = splits["train"]
+    eval_rows = list(splits["eval"])[: args.eval_rows]
+    head = build_head(cfg.head, target, train_rows=train_rows)
+    schedule = step_schedule(cfg, train_rows)
+    summary = write_peer_data(out / "data", target, train_rows, eval_rows, schedule, head)
+    verifier = out / "verifier"
+    if not (verifier / "config.json").is_file():  # the peer reads the target's embedding, norm, LM head
+        target.model.save_pretrained(verifier)
+        target.tokenizer.save_pretrained(verifier)
+    return {**summary, "verifier": str(verifier), "max_length": cfg.data.max_length}
+
+
+def peer_command(args, seed: int, out: Path, data: dict) -> list[str]:
+    ratio = data["train_rows"] / data["rows"]
+    return [
+        str(VLLM_PYTHON),
+        str(RUNNER),
+        str(out / "data" / "schedule.json"),
+        "--",
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", data["verifier"],
+        "--num-layers", "1", "--full-attention-indices", "0",
+        "--target-layer-ids", *map(str, LAYERS),
+        "--draft-vocab-size", "8192",
+        "--d2t-path", str(out / "data" / "d2t.npy"), "--t2d-path", str(out / "data" / "t2d.npy"),
+        "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
+        "--ttt-steps", "3", "--ttt-step-loss-decay", "0.8",
+        "--data-path", str(out / "data"), "--train-data-ratio", f"{ratio:.12f}",
+        "--total-seq-len", str(args.batch_size * data["max_length"]),
+        "--hidden-states-dtype", "float32", "--num-workers", "0",
+        "--epochs", "1", "--lr", str(args.lr), "--optimizer", "adamw", "--weight-decay", "0",
+        "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(args.warmup),
+        "--loss-implementation", "eager", "--draft-attn-impl", "sdpa",
+        "--save-path", str(out / "peer"), "--seed", str(seed),
+    ]  # fmt: skip
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
+    """A step's process, its output in `log`; one line naming the log if it fails."""
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-1:] or [""]
+        raise SystemExit(f"{Path(cmd[1]).name} failed ({tail[0]}); its output: {log}")
+
+
+def peer_head(out: Path) -> Path | None:
+    """The peer's saved head (speculators format): its last epoch's directory, SAVE/<epoch>/."""
+    epochs = [p.parent for p in (out / "peer").glob("*/config.json") if p.parent.name.isdigit()]
+    return max(epochs, key=lambda p: int(p.name)) if epochs else None
+
+
+def replay(heads: dict[str, Path], questions: Path, out: Path, max_new_tokens: int) -> dict:
+    """Exact replay of every head on one question set: {name: its report}."""
+    names = list(heads)
+    first, others = heads[names[0]], [str(heads[n]) for n in names[1:]]
+    stem = out / f"replay-{questions.stem}"
+    cmd = [
+        sys.executable, "infer.py", "model=smollm2-135m", f"head={first}", "bench.mode=replay",
+        f"bench.heads=[{','.join(others)}]", f"bench.questions={questions}",
+        f"bench.max_new_tokens={max_new_tokens}", f"bench.output={stem}.jsonl",
+    ]  # fmt: skip
+    run(cmd, out / f"replay-{questions.stem}.log")
+    report = json.loads(Path(f"{stem}.replay.json").read_text())
+    by_dir = {str(Path(h["head"]).resolve()): h for h in report["heads"].values()}
+    return {name: by_dir[str(Path(heads[name]).resolve())] for name in names}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps of each trainer")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--batch-size", type=int, default=2, help="packed rows of data.max_length a step")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--eval-rows", type=int, default=8, help="held-out conversations the peer validates on")
+    p.add_argument("--questions", type=Path, nargs="*", default=[], help="question sets to replay on")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "peer")
+    p.add_argument("overrides", nargs="*", help="train.py overrides for both (data.*, ...)")
+    args = p.parse_args(argv)
+    if not VLLM_PYTHON.is_file():
+        raise SystemExit(f"{VLLM_PYTHON} is missing: make peer builds it (vLLM's CPU build and speculators)")
+    results = {"unmatched": UNMATCHED, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "runs": {}}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for seed in args.seeds:
+        out = args.out / f"seed-{seed}"
+        out.mkdir(parents=True, exist_ok=True)
+        # each step is kept and skipped when run again with the same settings (a resumed comparison)
+        settings = {"overrides": our_overrides(args, seed), "eval_rows": args.eval_rows}
+        done = out / "data" / "summary.json"
+        if done.is_file() and json.loads(done.read_text())["settings"] == settings:
+            data = json.loads(done.read_text())["data"]
+        else:
+            print(f"peer: seed {seed}: rows, order and hidden states", file=sys.stderr)
+            data = prepare(args, seed, out)
+            done.write_text(json.dumps({"settings": settings, "data": data}))
+        if peer_head(out) is None:
+            print(f"peer: seed {seed}: the peer trains {args.steps} steps", file=sys.stderr)
+            run(peer_command(args, seed, out, data), out / "peer.log", env={**env, "WANDB_MODE": "disabled"})
+        if not (out / "ours" / "head" / "config.json").is_file():
+            print(f"peer: seed {seed}: ours trains {args.steps} steps", file=sys.stderr)
+            ours = [sys.executable, "train.py", f"output_dir={out / 'ours'}", *our_overrides(args, seed)]
+            run(ours, out / "ours.log", env=env)
+        heads = {"ours": out / "ours" / "head", "peer": peer_head(out)}
+        if heads["peer"] is None:
+            raise SystemExit(f"the peer wrote no head under {out / 'peer'}; its output: {out / 'peer.log'}")
+        results["runs"][str(seed)] = {"data": data, "heads": {k: str(v) for k, v in heads.items()}, "replay": {}}
+        for questions in args.questions:
+            print(f"peer: seed {seed}: replay on {questions.name}", file=sys.stderr)
+            results["runs"][str(seed)]["replay"][questions.stem] = replay(heads, questions, out, args.max_new_tokens)
+        write_report(results, args.out)  # after every seed: a long comparison shows what it has
+    return 0
+
+
+def write_report(results: dict, out: Path) -> None:
+    """OUT/peer.json, OUT/peer.md (chain tau per K, per head and seed) and OUT/peer.png."""
+    from specheads.atomic import write_json, write_text
+
+    write_json(out / "peer.json", results)
+    lines = []
+    for seed, run_ in results["runs"].items():
+        for qset, heads in run_["replay"].items():
+            for name, report in heads.items():
+                chain = report["chain_tau"]
+                lines.append(
+                    f"| {qset} | {seed} | {name} | "
+                    + " | ".join(f"{chain[k]:.3f}" for k in sorted(chain, key=int))
+                    + f" | {report['best_tree_tau']['5']:.3f} | {report['best_tree_tau']['16']:.3f} |"
+                )
+    ks = "| ".join(f"K={k} " for k in range(1, 9))
+    header = f"| questions | seed | head | {ks}| best 5-node | best 16-node |\n|" + "---|" * 13
+    notes = "\n".join(f"- {u}" for u in results["unmatched"])
+    write_text(out / "peer.md", f"{header}\n" + "\n".join(lines) + f"\n\nNot matched:\n{notes}\n")
+    plot(results, out / "peer.png")
+    print((out / "peer.md").read_text())
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = sorted({q for r in results["runs"].values() for q in r["replay"]})
+    if not sets:
+        return
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 4), squeeze=False)
+    for ax, qset in zip(axes[0], sets):
+        for seed, run_ in results["runs"].items():
+            for name, report in run_["replay"].get(qset, {}).items():
+                ks = sorted(report["chain_tau"], key=int)
+                style = "-" if name == "ours" else "--"
+                ax.plot(
+                    [int(k) for k in ks],
+                    [report["chain_tau"][k] for k in ks],
+                    style,
+                    marker="o",
+                    label=f"{name} seed {seed}",
+                )
+        ax.set(title=f"{qset}: {results['steps']} steps", xlabel="chain length K", ylabel="tau (replayed)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""engines/peer.py: the peer trainer's data is our trainer's rows, order and states.
+
+Always run (no vLLM needed): the schedule against the rows the Trainer itself fetches at each step,
+the hidden states against a transformers forward, the data directory as speculators reads it. With
+the `engines` marker and vLLM's virtualenv: the peer trains on it here (engines/peer_train.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_other_numbers, assert_same_numbers, write_conversations
+
+from specheads.config.model import ModelConfig
+from specheads.config.train import DataConfig, HeadConfig, TrainConfig, TrainJobConfig, WandbConfig
+from specheads.train.run import head_and_states
+from specheads.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("engines_peer", ROOT / "engines" / "peer.py")
+peer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(peer)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LAYERS = [1, 3, 5]  # the tiny target's stand-ins for 2, 15, 27
+
+
+def job(data, out, **train):
+    return TrainJobConfig(
+        model=ModelConfig(name="tiny-random", path="tiny:llama"),
+        head=HeadConfig(family="eagle3", layer_ids=LAYERS, draft_vocab_size=96, ttt_steps=2),
+        data=DataConfig(path=str(data), max_length=64, eval_fraction=0.25, pack=True),
+        train=TrainConfig(**{"lr": 1e-3, "warmup_steps": 1, "batch_size": 2, "max_steps": 4, **train}),
+        wandb=WandbConfig(mode="disabled"),
+        output_dir=str(out),
+    )
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_the_schedule_is_what_the_trainer_reads_at_each_step(world, tiny_target, tmp_path, grad_accum):
+    """Each step's conversations, in order, are those the Trainer fetches (packed rows unpacked)."""
+    data = write_conversations(tmp_path / "chats.jsonl", n=40)
+    cfg = job(data, tmp_path / "run", grad_accum=grad_accum)
+    head, source = head_and_states(cfg, tiny_target, world)
+    trainer = Trainer(cfg, head, source, world, tmp_path / "run")
+    fetched, fetch_packed = [], source.fetch_packed
+
+    def recording(split, packs):
+        fetched.append([i for pack in packs for i in pack])
+        return fetch_packed(split, packs)
+
+    source.fetch_packed = recording
+    read = []
+    for _ in range(cfg.train.max_steps):
+        trainer.train_step()
+        read.append([i for micro in fetched for i in micro])
+        fetched.clear()
+    schedule = peer.step_schedule(cfg, source.rows("train"))
+    assert schedule == read
+    assert len({i for step in schedule for i in step}) > len(schedule[0])  # steps read other rows
+
+
+def transformers_states(target, ids, layers):
+    """[T, n + 1, H] from transformers itself: hidden_states[k] enters layer k; the last layer's
+    output before the final norm is the norm's input."""
+    model = target.model
+    seen = {}
+    hook = model.model.norm.register_forward_pre_hook(lambda module, args: seen.setdefault("last", args[0]))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    return torch.stack([*(out.hidden_states[k][0] for k in layers), seen["last"][0]], dim=1)
+
+
+def test_the_peers_hidden_states_are_the_targets_forward(tiny_target, monkeypatch):
+    monkeypatch.setattr(peer, "LAYERS", LAYERS)
+    ids = list(range(30, 70))
+    ours = peer.peer_states(tiny_target, ids)
+    assert ours.shape == (len(ids), 4, tiny_target.info.hidden_size)
+    assert_same_numbers(ours, transformers_states(tiny_target, ids, LAYERS))
+    # one layer off, or the final state after the norm, is another tensor: the check can fail
+    assert_other_numbers(ours, transformers_states(tiny_target, ids, [k + 1 for k in LAYERS]))
+    with torch.no_grad():
+        after_norm = tiny_target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    assert_other_numbers(ours[:, 3], after_norm)
+
+
+def test_the_data_directory_is_what_speculators_reads(world, tiny_target, tmp_path, monkeypatch):
+    """The Arrow rows are our rows (train first, then the held-out ones), every scheduled and held-out
+    conversation has its states file, the vocabulary maps are the head's."""
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(peer, "LAYERS", LAYERS)
+    data = write_conversations(tmp_path / "chats.jsonl", n=40)
+    cfg = job(data, tmp_path / "run")
+    head, source = head_and_states(cfg, tiny_target, world)
+    train_rows, eval_rows = source.rows("train"), list(source.rows("eval"))[:3]
+    schedule = peer.step_schedule(cfg, train_rows)
+    summary = peer.write_peer_data(tmp_path / "data", tiny_target, train_rows, eval_rows, schedule, head)
+    arrow = load_from_disk(str(tmp_path / "data"))
+    assert arrow.format["type"] == "torch"  # as speculators reads it
+    arrow = arrow.with_format(None)
+    assert len(arrow) == len(train_rows) + 3 == summary["rows"]
+    for i, row in enumerate([*train_rows, *eval_rows]):
+        assert arrow[i]["input_ids"] == list(row["input_ids"]) and arrow[i]["loss_mask"] == list(row["loss_mask"])
+        assert arrow[i]["seq_len"] == len(row["input_ids"])
+    written = {int(p.stem[3:]) for p in (tmp_path / "data" / "hidden_states").glob("hs_*.safetensors")}
+    assert written == {i for step in schedule for i in step} | set(range(len(train_rows), len(train_rows) + 3))
+    first = schedule[0][0]
+    states = load_file(str(tmp_path / "data" / "hidden_states" / f"hs_{first}.safetensors"))
+    assert states["token_ids"].tolist() == list(train_rows[first]["input_ids"])
+    assert_same_numbers(states["hidden_states"], peer.peer_states(tiny_target, list(train_rows[first]["input_ids"])))
+    import numpy as np
+
+    assert np.array_equal(np.load(tmp_path / "data" / "d2t.npy"), head.d2t.numpy())
+    assert np.array_equal(np.load(tmp_path / "data" / "t2d.npy"), head.t2d.numpy())
+    plan = json.loads((tmp_path / "data" / "schedule.json").read_text())
+    assert plan == {"train_rows": len(train_rows), "batches": schedule}
+
+
+def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
+    def head(base):
+        return {
+            "chain_tau": {str(k): base + 0.01 * k for k in range(1, 9)},
+            "best_tree_tau": {"5": base + 0.2, "16": base + 0.3},
+        }
+
+    results = {
+        "unmatched": peer.UNMATCHED,
+        "steps": 10,
+        "runs": {
+            str(seed): {"replay": {"mt": {"ours": head(1.2 + seed / 10), "peer": head(1.1)}}} for seed in (0, 1)
+        },
+    }
+    peer.write_report(results, tmp_path)
+    table = (tmp_path / "peer.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| mt |")]
+    assert len(rows) == 4 and "| mt | 1 | ours | 1.310 |" in table and "| 1.400 | 1.500 |" in table
+    assert all(u in table for u in peer.UNMATCHED)
+    assert json.loads((tmp_path / "peer.json").read_text()) == results
+    assert (tmp_path / "peer.png").stat().st_size > 0
