@@ -234,6 +234,23 @@ def recurrent_layer_types(config) -> list[str]:
     return sorted({t for t in getattr(text, "layer_types", None) or [] if t in RECURRENT_TYPES})
 
 
+def finish_logits(logits: torch.Tensor, config) -> torch.Tensor:
+    """The LM head's output as the family's own forward finishes it: Falcon-H1's lm_head_multiplier,
+    Granite's logits_scaling, Cohere's logit_scale, Gemma's final soft-capping. A head's soft labels
+    are the target's distribution, so they must carry the same temperature (the argmax is the same
+    either way: each is monotonic)."""
+    text = config.get_text_config(decoder=True)
+    if (multiplier := getattr(text, "lm_head_multiplier", None)) is not None:
+        logits = logits * multiplier
+    if (scaling := getattr(text, "logits_scaling", None)) is not None:
+        logits = logits / scaling
+    if (scale := getattr(text, "logit_scale", None)) is not None:
+        logits = logits * scale
+    if (cap := getattr(text, "final_logit_softcapping", None)) is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def decoder_of(model) -> torch.nn.Module:
     """The model's decoder (embedding -> layers -> final norm). get_decoder() finds it by the base
     model's prefix, which some causal LMs do not name as their attribute (llama4_text's is

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import SpecHeadsError
-from ..target import FrozenTarget, TargetInfo, describe_identity, target_identity
+from ..target import FrozenTarget, TargetInfo, describe_identity, finish_logits, target_identity
 from .spec import HeadSpec
 
 
@@ -25,6 +25,7 @@ class FrozenParts:
         self.embed_tokens = target.embed_tokens
         self.lm_head = target.lm_head
         self.final_norm = target.final_norm
+        self.config = target.model.config  # how the target finishes its logits (finish_logits)
 
 
 class DraftHead(nn.Module):
@@ -81,7 +82,7 @@ class DraftHead(nn.Module):
     def target_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """The target's own next-token logits from its post-norm final state."""
         lm_head = self.frozen.lm_head
-        return lm_head(final_hidden.to(lm_head.weight.dtype)).float()
+        return finish_logits(lm_head(final_hidden.to(lm_head.weight.dtype)).float(), self.frozen.config)
 
     @property
     def dtype(self) -> torch.dtype:

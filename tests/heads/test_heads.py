@@ -3,7 +3,7 @@ from dataclasses import fields
 
 import pytest
 import torch
-from conftest import assert_same_numbers, batch_rows, head_states, overfit
+from conftest import assert_other_numbers, assert_same_numbers, batch_rows, head_states, overfit
 from safetensors.torch import save_file
 
 from specheads.config.train import HeadConfig, ModelConfig, family_fields
@@ -283,3 +283,29 @@ def test_eagle3_vocab_covers_training_tokens(tiny_target, toy_batch):
 def test_unknown_family_is_refused(tiny_target):
     with pytest.raises(SpecHeadsError, match="unknown head family"):
         build_head(HeadConfig(family="hydra9"), tiny_target)
+
+
+@pytest.mark.parametrize(
+    "arch,finish",
+    [
+        ("llama", {}),
+        ("granitemoehybrid", {"logits_scaling": 4.0}),
+        ("falcon_h1", {"lm_head_multiplier": 0.5}),
+        ("gemma3_text", {"final_logit_softcapping": 2.0}),
+    ],
+)
+def test_a_heads_soft_labels_are_the_targets_own_logits(arch, finish):
+    """What a head learns from is the distribution the target's forward gives, its family's output
+    scaling or soft-capping included; the LM head's raw output differs where a family finishes it."""
+    from specheads.target import FrozenTarget
+    from specheads.tiny import tiny_target
+
+    model, tokenizer = tiny_target(arch, num_hidden_layers=2, **finish)
+    target = FrozenTarget(model, tokenizer, name=f"tiny-{arch}")
+    head = build_head(HeadConfig(family="medusa", num_heads=1), target)
+    ids = torch.tensor([list(range(40, 60))])
+    states = target.states(ids, final=True, logits=True)
+    assert_same_numbers(head.target_logits(states.final), states.logits.float())
+    raw = target.lm_head(states.final).float()
+    if finish:
+        assert_other_numbers(raw, states.logits.float())
