@@ -484,6 +484,21 @@ def gguf_quantization(path: Path) -> str:
         return "unknown"
 
 
+def gguf_file_of(cfg: ModelConfig) -> Path | None:
+    """The local GGUF file a target is loaded from (embedded, a .gguf path, gguf_file inside a local
+    directory), else None."""
+    path = cfg.path
+    if path.startswith(EMBEDDED_PREFIX):
+        directory, filename, _ = embedded_gguf(path[len(EMBEDDED_PREFIX) :])
+        return directory / filename
+    local = Path(path).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return local
+    if cfg.gguf_file and (local / cfg.gguf_file).is_file():
+        return local / cfg.gguf_file
+    return None
+
+
 def loaded_as(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """How load_target reads cfg's weights, without machine paths: the source (embedded key, Hub id,
     a local file or directory by its name), the GGUF quantization when there is one, the dtype."""

@@ -23,15 +23,16 @@ class ExportJobConfig:
 
     # A head directory or Hub id. On the command line `head=` is accepted too (see __main__).
     head_path: str = MISSING
-    # eagle3 | speculators | dflash | eagle | vllm-medusa | medusa
+    # eagle3 | speculators | dflash | eagle | vllm-medusa | medusa | gguf
     format: str = MISSING
-    # Output directory (replaced atomically). May be left out with push_to_hub=true.
+    # Output directory (replaced atomically); format=gguf: the output file. May be left out with
+    # push_to_hub=true (not with gguf).
     out: str | None = None
-    # The target, when a format stores copies of its embedding / LM head. None: the conf/model
-    # option named like the head's target.
+    # The target, when a format stores copies of its embedding / LM head (gguf: its vocabulary).
+    # None: the conf/model option named like the head's target.
     model: ModelConfig | None = None
     # auto: every engine the format serves that can load this head. Or one engine (vllm, sglang,
-    # speculators, trtllm, tgi); for eagle3 it also picks the aux-layer-id numbering.
+    # speculators, trtllm, tgi, llama.cpp); for eagle3 it also picks the aux-layer-id numbering.
     engine: str = "auto"
     # auto keeps the head's own dtype; bfloat16 / float16 halve the files.
     dtype: str = "auto"
@@ -41,6 +42,7 @@ class ExportJobConfig:
     base_model: str | None = None
     # Default number of drafted tokens (speculators proposal, serve commands). null: from the tree
     # (DFlash: block_size - 1, the block it was trained on; its speculators format refuses more).
+    # gguf: the chain llama.cpp drafts, required for a head whose default tree branches.
     num_speculative_tokens: int | None = None
     push_to_hub: bool = False  # upload the export (with a model card) to the Hugging Face Hub
     repo_id: str | None = None  # the Hub repository to push to (org/name)

@@ -9,7 +9,8 @@
     source_head_config(exported_dir) -> dict | None               the specheads config it came from
 
 Formats: eagle3 (vLLM, SGLang), speculators (vLLM), eagle (vLLM, SGLang), vllm-medusa (vLLM),
-medusa (TensorRT-LLM, TGI). CLI: `python -m specheads.export head=DIR format=F out=DIR`.
+medusa (TensorRT-LLM, TGI), gguf (llama.cpp: one file). CLI: `python -m specheads.export head=DIR
+format=F out=DIR` (gguf: out=FILE.gguf).
 Names are imported on first use, so `specheads.config.export` stays cheap to import.
 """
 

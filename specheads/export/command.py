@@ -21,8 +21,12 @@ def head_alias(argv: list[str]) -> list[str]:
 
 def run_export_job(cfg: DictConfig, conf_dir: Path) -> None:
     settings = typed(cfg)
+    from .exporter import FORMATS
+
     if settings.out:
-        check_output_path(settings.out, "out")
+        check_output_path(
+            settings.out, "out", directory=not getattr(FORMATS.get(settings.format), "SINGLE_FILE", False)
+        )
     from .job import run_export
 
     run_export(settings, conf_dir)

@@ -89,12 +89,13 @@ class HeadSource:
 
 @dataclass
 class TargetParts:
-    """Lazy access to the frozen target's embedding and LM head, for formats that store copies.
+    """Lazy access to the frozen target's embedding, LM head and tokenizer, for formats that store copies.
 
     `load` returns a FrozenTarget; it runs only when a format needs one of its tensors.
     """
 
     load: Callable[[], Any] | None = None
+    gguf_file: Path | None = None  # the target's own GGUF file, when it is one (its vocabulary, as llama.cpp loads it)
     _target: Any = field(default=None, repr=False)
 
     def _get(self, what: str):
@@ -112,6 +113,9 @@ class TargetParts:
 
     def lm_head(self) -> torch.Tensor:
         return self._get("LM head").lm_head.weight.detach().to("cpu")
+
+    def tokenizer(self):
+        return self._get("tokenizer").tokenizer
 
 
 @dataclass

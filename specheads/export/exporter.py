@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from .. import atomic
 from ..errors import SpecHeadsError
 from ..heads.io import CONFIG_NAME
 from ..heads.spec import HeadSpec
-from . import dflash, eagle, eagle3, medusa, speculators, validate, vllm_medusa
+from . import dflash, eagle, eagle3, gguf, medusa, speculators, validate, validate_gguf, vllm_medusa
 from .common import (
     PROVENANCE_KEY,
     ExportOptions,
@@ -37,8 +38,8 @@ from .common import (
     write_directory,
 )
 
-FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (eagle3, speculators, dflash, eagle, vllm_medusa, medusa)}
-# Detection order: the most specific config markers first.
+FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (eagle3, speculators, dflash, eagle, vllm_medusa, medusa, gguf)}
+# Detection order of the directory formats: the most specific config markers first.
 DETECT_ORDER = ("speculators", "eagle3", "dflash", "vllm-medusa", "medusa", "eagle")
 
 
@@ -82,20 +83,22 @@ def export_head(
     num_speculative_tokens: int | None = None,
     target: Any = None,
     readme: Callable[[HeadSource, ExportResult], str] | None = None,
+    target_gguf: str | os.PathLike | None = None,
 ) -> ExportResult:
     """Write `head` in format `fmt` to `out` (atomically), checked against each engine's loader.
 
     Args:
         head: a head directory (or an already read HeadSource).
-        fmt: eagle3 | speculators | eagle | vllm-medusa | medusa (docs/serving.md says which
-            engine loads which).
-        out: the output directory, replaced whole.
+        fmt: eagle3 | speculators | dflash | eagle | vllm-medusa | medusa | gguf (docs/serving.md
+            says which engine loads which).
+        out: the output directory, replaced whole (gguf: the output file).
         engine: auto (every engine of the format that can load this head) or one engine.
         dtype: auto keeps the head's dtype; bfloat16 / float16 halve the files.
         embeddings, base_model, verifier_architectures, num_speculative_tokens: what the format
             stores about the target and the draft length (None: the format's defaults).
         target: a FrozenTarget or a callable returning one, needed only when the format stores
-            copies of the target's embedding or LM head.
+            copies of the target's embedding, LM head or tokenizer.
+        target_gguf: the target's own GGUF file, when it is one (gguf copies its vocabulary).
         readme: `readme(src, result)` may return a README.md (model card) written into `out`.
 
     Returns:
@@ -106,12 +109,17 @@ def export_head(
         raise SpecHeadsError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
     module = FORMATS[fmt]
     check_servable(src.family)
+    if src.family in getattr(module, "REFUSED", {}):
+        raise SpecHeadsError(module.REFUSED[src.family])
     if src.family not in module.FAMILIES:
         raise SpecHeadsError(
             f"format {fmt} holds {'/'.join(module.FAMILIES)} heads; this is a {src.family} "
             f"head (its formats: {', '.join(formats_for(src.family))})"
         )
-    parts = TargetParts(load=(target if callable(target) else (lambda: target)) if target is not None else None)
+    parts = TargetParts(
+        load=(target if callable(target) else (lambda: target)) if target is not None else None,
+        gguf_file=Path(target_gguf) if target_gguf is not None else None,
+    )
     opts = ExportOptions(
         engine=engine,
         dtype=dtype,
@@ -121,6 +129,8 @@ def export_head(
         num_speculative_tokens=num_speculative_tokens,
         target=parts,
     )
+    if getattr(module, "SINGLE_FILE", False):
+        return export_file(module, src, opts, Path(out))
     exported = module.build(src, opts)
     required = exported.engines if engine == "auto" else [engine]
     if engine != "auto" and engine not in exported.engines:
@@ -150,10 +160,28 @@ def export_head(
     return result
 
 
+def export_file(module: ModuleType, src: HeadSource, opts: ExportOptions, out: Path) -> ExportResult:
+    """A one-file format (gguf): written beside `out`, checked against its engine's loader and read
+    back from its engine fields alone, then renamed into place; a failed check leaves nothing."""
+    if out.is_dir():
+        raise SpecHeadsError(f"out={out} is a directory; format {module.NAME} writes one file (e.g. out=draft.gguf)")
+    draft = module.build(src, opts)
+    result = ExportResult(out, module.NAME, list(draft.engines), {}, list(draft.notes))
+    expected = cast(src.tensors, resolve_export_dtype(opts.dtype, src.tensors))
+    with atomic.atomic_path(out) as tmp:
+        module.write(draft, tmp)
+        result.findings = validate_gguf.require(tmp)
+        same_as_source(module.read_file(tmp), src, expected)
+    return result
+
+
 def self_check(module: ModuleType, directory: Path, src: HeadSource, expected: dict[str, torch.Tensor]) -> None:
     """Read the written directory back from its engine fields only; it must give the source head."""
     config = {k: v for k, v in read_json(directory / CONFIG_NAME).items() if k != PROVENANCE_KEY}
-    back = module.read(directory, config, src.info.num_layers)
+    same_as_source(module.read(directory, config, src.info.num_layers), src, expected)
+
+
+def same_as_source(back: ReadBack, src: HeadSource, expected: dict[str, torch.Tensor]) -> None:
     spec = src.spec
     for key, value in back.spec.items():
         mine = src.layer_ids if key == "layer_ids" else getattr(spec, key)

@@ -12,7 +12,7 @@ from ..config import installed_conf_dir
 from ..config.export import ExportJobConfig
 from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
-from ..target import EMBEDDED_PREFIX, EMBEDDED_TARGETS, TargetInfo
+from ..target import EMBEDDED_PREFIX, EMBEDDED_TARGETS, TargetInfo, gguf_file_of
 from .common import HeadSource
 from .exporter import FORMATS, ExportResult, check_servable, export_head, formats_for
 from .hub import push_to_hub, resolve_head_path
@@ -77,8 +77,13 @@ def run_export(cfg: ExportJobConfig, conf_dir: Path | None = None) -> ExportResu
         raise SpecHeadsError("push_to_hub=true needs repo_id=org/name")
     if not cfg.out and not cfg.push_to_hub:
         raise SpecHeadsError("out=DIR is required (or push_to_hub=true repo_id=org/name)")
+    single_file = getattr(FORMATS[fmt], "SINGLE_FILE", False)
+    if single_file and (cfg.push_to_hub or not cfg.out):
+        raise SpecHeadsError(f"format={fmt} writes one file: give out=FILE.{fmt} (push_to_hub uploads directories)")
     src = HeadSource.read(resolve_head_path(cfg.head_path))
     check_servable(src.family)
+    if src.family in getattr(FORMATS[fmt], "REFUSED", {}):
+        raise SpecHeadsError(FORMATS[fmt].REFUSED[src.family])
     if src.family not in FORMATS[fmt].FAMILIES:
         raise SpecHeadsError(
             f"format={fmt} does not hold {src.family} heads; use one of {', '.join(formats_for(src.family))}"
@@ -114,7 +119,8 @@ def run_export(cfg: ExportJobConfig, conf_dir: Path | None = None) -> ExportResu
             verifier_architectures=causal_lm_architecture(src.info.model_type),
             num_speculative_tokens=cfg.num_speculative_tokens,
             target=target_loader(model_cfg, src, cfg.device) if model_cfg is not None else None,
-            readme=readme,
+            readme=None if single_file else readme,
+            target_gguf=gguf_file_of(model_cfg) if single_file and model_cfg is not None else None,
         )
         for engine, problems in result.findings.items():
             status = "ok" if not problems else "not loadable: " + "; ".join(problems[:2])

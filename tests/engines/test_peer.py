@@ -135,9 +135,7 @@ def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
     results = {
         "unmatched": peer.UNMATCHED,
         "steps": 10,
-        "runs": {
-            str(seed): {"replay": {"mt": {"ours": head(1.2 + seed / 10), "peer": head(1.1)}}} for seed in (0, 1)
-        },
+        "runs": {str(seed): {"replay": {"mt": {"ours": head(1.2 + seed / 10), "peer": head(1.1)}}} for seed in (0, 1)},
     }
     peer.write_report(results, tmp_path)
     table = (tmp_path / "peer.md").read_text()

@@ -246,7 +246,7 @@ def test_refusals(tiny_target, tmp_path):
     with pytest.raises(SpecHeadsError, match="needs the target's LM head"):
         export_head(make_head_dir(tiny_target, tmp_path / "s", "medusa", shared_lm_head=True), "medusa", tmp_path / "x")
     with pytest.raises(SpecHeadsError, match="unknown export format"):
-        export_head(medusa, "gguf", tmp_path / "x")
+        export_head(medusa, "onnx", tmp_path / "x")
     assert not (tmp_path / "x").exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
