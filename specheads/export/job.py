@@ -14,7 +14,7 @@ from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 from ..target import EMBEDDED_PREFIX, EMBEDDED_TARGETS, TargetInfo, gguf_file_of
 from .common import HeadSource
-from .exporter import FORMATS, ExportResult, check_servable, export_head, formats_for
+from .exporter import FORMATS, ExportResult, check_servable, export_head, formats_for, is_exported_dir, load_exported
 from .hub import push_to_hub, resolve_head_path
 from .model_card import model_card, read_bench_summary
 
@@ -80,7 +80,34 @@ def run_export(cfg: ExportJobConfig, conf_dir: Path | None = None) -> ExportResu
     single_file = getattr(FORMATS[fmt], "SINGLE_FILE", False)
     if single_file and (cfg.push_to_hub or not cfg.out):
         raise SpecHeadsError(f"format={fmt} writes one file: give out=FILE.{fmt} (push_to_hub uploads directories)")
-    src = HeadSource.read(resolve_head_path(cfg.head_path))
+    src, imported = read_source(cfg)
+    try:
+        return export_source(cfg, src, conf_dir, fmt, single_file)
+    finally:
+        if imported is not None:
+            shutil.rmtree(imported, ignore_errors=True)
+
+
+def read_source(cfg: ExportJobConfig) -> tuple[HeadSource, Path | None]:
+    """The head to export and the scratch directory to remove after (None): our own head
+    directory, or a directory exported for an engine (a head trained elsewhere: speculators'
+    trainer, SpecForge) read back onto its target and written as ours, so that every format can
+    be written from it."""
+    path = resolve_head_path(cfg.head_path)
+    if not is_exported_dir(path):
+        return HeadSource.read(path), None
+    if cfg.model is None:
+        raise SpecHeadsError(f"{path} is a head exported for an engine: pass model=NAME (its target) to read it back")
+    from ..heads import save_head
+    from ..target import load_target, resolve_device
+
+    head = load_exported(path, load_target(cfg.model, resolve_device(cfg.device)))
+    scratch = Path(tempfile.mkdtemp(prefix="specheads-import-"))
+    save_head(head, scratch / "head", training={"imported_from": str(path)})
+    return HeadSource.read(scratch / "head"), scratch
+
+
+def export_source(cfg: ExportJobConfig, src: HeadSource, conf_dir: Path | None, fmt: str, single_file: bool):
     check_servable(src.family)
     if src.family in getattr(FORMATS[fmt], "REFUSED", {}):
         raise SpecHeadsError(FORMATS[fmt].REFUSED[src.family])

@@ -160,3 +160,22 @@ def test_what_specheads_cannot_draft_is_refused_in_one_line(tiny_target, peer_ch
     with pytest.raises(SpecHeadsError, match="SGLang's EAGLE-3 draft does not read norm_before_fc, norm_output"):
         export_head(src, "eagle3", tmp_path / "sg", engine="sglang")
     assert not (tmp_path / "sg").exists()
+
+
+def test_a_head_trained_elsewhere_exports_to_every_format_it_fits(tiny_target, peer_checkpoint, tmp_path):
+    """`python -m specheads.export head=<a speculators directory> model=...`: the head is read back
+    onto its target and written in another format with the same drafts; without model= it is one
+    line."""
+    from test_export import compose_export
+
+    from specheads.export.job import run_export
+
+    _, out = peer_checkpoint
+    args = [f"head_path={out}", "format=eagle3", "engine=vllm", f"out={tmp_path / 'e3'}"]
+    result = run_export(compose_export([*args, "model=tiny-random"]))
+    assert not result.findings["vllm"]
+    ours = draft_outputs(load_exported(result.path, tiny_target), tiny_target, PROMPT)
+    assert torch.equal(ours, draft_outputs(load_exported(out, tiny_target), tiny_target, PROMPT))
+    with pytest.raises(SpecHeadsError, match="is a head exported for an engine: pass model=NAME"):
+        run_export(compose_export([*args[:-1], f"out={tmp_path / 'x'}"]))
+    assert not (tmp_path / "x").exists()
