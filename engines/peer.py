@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+from specheads.atomic import save_figure, write_json, write_text
+from specheads.errors import SpecHeadsError, one_line_errors
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "engines"))
+from compare import run_logged  # noqa: E402  (the sibling tool's runner: output to a log, one line on failure)
+
 RUNNER = ROOT / "engines" / "peer_train.py"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 LAYERS = [2, 15, 27]
@@ -149,7 +153,7 @@ def write_peer_data(out: Path, target, train_rows, eval_rows, schedule, head, dt
     np.save(out / "d2t.npy", head.d2t.cpu().numpy())
     np.save(out / "t2d.npy", head.t2d.cpu().numpy())
     plan = {"train_rows": len(train_rows), "batches": schedule}
-    (out / "schedule.json").write_text(json.dumps(plan))
+    write_json(out / "schedule.json", plan)
     tokens = sum(len(rows[i]["input_ids"]) for step in schedule for i in step)
     return {"rows": len(rows), "train_rows": len(train_rows), "states_written": len(used), "tokens": tokens}
 
@@ -202,15 +206,6 @@ def peer_command(args, seed: int, out: Path, data: dict) -> list[str]:
     ]  # fmt: skip
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
-    """A step's process, its output in `log`; one line naming the log if it fails."""
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        tail = log.read_text().strip().splitlines()[-1:] or [""]
-        raise SystemExit(f"{Path(cmd[1]).name} failed ({tail[0]}); its output: {log}")
-
-
 def peer_head(out: Path) -> Path | None:
     """The peer's saved head (speculators format): its last epoch's directory, SAVE/<epoch>/."""
     epochs = [p.parent for p in (out / "peer").glob("*/config.json") if p.parent.name.isdigit()]
@@ -227,12 +222,13 @@ def replay(heads: dict[str, Path], questions: Path, out: Path, max_new_tokens: i
         f"bench.heads=[{','.join(others)}]", f"bench.questions={questions}",
         f"bench.max_new_tokens={max_new_tokens}", f"bench.output={stem}.jsonl",
     ]  # fmt: skip
-    run(cmd, out / f"replay-{questions.stem}.log")
+    run_logged("replay", cmd, out / f"replay-{questions.stem}.log")
     report = json.loads(Path(f"{stem}.replay.json").read_text())
     by_dir = {str(Path(h["head"]).resolve()): h for h in report["heads"].values()}
     return {name: by_dir[str(Path(heads[name]).resolve())] for name in names}
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="optimizer steps of each trainer")
@@ -247,9 +243,10 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="train.py overrides for both (data.*, ...)")
     args = p.parse_args(argv)
     if not VLLM_PYTHON.is_file():
-        raise SystemExit(f"{VLLM_PYTHON} is missing: make peer builds it (vLLM's CPU build and speculators)")
+        raise SpecHeadsError(f"{VLLM_PYTHON} is missing: make peer builds it (vLLM's CPU build and speculators)")
     results = {"unmatched": UNMATCHED, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "runs": {}}
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {"PYTHONPATH": str(ROOT)}  # beside this process's environment (run_logged)
+    peer_env = {**env, "WANDB_MODE": "disabled"}
     for seed in args.seeds:
         out = args.out / f"seed-{seed}"
         out.mkdir(parents=True, exist_ok=True)
@@ -261,17 +258,17 @@ def main(argv=None) -> int:
         else:
             print(f"peer: seed {seed}: rows, order and hidden states", file=sys.stderr)
             data = prepare(args, seed, out)
-            done.write_text(json.dumps({"settings": settings, "data": data}))
+            write_json(done, {"settings": settings, "data": data})
         if peer_head(out) is None:
             print(f"peer: seed {seed}: the peer trains {args.steps} steps", file=sys.stderr)
-            run(peer_command(args, seed, out, data), out / "peer.log", env={**env, "WANDB_MODE": "disabled"})
+            run_logged("the peer's training", peer_command(args, seed, out, data), out / "peer.log", peer_env)
         if not (out / "ours" / "head" / "config.json").is_file():
             print(f"peer: seed {seed}: ours trains {args.steps} steps", file=sys.stderr)
             ours = [sys.executable, "train.py", f"output_dir={out / 'ours'}", *our_overrides(args, seed)]
-            run(ours, out / "ours.log", env=env)
+            run_logged("train.py", ours, out / "ours.log", env)
         heads = {"ours": out / "ours" / "head", "peer": peer_head(out)}
         if heads["peer"] is None:
-            raise SystemExit(f"the peer wrote no head under {out / 'peer'}; its output: {out / 'peer.log'}")
+            raise SpecHeadsError(f"the peer wrote no head under {out / 'peer'}; its output: {out / 'peer.log'}")
         results["runs"][str(seed)] = {"data": data, "heads": {k: str(v) for k, v in heads.items()}, "replay": {}}
         for questions in args.questions:
             print(f"peer: seed {seed}: replay on {questions.name}", file=sys.stderr)
@@ -282,8 +279,6 @@ def main(argv=None) -> int:
 
 def write_report(results: dict, out: Path) -> None:
     """OUT/peer.json, OUT/peer.md (chain tau per K, per head and seed) and OUT/peer.png."""
-    from specheads.atomic import write_json, write_text
-
     write_json(out / "peer.json", results)
     lines = []
     for seed, run_ in results["runs"].items():
@@ -329,7 +324,7 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specheads.atomic import write_text  # noqa: E402
+
 HEADLINE_BEGIN = "<!-- headline: the README shows this table (tools/readme_results.py) -->"
 HEADLINE_END = "<!-- headline end -->"
 INCLUDED_BEGIN = "<!-- included from BENCHMARKS.md by tools/readme_results.py: edit it there -->"
@@ -48,7 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if README.md's copy is not BENCHMARKS.md's table")
     args = p.parse_args(argv)
     readme_path = ROOT / "README.md"
-    readme, want = readme_path.read_text(), None
+    readme = readme_path.read_text()
     want = included(readme, (ROOT / "BENCHMARKS.md").read_text())
     if args.check:
         if want != readme:
@@ -58,9 +62,7 @@ def main(argv=None) -> int:
             return 1
         return 0
     if want != readme:
-        tmp = readme_path.with_suffix(".md.tmp")
-        tmp.write_text(want)
-        tmp.replace(readme_path)
+        write_text(readme_path, want)
     return 0
 
 

@@ -75,10 +75,6 @@ def has_recurrent_state(cache: DynamicCache) -> bool:
     return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
-def is_chain(layout: TreeLayout) -> bool:
-    return all(len(children) <= 1 for children in layout.children)
-
-
 def cache_length(cache: DynamicCache) -> int:
     return int(cache.get_seq_length())
 
@@ -162,7 +158,7 @@ def verify_tree(target, tokens: Sequence[int], layout: TreeLayout, prefix_len: i
     device = target.device
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
     recurrent = has_recurrent_state(cache)
-    if recurrent and not is_chain(layout):
+    if recurrent and not layout.is_chain:
         raise recurrent_refusal(target.model.config, f"a draft tree ({layout.size} nodes, branching)")
     mask = None
     if layout.size > 1 and not recurrent:

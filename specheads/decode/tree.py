@@ -61,6 +61,11 @@ class TreeLayout:
             kids[p].append(i)
         return tuple(tuple(k) for k in kids)
 
+    @property
+    def is_chain(self) -> bool:
+        """No node has two children: what a target with a recurrent state can verify."""
+        return all(len(kids) <= 1 for kids in self.children)
+
     @cached_property
     def leaves(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.children) if not k)

@@ -122,14 +122,18 @@ def check_servable(src: HeadSource, opts: ExportOptions) -> int:
             "the state before the final norm: it would draft another function (vLLM serves it: format=speculators)"
         )
     tree = src.default_tree or []
-    branches = any(any(i != 0 for i in path) for path in tree)
-    if branches and opts.num_speculative_tokens is None:
+    if branches(tree) and opts.num_speculative_tokens is None:
         depth = max(len(p) for p in tree)
         raise SpecHeadsError(
             f"this head's default tree branches ({len(tree)} nodes); {LLAMACPP} drafts a chain only and would "
             f"ignore it: pass num_speculative_tokens=K (e.g. {depth}, its depth) to export it for a chain of K"
         )
     return src.speculative_tokens(opts.num_speculative_tokens)
+
+
+def branches(tree: list) -> bool:
+    """Whether a tree's paths leave the top-1 chain somewhere (a rank other than 0)."""
+    return any(any(i != 0 for i in path) for path in tree)
 
 
 # -- tensors ------------------------------------------------------------------------------------------
@@ -251,7 +255,7 @@ def build(src: HeadSource, opts: ExportOptions) -> Draft:
     notes = [
         f"{LLAMACPP} drafts a chain: serve with --spec-type draft-eagle3 --spec-draft-n-max {tokens}",
     ]
-    if src.default_tree and any(any(i != 0 for i in p) for p in src.default_tree):
+    if branches(src.default_tree or []):
         notes.append(f"the head's default tree is not used: llama.cpp drafts a chain of {tokens}")
     return Draft(fields, out, list(ENGINES), notes)
 

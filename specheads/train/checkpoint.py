@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..errors import SpecHeadsError
 
@@ -67,9 +67,9 @@ def save_rng(state: dict[str, Any], path: Path) -> None:
 def load_rng(path: Path) -> dict[str, Any]:
     """save_rng's file back as capture_rng()'s state; one line if it is missing or not ours."""
     try:
-        tensors = load_file(str(path))
-        with safe_open(str(path), "pt") as f:
+        with safe_open(str(path), "pt") as f:  # the tensors and the metadata in one read
             meta = json.loads((f.metadata() or {})["rng"])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
         (version, gauss), (kind, pos, has_gauss, cached) = meta["python"], meta["numpy"]
         state = {
             "python": (version, tuple(tensors["python"].tolist()), gauss),
