@@ -9,7 +9,9 @@ dev set; MT-bench or any other FastChat question.jsonl is given with --questions
 
 1. heads: the shipped EAGLE-3 head; EAGLE-1, Medusa, P-EAGLE and DFlash heads given with
    --eagle-head, --medusa-head, --peagle-head and --dflash-head, else trained for a few steps with
-   train.py (enough to test loading and agreement, not speed);
+   train.py (enough to test loading and agreement, not speed); and EAGLE-3 heads trained elsewhere
+   (--given NAME=DIR: a speculators-format directory, such as `make peer`'s), which vLLM loads as
+   they are and infer.py reads back onto the target (`model=smollm2-135m`);
 2. exports: every format vLLM loads (`python -m specheads.export`);
 3. vLLM: engines/vllm_run.py in vLLM's own virtualenv runs plain greedy, each export and vLLM's own
    model-free speculation (--peers: ngram, and Suffix Decoding, which needs arctic-inference in
@@ -283,12 +285,14 @@ def export(head: Path, fmt: str, out: Path, k: int, logs: Path) -> Path:
     return out
 
 
-def infer_chain(head: Path, questions: Path, args, k: int, out: Path, logs: Path) -> dict:
-    """infer.py's benchmark, spec only, a chain of K: accepted drafts per step and the outputs."""
+def infer_chain(head: Path, questions: Path, args, k: int, out: Path, logs: Path, given: bool = False) -> dict:
+    """infer.py's benchmark, spec only, a chain of K: accepted drafts per step and the outputs.
+    A head exported elsewhere (`given`) is read back onto the target it was trained for."""
     cmd = [
         sys.executable,
         "infer.py",
         f"head={head}",
+        *(["model=smollm2-135m"] if given else []),
         "tree=chain",
         f"tree.depth={k}",
         "temperature=0",
@@ -407,6 +411,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=20)
     p.add_argument("--heads-dir", type=Path, default=ROOT / "runs" / "engines" / "heads")
     p.add_argument("--formats", nargs="*", default=DEFAULT_FORMATS, choices=list(FORMATS))
+    p.add_argument(
+        "--given",
+        nargs="*",
+        default=[],
+        metavar="NAME=DIR",
+        help="EAGLE-3 heads trained elsewhere (speculators format), run as they are in vLLM and read by infer.py",
+    )
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "engines")
     args = p.parse_args(argv)
@@ -414,11 +425,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SpecHeadsError(f"{args.vllm_python} does not exist: run `make engines` (it builds vLLM's virtualenv)")
     if not args.questions.is_file():
         raise SpecHeadsError(f"--questions {args.questions} does not exist")
+    args.given = given_heads(args.given, {*FORMATS, *(f[0] for f in FORMATS.values()), *PEERS, "plain"})
     args.k = sorted(set(args.k))
     if min(args.num_questions, args.max_new_tokens, *args.k, args.batch, args.train_steps) < 1:
         raise SpecHeadsError("--num-questions, --max-new-tokens, --k, --batch and --train-steps must be >= 1")
     args.per_category = args.per_category or None
     return args
+
+
+def given_heads(pairs: Sequence[str], taken: set[str]) -> dict[str, Path]:
+    """--given NAME=DIR ...: name -> an EAGLE-3 head directory in the speculators format."""
+    heads = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or name in taken or name in heads:
+            raise SpecHeadsError(f"--given {pair!r}: expected NAME=DIR with a new NAME (not {sorted(taken)})")
+        config = Path(path) / "config.json"
+        if not config.is_file():
+            raise SpecHeadsError(f"--given {pair!r}: {config} does not exist")
+        kind = json.loads(config.read_text(encoding="utf-8")).get("speculators_model_type")
+        if kind != "eagle3":
+            raise SpecHeadsError(f"--given {pair!r}: a speculators eagle3 head is expected, found {kind!r}")
+        heads[name] = Path(path).resolve()
+    return heads
 
 
 def run_name(name: str, k: int, ks: Sequence[int]) -> str:
@@ -478,12 +507,17 @@ def annotations(formats: Sequence[str], k: int, ks: Sequence[int], limits: dict)
     return notes, skipped
 
 
-def vllm_runs(exports: dict, peers: Sequence[str], ks: Sequence[int], limits: dict | None = None) -> list[dict]:
-    """vLLM plain, then per K every export (up to its family's limit, `limits`: family -> K) and
-    every peer."""
+def vllm_runs(
+    exports: dict, peers: Sequence[str], ks: Sequence[int], limits: dict | None = None, given: dict | None = None
+) -> list[dict]:
+    """vLLM plain, then per K every export (up to its family's limit, `limits`: family -> K), every
+    EAGLE-3 head given as it is (`given`: name -> directory) and every peer."""
     limits = limits or {}
     runs = [{"name": "plain", "speculative_config": None}]
     for k in ks:
+        for name, path in (given or {}).items():
+            config = {"method": "eagle3", "model": str(path), "num_speculative_tokens": k}
+            runs.append({"name": run_name(name, k, ks), "speculative_config": config})
         for fmt, path in exports.items():
             family = FORMATS[fmt][0]
             if k in chain_lengths(family, ks, limits.get(family)):
@@ -530,8 +564,8 @@ def run(args: argparse.Namespace) -> dict:
             exports[fmt] = export(heads[fam], FORMATS[fmt][1], out / "export" / fmt, default_k, logs)
             bar.update(1)
         questions, prompts, target_dir, warmup = prompt_ids(args.questions, args.num_questions, args.per_category)
-        runs = vllm_runs(exports, args.peers, ks, limits)
-        bar.total += len(runs) + len(chains)
+        runs = vllm_runs(exports, args.peers, ks, limits, args.given)
+        bar.total += len(runs) + len(chains) + len(args.given) * len(ks)
         bar.refresh()
         spec = {
             "target": target_dir,
@@ -548,11 +582,18 @@ def run(args: argparse.Namespace) -> dict:
             path = out / "infer" / f"{run_name(fam, k, ks)}.jsonl"
             by_chain[run_name(fam, k, ks)] = infer_chain(heads[fam], args.questions, args, k, path, logs)
             bar.update(1)
+        for name, path in args.given.items():
+            for k in ks:
+                bar.set_description(f"infer.py {name} K={k}")
+                out_path = out / "infer" / f"{run_name(name, k, ks)}.jsonl"
+                by_chain[run_name(name, k, ks)] = infer_chain(path, args.questions, args, k, out_path, logs, given=True)
+                bar.update(1)
     infer = {
         run_name(fmt, k, ks): by_chain[run_name(FORMATS[fmt][0], k, ks)]
         for fmt in args.formats
         for k in chain_lengths(FORMATS[fmt][0], ks, limits[FORMATS[fmt][0]])
     }
+    infer.update({run_name(name, k, ks): by_chain[run_name(name, k, ks)] for name in args.given for k in ks})
     tables, rows, not_run = [], [], []
     for k in ks:
         names = ["plain"] + [
@@ -574,7 +615,7 @@ def run(args: argparse.Namespace) -> dict:
         "k": ks[0] if len(ks) == 1 else ks,
         "batch": args.batch,
         "peers": list(args.peers),
-        "heads": {fam: str(p) for fam, p in heads.items()},
+        "heads": {**{fam: str(p) for fam, p in heads.items()}, **{n: str(p) for n, p in args.given.items()}},
         "exports": {fmt: str(p) for fmt, p in exports.items()},
         "rows": [r for i, r in enumerate(rows) if r["run"] != "plain" or i == 0],
         "not_run": not_run,  # runs a head cannot make at that K (a DFlash head past its block), and why

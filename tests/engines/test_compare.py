@@ -266,3 +266,29 @@ def test_every_format_runs_every_k_at_any_batch(tmp_path):
     for fmt, (family, _, _) in compare.FORMATS.items():
         expected = {8} if family == "medusa" else set(range(2, 8 if family == "dflash" else 9))
         assert {k for k in range(2, 9) if f"{fmt}-k{k}" in runs} == expected, fmt
+
+
+def test_heads_trained_elsewhere_run_as_they_are_in_vllm(tmp_path):
+    """--given NAME=DIR: a speculators eagle3 directory goes to vLLM unexported, at every K; a name
+    that is taken, a missing directory or another kind of head is one line."""
+    python = tmp_path / "python"
+    python.touch()
+    peer = tmp_path / "peer"
+    peer.mkdir()
+    (peer / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    args = parse_args(["--vllm-python", str(python), "--k", "2", "3", "--given", f"peer={peer}"])
+    assert args.given == {"peer": peer.resolve()}
+    runs = {r["name"]: r["speculative_config"] for r in compare.vllm_runs({}, [], args.k, given=args.given)}
+    assert runs["peer-k2"] == {"method": "eagle3", "model": str(peer.resolve()), "num_speculative_tokens": 2}
+    assert runs["peer-k3"]["num_speculative_tokens"] == 3 and "plain" in runs
+    for bad, why in [
+        (f"eagle3={peer}", "new NAME"),
+        (f"medusa={peer}", "new NAME"),
+        (str(peer), "NAME=DIR"),
+        (f"x={tmp_path / 'none'}", "does not exist"),
+    ]:
+        with pytest.raises(SpecHeadsError, match=why):
+            parse_args(["--vllm-python", str(python), "--given", bad])
+    (peer / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
+    with pytest.raises(SpecHeadsError, match="eagle3 head is expected"):
+        parse_args(["--vllm-python", str(python), "--given", f"peer={peer}"])
