@@ -147,6 +147,53 @@ def tie_gap(logits, a: int, b: int) -> dict:
     }
 
 
+# -- the cost model (pure) ---------------------------------------------------------------------------
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares a + b x."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def cost_model(forward_s: dict[int, float], weight_bytes: int, bandwidth_gb_s: float, by_k: dict, runs: dict) -> dict:
+    """What a K-token draft costs against what it must save, from llama.cpp's own timings.
+
+    forward_s: n -> seconds of one target forward over n tokens (llama-bench, the same threads);
+    runs: K -> (verifications, seconds) of the speculative runs. A forward costs about
+    max(weights / bandwidth, n x b): it streams the weights once and computes b per token. Where
+    n x b is the larger, verifying K + 1 tokens costs K + 1 plain steps and no tau pays; where the
+    weights dominate it costs about one. Both terms grow with the parameter count, so the target's
+    size does not move the boundary: the compute a token gets against the bandwidth does (threads,
+    cores, the weights' bytes per parameter)."""
+    a, b = fit_line(list(forward_s), list(forward_s.values()))
+    floor = weight_bytes / (bandwidth_gb_s * 1e9)
+    one = forward_s[1]
+    per_k = {}
+    for k, s in by_k.items():
+        verifications, seconds = runs[k]
+        verify = forward_s.get(k + 1, a + b * (k + 1))
+        draft = max(seconds / verifications - verify, 0.0)  # each step's drafting, beside its verification
+        per_k[k] = {
+            "verify_ratio": verify / one,
+            "draft_ms": 1e3 * draft,
+            "tau_needed": (verify + draft) / one,
+            "tau": s["llama_acceptance"],
+            "compute_to_pay": (k + 1) * b / floor,  # times this compute per token for (K+1) b <= weights / bandwidth
+        }
+    return {
+        "forward_ms": {n: 1e3 * t for n, t in forward_s.items()},
+        "fixed_ms": 1e3 * a,
+        "per_token_ms": 1e3 * b,
+        "weights_mb": weight_bytes / 1e6,
+        "bandwidth_gb_s": bandwidth_gb_s,
+        "weights_ms": 1e3 * floor,
+        "per_k": per_k,
+    }
+
+
 # -- runs ---------------------------------------------------------------------------------------------
 
 
@@ -172,6 +219,23 @@ def llama_eagle3(bin_dir: Path, target: Path, draft: Path, prompt: str, k: int, 
     cmd += ["--temp", "0", "-t", args.threads, "-td", args.threads, "--seed", "0", "-v"]
     stdout, log = run_quiet(cmd)
     return stdout, speculative_stats(log)
+
+
+def llama_bench(bin_dir: Path, target: Path, sizes: Sequence[int], threads: int) -> tuple[dict[int, float], int]:
+    """Seconds of one target forward over n tokens for each n (llama-bench, 5 repeats), and the
+    weights' bytes."""
+    cmd = [bin_dir / "llama-bench", "-m", target, "-p", ",".join(map(str, sizes)), "-n", "0"]
+    stdout, _ = run_quiet([*cmd, "-t", threads, "-r", "5", "-o", "json"])
+    tests = json.loads(stdout)
+    return {int(t["n_prompt"]): t["avg_ns"] / 1e9 for t in tests}, int(tests[0]["model_size"])
+
+
+def bandwidth() -> float:
+    """This machine's memory bandwidth now: the median of 5 copies of 1 GiB (bench/bandwidth.py)."""
+    from specheads.bench.bandwidth import BandwidthProbe, summarize_bandwidth
+
+    probe = BandwidthProbe(1024)
+    return summarize_bandwidth([probe.sample() for _ in range(5)], 1024)["median_gb_s"]
 
 
 def export_draft(head: Path, out: Path, k: int, logs: Path) -> Path:
@@ -254,7 +318,7 @@ def run(args: argparse.Namespace) -> dict:
     model_cfg = ModelConfig(path="embedded:smollm2", dtype="float32")
     target_gguf = gguf_file_of(model_cfg)
     target = load_target(model_cfg, resolve_device("cpu"))
-    steps = 2 + len(prompts) * (1 + len(args.k))
+    steps = 3 + len(prompts) * (1 + len(args.k))
     with tqdm(total=steps, desc="llama.cpp", unit="run", file=sys.stderr) as bar:
         bar.set_description("export gguf")
         draft = export_draft(args.head.resolve(), out / "draft.gguf", max(args.k), logs)
@@ -281,7 +345,13 @@ def run(args: argparse.Namespace) -> dict:
                 row["k"][k] = {**stats, "identical": same, "difference": why}
                 bar.update(1)
             rows.append(row)
+        bar.set_description("cost model")
+        forward_s, weight_bytes = llama_bench(args.bin, target_gguf, range(1, max(args.k) + 2), args.threads)
+        gb_s = bandwidth()
+        bar.update(1)
     report = summarize(rows, ours, args)
+    runs = {k: (sum(len(r["k"][k]["accepted"]) for r in rows), sum(r["k"][k]["seconds"] for r in rows)) for k in args.k}
+    report["cost"] = cost_model(forward_s, weight_bytes, gb_s, report["by_k"], runs)
     report.update({"target": str(target_gguf), "head": str(args.head), "draft": str(draft), "rows": rows})
     write_json(out / "llamacpp.json", report)
     table = format_table(report, args)
@@ -329,6 +399,24 @@ def format_table(report: dict, args) -> str:
         same = f"{s['identical']}/{n}" + (f" (+{s['near_ties']} near ties)" if s["near_ties"] else "")
         speed = f"{s['tokens_per_s']:.1f} | {s['vs_plain']:.2f}"
         lines.append(f"| eagle3 K={k} | {same} | {llama} | {replayed} | {agree} | {speed} |")
+    c = report.get("cost")
+    if c:
+        forwards = ", ".join(f"{n}: {ms:.1f}" for n, ms in c["forward_ms"].items())
+        lines += [
+            "",
+            f"Cost model (llama-bench, {args.threads} thread(s)): ms of one target forward over n tokens: {forwards}; "
+            f"fitted {c['fixed_ms']:.1f} + {c['per_token_ms']:.2f} x n ms. Streaming the weights once "
+            f"({c['weights_mb']:.0f} MB at {c['bandwidth_gb_s']:.1f} GB/s) takes {c['weights_ms']:.1f} ms.",
+            "",
+            "| K | verify K+1 / plain step | draft ms a step | tau needed | tau measured | compute to pay |",
+            "|---|---|---|---|---|---|",
+        ]
+        for k, x in c["per_k"].items():
+            tau = "-" if x["tau"] is None else f"{x['tau']:.3f}"
+            lines.append(
+                f"| {k} | {x['verify_ratio']:.2f} | {x['draft_ms']:.1f} | {x['tau_needed']:.2f} | {tau} | "
+                f"{x['compute_to_pay']:.1f}x |"
+            )
     for row in report["rows"]:
         for k, x in row["k"].items():
             d = x["difference"]

@@ -120,3 +120,24 @@ def test_summary_counts_identity_agreement_and_speed():
 def test_refused_without_a_built_llamacpp(tmp_path):
     with pytest.raises(SpecHeadsError, match="make engines` builds llama.cpp"):
         llamacpp.parse_args(["--bin", str(tmp_path)])
+
+
+def test_fit_line_recovers_a_line():
+    a, b = llamacpp.fit_line([1, 2, 3, 4], [3.0, 5.0, 7.0, 9.0])
+    assert a == pytest.approx(1.0) and b == pytest.approx(2.0)
+
+
+def test_cost_model_compute_bound_and_memory_bound_targets():
+    """A forward of n tokens at 9 ms a token (compute-bound: verifying K+1 costs K+1 plain steps) and
+    one that streams 1 GB at 10 GB/s (100 ms, whatever n up to 5): the same draft needs tau K+1-ish
+    in the first and about 1 in the second."""
+    by_k = {3: {"llama_acceptance": 1.9}}
+    compute = llamacpp.cost_model({n: 0.009 * n for n in range(1, 6)}, 90_000_000, 20.0, by_k, {3: (10, 0.4)})
+    k3 = compute["per_k"][3]
+    assert k3["verify_ratio"] == pytest.approx(4.0) and k3["draft_ms"] == pytest.approx(4.0)
+    assert k3["tau_needed"] == pytest.approx((0.036 + 0.004) / 0.009) and k3["tau"] == 1.9
+    assert compute["per_token_ms"] == pytest.approx(9.0) and compute["fixed_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert compute["weights_ms"] == pytest.approx(4.5) and k3["compute_to_pay"] == pytest.approx(4 * 9.0 / 4.5)
+    memory = llamacpp.cost_model({n: 0.1 + 0.001 * n for n in range(1, 6)}, 10**9, 10.0, by_k, {3: (10, 1.1)})
+    assert memory["per_k"][3]["verify_ratio"] == pytest.approx(0.104 / 0.101)
+    assert memory["per_k"][3]["tau_needed"] < 1.2 and memory["per_k"][3]["compute_to_pay"] < 1
