@@ -31,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-from specheads.atomic import save_figure, write_json, write_text
+from specheads.atomic import atomic_path, save_figure, write_json, write_text
 from specheads.errors import SpecHeadsError, one_line_errors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +125,20 @@ def peer_states(target, input_ids):
     return torch.stack([states.hidden[k][0].float() for k in every], dim=1)
 
 
+def states_written(path: Path, ids: list[int]) -> bool:
+    """Whether a conversation's states file is already whole and of these very tokens (a file cut
+    short by a killed run, or one of other rows, is written again)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            return f.get_tensor("token_ids").tolist() == ids and "hidden_states" in f.keys()
+    except (SafetensorError, OSError):
+        return False
+
+
 def write_peer_data(out: Path, target, train_rows, eval_rows, schedule, head, dtype="float32") -> dict:
     """The peer's data directory (see the module's docstring); its summary."""
     import numpy as np
@@ -147,9 +161,12 @@ def write_peer_data(out: Path, target, train_rows, eval_rows, schedule, head, dt
     states_dir = out / "hidden_states"
     states_dir.mkdir(parents=True, exist_ok=True)
     for i in tqdm(used, desc="peer: hidden states", unit="conv"):
-        ids = list(rows[i]["input_ids"])
+        ids, path = list(rows[i]["input_ids"]), states_dir / f"hs_{i}.safetensors"
+        if states_written(path, ids):  # an interrupted run's file: resumed, not redone
+            continue
         states = peer_states(target, ids).to(getattr(torch, dtype)).contiguous()
-        save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(states_dir / f"hs_{i}.safetensors"))
+        with atomic_path(path) as tmp:
+            save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(tmp))
     np.save(out / "d2t.npy", head.d2t.cpu().numpy())
     np.save(out / "t2d.npy", head.t2d.cpu().numpy())
     plan = {"train_rows": len(train_rows), "batches": schedule}

@@ -95,7 +95,7 @@ def test_the_data_directory_is_what_speculators_reads(world, tiny_target, tmp_pa
     """The Arrow rows are our rows (train first, then the held-out ones), every scheduled and held-out
     conversation has its states file, the vocabulary maps are the head's."""
     from datasets import load_from_disk
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     monkeypatch.setattr(peer, "LAYERS", LAYERS)
     data = write_conversations(tmp_path / "chats.jsonl", n=40)
@@ -123,6 +123,27 @@ def test_the_data_directory_is_what_speculators_reads(world, tiny_target, tmp_pa
     assert np.array_equal(np.load(tmp_path / "data" / "t2d.npy"), head.t2d.numpy())
     plan = json.loads((tmp_path / "data" / "schedule.json").read_text())
     assert plan == {"train_rows": len(train_rows), "batches": schedule}
+
+    # an interrupted run resumes: whole files of the same tokens are kept, a cut or foreign one redone
+    states_dir = tmp_path / "data" / "hidden_states"
+    cut, other = sorted(written)[:2]
+    (states_dir / f"hs_{cut}.safetensors").write_bytes((states_dir / f"hs_{cut}.safetensors").read_bytes()[:100])
+    foreign = {"hidden_states": torch.zeros(1, 4, 8), "token_ids": torch.tensor([7])}
+    save_file(foreign, str(states_dir / f"hs_{other}.safetensors"))
+    kept = {p.name: p.stat().st_mtime_ns for p in states_dir.iterdir() if int(p.stem[3:]) not in (cut, other)}
+    calls = []
+    real = peer.peer_states
+    monkeypatch.setattr(peer, "peer_states", lambda t, ids: calls.append(ids) or real(t, ids))
+    peer.write_peer_data(tmp_path / "data", tiny_target, train_rows, eval_rows, schedule, head)
+    assert sorted(map(tuple, calls)) == sorted(tuple(train_or_eval(train_rows, eval_rows, i)) for i in (cut, other))
+    assert {p.name: p.stat().st_mtime_ns for p in states_dir.iterdir() if p.name in kept} == kept
+    for i in (cut, other):
+        redone = load_file(str(states_dir / f"hs_{i}.safetensors"))
+        assert redone["token_ids"].tolist() == train_or_eval(train_rows, eval_rows, i)
+
+
+def train_or_eval(train_rows, eval_rows, i: int) -> list[int]:
+    return list([*train_rows, *eval_rows][i]["input_ids"])
 
 
 def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
