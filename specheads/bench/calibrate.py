@@ -9,20 +9,22 @@
    therefore the n most frequent paths (a child is never more frequent than its parent).
 2. Cost. Target forwards of 1..max_nodes+1 query tokens are timed against a realistic context,
    and the head's drafting of each candidate tree (and of its cuts at each depth) is timed with
-   the real drafter.
+   the real drafter; each at the mean over repeats, what the loop pays (bench/timing.py).
 3. Pick n maximising (1 + E[accepted]) / (target time + draft time), each tree under the depth
    gate (StaticTree.min_path_prob) that serves it best: at every position the head's top-1
    probabilities along the answer (teacher-forced, as the ranks) say how deep the gated tree
    drafts there, and the step accepts at most that deep and costs that depth's drafting and
    nodes, so that steps where the head is unsure stop early and cost less.
 4. The hybrid tree (the head's tree + continuations of the text's repeats, decode.drafters.
-   HybridDrafter): at the same positions the text drafter's nodes are listed in the order it
-   adds them, so for g text nodes its accepted length A_t(g) is known; a merged tree accepts the
-   longer of the two paths, max(A_h(n), A_t(g)). A text-alone rule (m, L) makes the steps whose
-   last m tokens recurred verify L text nodes alone, without the head's drafting. The setting
-   (n, g, rule), n = 0 meaning no head nodes, with the most expected tokens per second (its
-   verify cost at each step's merged size, the head's drafting, the lookup) is stored in the
-   calibration record as "hybrid".
+   HybridDrafter): the loop's own text drafter, built from the tree settings' text source as the
+   loop builds it, is stepped along the answers (hybrid_fit.walk_text), and at the same positions
+   its nodes are listed best first, so for g text nodes its accepted length A_t(g) is known; a
+   merged tree accepts the longer of the two paths, max(A_h(n), A_t(g)). A text-alone rule (m, L)
+   makes the steps whose last m tokens recurred verify L text nodes alone, without the head's
+   drafting. The setting (n, g, rule), n = 0 meaning no head nodes, with the most expected tokens
+   per second (its verify cost at each step's merged size, the head's drafting, the lookup) is
+   stored in the calibration record as "hybrid", with the text source it was scored with, which
+   is the one it drafts with (policy.hybrid_policy_for).
 
 5. Dynamic trees (bench/dynamic_trees.py; tree.dynamic=weigh, the default): at the same
    positions the head drafts its full EAGLE-2 tree, from which the acceptance, size and drafting
@@ -38,11 +40,11 @@ tree.save=head asks for that; its record names the prompts it was measured on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
@@ -53,20 +55,33 @@ from tqdm import tqdm
 from ..atomic import write_json
 from ..config.infer import SEARCH_DEFAULTS, InferJobConfig, TreeConfig, resolve_search
 from ..decode.baselines import hf_generate
-from ..decode.drafters import make_drafter, text_continuations
+from ..decode.drafters import make_drafter
 from ..decode.kv import new_cache, verify_tree
-from ..decode.policy import DynamicTreeSpec, TreePolicy, describe_text_alone
+from ..decode.policy import (
+    DynamicTreeSpec,
+    HybridPolicy,
+    TreePolicy,
+    alone_trigger,
+    describe_policy,
+    describe_source,
+    describe_text_alone,
+    dynamic_from,
+    text_policy,
+    text_settings,
+    tree_config_from,
+)
 from ..decode.tree import TreeLayout, pruned_tree, static_tree
 from ..errors import SpecHeadsError
 from ..heads import read_head_config
 from ..heads.io import CONFIG_NAME, draft_precision
 from ..provenance import portable_path
 from ..target import synchronize
-from .dynamic_trees import MAX_DEPTH, NODES, TOP_K, dynamic_choice, grow_along
-from .hybrid_fit import calibrate_rule, score_rule, text_positions
+from .dynamic_trees import MAX_DEPTH, NODES, TOP_K, dynamic_choice, grow_along, rule_candidate
+from .hybrid_fit import accepted_text, calibrate_rule, score_rule, text_positions, time_lookup, walk_text
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
 from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
+from .timing import time_steps
 from .trees import (
     cache_path,
     existing_calibration,
@@ -144,11 +159,11 @@ def settle_forward(target, token: int, cache) -> None:
 def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
     """Seconds per verification forward of n query tokens after `context`.
 
-    The minimum over repeats (least disturbed by other work on the machine), made non-decreasing
-    in n: more query tokens never cost less. Each repeat times every size in turn, so that a slow
-    spell of the machine falls on all sizes alike; timed one size after another, it would inflate
-    the few sizes timed during it, and the forcing would carry that up to the larger ones, making
-    large trees look cheap beside small ones.
+    The mean the loop pays (timing.time_steps: every size timed once a round, so that a slow spell
+    of the machine falls on all sizes alike; timed one size after another, it would inflate the
+    few sizes timed during it, and the forcing would carry that up to the larger ones, making large
+    trees look cheap beside small ones), made non-decreasing in n: more query tokens never cost
+    less. Each forward follows a 1-token one (settle_forward), as a decoding step follows a step.
     """
     model, device = target.model, target.device
     cache = new_cache(model)
@@ -156,18 +171,13 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
     prefix = len(context)
     # n query tokens, each attending to the ones before: built once, timed every round
     queries = {n: ([context[i % len(context)] for i in range(n)], TreeLayout(tuple(range(-1, n - 1)))) for n in sizes}
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for r in range(repeats + 1):
-        for n, (tokens, chain) in queries.items():
-            settle_forward(target, context[-1], cache)
-            synchronize(device)
-            t0 = time.perf_counter()
-            verify_tree(target, tokens, chain, prefix, cache)
-            synchronize(device)
-            if r:  # the first round warms up
-                times[n].append(time.perf_counter() - t0)
-            cache.crop(-n)
-    out = {n: min(t) for n, t in times.items()}
+    out = time_steps(
+        {n: functools.partial(verify_tree, target, *query, prefix, cache) for n, query in queries.items()},
+        repeats,
+        before=lambda n: settle_forward(target, context[-1], cache),
+        after=lambda n: cache.crop(-n),
+        sync=lambda: synchronize(device),
+    )
     running = 0.0
     for n in sorted(out):
         running = out[n] = max(out[n], running)
@@ -179,20 +189,15 @@ def time_repeated(target, cache, root: int, step: Callable[[], object], before=N
     """Seconds `step` takes, each time right after a target forward on `cache` (settle_forward), as
     a draft in decoding always follows a verification: drafting back to back with warm caches
     measured 0.5-1 ms a step less on a CPU than the same trees cost in the loop, most for the trees
-    with most levels. `before` runs ahead of each forward, untimed. The least disturbed of
-    `repeats`, after a warm-up round."""
-    times = []
-    for r in range(repeats + 1):
+    with most levels. `before` runs ahead of each forward, untimed. The mean the loop pays
+    (timing.time_steps)."""
+
+    def prepare(_) -> None:
         if before is not None:
             before()
         settle_forward(target, root, cache)
-        synchronize(target.device)
-        t0 = time.perf_counter()
-        step()
-        synchronize(target.device)
-        if r:
-            times.append(time.perf_counter() - t0)
-    return min(times)
+
+    return time_steps({0: step}, repeats, before=prepare, sync=lambda: synchronize(target.device))[0]
 
 
 def time_draft(target, head, policy: TreePolicy, prompt: Sequence[int], repeats: int = 5, accepted: int = 3) -> float:
@@ -263,29 +268,23 @@ def gate_choice(
 
 
 def text_acceptance(
-    ids: Sequence[int], answer_start: int, ngram_max: int, max_nodes: int, min_ngram: int = 1
-) -> list[tuple[int, ...]]:
-    """For each answer position (those of rank_vectors), the accepted length of the text drafter
-    (n-grams min_ngram..ngram_max) with g = 0..max_nodes nodes (entry g), cut where it runs out of
-    nodes: an entry of length 1 means the text drafted nothing there."""
-    full = list(ids)
-    out = []
-    for t in range(answer_start - 1, len(full) - 2):  # tree rooted at token t+1
-        truth = full[t + 2 :]
-        order: list[tuple[int, ...]] = []  # the nodes as the drafter adds them (a prefix-closed order)
-        seen: set[tuple[int, ...]] = set()
-        for chain in text_continuations(full[: t + 2], ngram_max, max_nodes, max_nodes, min_ngram):
-            for m in range(1, len(chain) + 1):
-                if tuple(chain[:m]) not in seen:
-                    seen.add(tuple(chain[:m]))
-                    order.append(tuple(chain[:m]))
-        accepted, best = [0], 0
-        for path in order:
-            if list(path) == truth[: len(path)]:
-                best = max(best, len(path))
-            accepted.append(best)
-        out.append(tuple(accepted))
-    return out
+    policy: HybridPolicy, prompts, contexts, max_nodes: int, triggers: Sequence[int] = ()
+) -> tuple[list[tuple[int, ...]], dict[int, list[tuple[int, ...]]]]:
+    """At each answer position (those of rank_vectors), the accepted length of the loop's own text
+    drafter (hybrid_fit.walk_text, drafting from `policy`'s source) with g = 0..max_nodes nodes
+    (entry g), cut where it runs out of nodes: an entry of length 1 means the text drafted nothing
+    there; and for each trigger m, the same of the nodes it drafts alone where the text's last m
+    tokens (or more) recurred (HybridDrafter.text_draft with min_match=m)."""
+
+    def accepted(draft, truth) -> tuple[int, ...]:
+        return tuple(accepted_text(draft, truth, g) for g in range(min(len(draft.paths), max_nodes) + 1))
+
+    def read(drafter, truth) -> dict[int, tuple[int, ...]]:
+        return {m: accepted(drafter.text_draft(max_nodes, max_nodes, m), truth) for m in {1, *triggers}}
+
+    reads, _ = walk_text(policy, prompts, contexts, read)
+    flat = [r for answer in reads for r in answer]
+    return [r[1] for r in flat], {m: [r[m] for r in flat] for m in triggers}
 
 
 def interpolate(times: dict[int, float], n: int) -> float:
@@ -340,7 +339,7 @@ def hybrid_choice(
     head's top-1 chain, as for gate_choice) and each alone[m] hold the same positions.
 
     A setting is (head nodes n, text nodes g) and a text-alone rule: none, or (m, L): where the
-    text's last m tokens (or more) occurred before (alone[m] = text_acceptance with min_ngram=m
+    text's last m tokens (or more) occurred before (alone[m] = text_acceptance's for trigger m
     drafted something), the step verifies the text's L nodes alone, with no head drafting; every
     other step verifies the merged tree, which accepts max(A_head(n), A_text(g)). Under a gate the
     head's part is drafted as gate_choice counts it: at each position as deep as gated_depth says,
@@ -418,34 +417,22 @@ def with_sizes(target, context: Sequence[int], target_s: dict[int, float], sizes
     return merged
 
 
-def time_lookup(context: Sequence[int], ngram_max: int, nodes: int, repeats: int = 5) -> float:
-    """Seconds the text drafter spends finding up to `nodes` continuations in this text."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        text_continuations(context, ngram_max, nodes, nodes)
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def score_hybrid_setting(
-    prompts, contexts, vectors, top_probs, hybrid: dict, gate: float, target_s, lookup_s, draft_by_depth
+    prompts, contexts, vectors, top_probs, hybrid: dict, gate: float, target_s, lookup_s, draft_by_depth, tree
 ) -> dict | None:
     """One hybrid setting (a calibration record's "hybrid": the head's paths under `gate`, its text
-    nodes, n-gram length and text-alone rule) scored by hybrid_choice on these positions and costs
-    (target_s covering its sizes; lookup_s: the text drafter's seconds at its n-gram length), as
-    calibrate_hybrid scores the new ones; None when it drafts nothing."""
+    nodes, text source (policy.text_policy, as hybrid_policy_for drafts it; `tree`: the settings
+    it lacks) and text-alone rule) scored by hybrid_choice on these positions and costs (target_s
+    covering its sizes; lookup_s: its text drafter's seconds), as calibrate_hybrid scores the new
+    ones; None when it drafts nothing."""
     paths = [list(p) for p in hybrid.get("paths") or []]
-    g, ngram_max = int(hybrid.get("ngram_nodes") or 0), int(hybrid.get("ngram_max") or 3)
-    size, trigger = int(hybrid.get("text_alone") or 0), int(hybrid.get("text_alone_ngram") or ngram_max)
+    source = text_policy(tree, hybrid)
+    g, size = int(hybrid.get("ngram_nodes") or 0), int(hybrid.get("text_alone") or 0)
+    trigger = alone_trigger(source, hybrid.get("text_alone_ngram"))
     if not paths and not g:
         return None
     nodes = max(max(TEXT_NODES), g, size)  # as calibrate_hybrid lists them
-    text, alone = [], []
-    for ids, full in zip(prompts, contexts):
-        text += text_acceptance(full, len(ids), ngram_max, nodes)
-        if size:
-            alone += text_acceptance(full, len(ids), ngram_max, nodes, min_ngram=trigger)
+    text, alone = text_acceptance(source, prompts, contexts, nodes, [trigger] if size else [])
     head = []
     if paths:
         draft_s = draft_by_depth(paths)
@@ -457,7 +444,7 @@ def score_hybrid_setting(
         head,
         target_s,
         lookup_s,
-        {trigger: alone} if size else {},
+        alone,
         [size] if size else [],
         top_probs,
         (g,),
@@ -475,40 +462,35 @@ def calibrate_hybrid(
     Each of the head's trees (rows) is scored under the depth gate chosen with it (min_path_prob,
     its drafting by depth in draft_s): the gate it is drafted with, stored in the record."""
     t = settings.tree
+    source = text_policy(t)  # the text drafter as the loop builds it from these settings
     top = max(TEXT_NODES)
-    triggers = [t.text_alone_ngram] if t.text_alone_ngram is not None else range(1, t.ngram_max + 1)
+    triggers = [t.text_alone_ngram] if t.text_alone_ngram is not None else range(1, source.trigger_max + 1)
     sizes = list(TEXT_NODES[1:]) if t.text_alone is None else [t.text_alone] if t.text_alone else []
     # the merged tree's text part is the trigger-1 rule's text too: listed once, long enough for both
-    nodes = max(top, *sizes)
-    text, alone = [], {m: [] for m in triggers if sizes and m > 1}
-    for ids, full in zip(prompts, contexts):
-        text += text_acceptance(full, len(ids), t.ngram_max, nodes)
-        for m in alone:
-            alone[m] += text_acceptance(full, len(ids), t.ngram_max, nodes, min_ngram=m)
-    if sizes and 1 in triggers:
-        alone[1] = text
+    text, alone = text_acceptance(source, prompts, contexts, max(top, *sizes), triggers if sizes else [])
     longest = max(r["nodes"] for r in rows) + top + 1
     context = max(contexts, key=len)
     target_s = with_sizes(target, context, target_s, {n for n in SIZES if n <= longest} | {longest})
-    lookup_s = time_lookup(context, t.ngram_max, top) if lookup_s is None else lookup_s
+    lookup_s = time_lookup(source, prompts, contexts, top) if lookup_s is None else lookup_s
     scored = hybrid_choice(vectors, text, rows, target_s, lookup_s, alone, sizes, top_probs)
     best = max(scored, key=lambda r: r["tokens_per_s"])
     plain = 1 / target_s[1]
     head_best = max(r["tokens_per_s"] for r in rows)
-    rule = describe_text_alone(best["text_alone"], best["text_alone_ngram"], t.ngram_max) or "; no text-alone steps"
+    rule = describe_text_alone(best["text_alone"], best["text_alone_ngram"], source.trigger_max)
+    rule = rule or "; no text-alone steps"
     gate = f" (gate p >= {best['min_path_prob']:g})" if best["min_path_prob"] else ""
     out.write(
         f"hybrid: {best['head_nodes']} head nodes{gate} + up to {best['ngram_nodes']} text nodes "
-        f"(n-gram <= {t.ngram_max}){rule}: tau {best['tau']:.2f}, expected speedup {best['tokens_per_s'] / plain:.2f}x "
-        f"(the head's tree alone {head_best / plain:.2f}x)\n"
+        f"({describe_source(source)}){rule}: tau {best['tau']:.2f}, expected speedup "
+        f"{best['tokens_per_s'] / plain:.2f}x (the head's tree alone {head_best / plain:.2f}x)\n"
     )
     return {
         "paths": best["paths"],
         "min_path_prob": best["min_path_prob"],  # the depth gate of the head's part: tree=default drafts with it
         "ngram_nodes": best["ngram_nodes"],
-        "ngram_max": t.ngram_max,
+        **text_settings(t),  # the text source it was scored with: hybrid_policy_for drafts the split with it
         "text_alone": best["text_alone"],
-        "text_alone_ngram": best["text_alone_ngram"] or t.ngram_max,
+        "text_alone_ngram": best["text_alone_ngram"] or source.alone_ngram,
         "tau": round(best["tau"], 4),
         "expected_speedup": round(best["tokens_per_s"] / plain, 4),
     }
@@ -521,11 +503,16 @@ def head_accepted(vectors, top_probs, paths, gate: float) -> list[int]:
     return [min(accepted_length(v, tree, depth), gated_depth(top, depth, gate)) for v, top in zip(vectors, top_probs)]
 
 
-def score_old_rule(record: dict, prompts, contexts, text, vectors, top_probs, target_s, draft_by_depth) -> dict:
+def score_old_rule(
+    record: dict, prompts, contexts, text, vectors, top_probs, target_s, draft_by_depth, dynamic=None
+) -> dict:
     """A calibration record's adaptive rule scored on these positions and costs (hybrid_fit.score_rule):
-    its head tree under its gate drafted and verified at the costs measured now."""
+    its head tree under its gate drafted and verified at the costs measured now (a dynamic tree:
+    `dynamic`, its rule_candidate grown here)."""
     paths = [list(p) for p in record.get("paths") or []]
     verify_ms = [1e3 * interpolate(target_s, n) for n in range(1, max(target_s) + 1)]
+    if dynamic is not None:
+        return score_rule(record, prompts, contexts, text, dynamic["accepted"], verify_ms, dynamic["draft_ms"])
     if not paths:
         return score_rule(record, prompts, contexts, text, None, verify_ms, 0.0)
     gate = float(record.get("min_path_prob") or 0.0)
@@ -535,14 +522,17 @@ def score_old_rule(record: dict, prompts, contexts, text, vectors, top_probs, ta
 
 
 def calibrate_adaptive_rule(
-    settings: InferJobConfig, prompts, contexts, vectors, top_probs, rows, target_s, fixed: dict, text, out
+    settings: InferJobConfig, prompts, contexts, vectors, top_probs, rows, target_s, fixed, text, out, dynamic=None
 ) -> tuple[dict | None, dict]:
     """Step 6: the adaptive hybrid rule (decode/hybrid_rule.py) over the suffix source, fitted on
-    the same answers (bench/hybrid_fit.py; text: its text_positions) for each of the head's trees
-    (under its gate) and for no head, the fastest kept. Returns its record (the hybrid record's
-    "rule") when it is expected faster than the fixed split, else None (one line says so), and its
-    expected tau and tokens/s."""
+    the same answers (bench/hybrid_fit.py; text: its text_positions and lookup seconds, from the
+    text drafter the fixed split was scored with) for each of the head's trees (under its gate),
+    the calibrated dynamic tree (`dynamic`: its rule_candidate, drafted as spec drafts it) and no
+    head, the fastest kept. Returns its record (the hybrid record's "rule") when it is expected
+    faster than the fixed split, else None (one line says so), and its expected tau and tokens/s."""
     heads = [(row, head_accepted(vectors, top_probs, row["paths"], row["min_path_prob"])) for row in rows]
+    if dynamic is not None:
+        heads.append((dynamic, dynamic["accepted"]))
     verify_ms = [1e3 * interpolate(target_s, n) for n in range(1, max(target_s) + 1)]
     tree, params, sim = calibrate_rule(prompts, contexts, text, heads, verify_ms)
     plain = 1 / target_s[1]
@@ -550,7 +540,12 @@ def calibrate_adaptive_rule(
     total = sum(sim["choices"].values()) or 1
     shares = ", ".join(f"{k} {n / total:.0%}" for k, n in sorted(sim["choices"].items()))
     keep = speedup > fixed["expected_speedup"]
-    head = f"{tree['nodes']} head nodes or none" if tree else "no head"
+    if tree is None:
+        head = "no head"
+    elif "dynamic" in tree:
+        head = f"the {describe_policy(tree['dynamic'])} or none"
+    else:
+        head = f"{tree['nodes']} head nodes or none"
     out.write(
         f"hybrid, adaptive per step ({head}, suffix source): tau {sim['tau']:.2f}, expected speedup "
         f"{speedup:.2f}x against the fixed split's {fixed['expected_speedup']:.2f}x (steps: {shares})"
@@ -559,10 +554,13 @@ def calibrate_adaptive_rule(
     score = {"tau": sim["tau"], "tokens_per_s": sim["tokens_per_s"]}
     if not keep:
         return None, score
+    if tree is not None and "dynamic" in tree:  # policy.rule_tree drafts it as the dynamic tree
+        drafted = {"dynamic": dataclasses.asdict(tree["dynamic"])}
+    else:
+        drafted = {"paths": tree["paths"] if tree else [], "min_path_prob": tree["min_path_prob"] if tree else 0.0}
     record = {
         **params.to_record(),
-        "paths": tree["paths"] if tree else [],
-        "min_path_prob": tree["min_path_prob"] if tree else 0.0,
+        **drafted,
         "tau": round(sim["tau"], 4),
         "expected_speedup": round(speedup, 4),
         "choices": sim["choices"],
@@ -571,30 +569,37 @@ def calibrate_adaptive_rule(
 
 
 def calibrate_dynamic(
-    target, head, prompts, contexts, depth: int, top_k: int, gates, target_s, prompt, out, search=True, existing=None
-) -> tuple[dict | None, dict | None]:
+    target, head, prompts, contexts, depth, top_k, gates, target_s, prompt, out, search=True, existing=None, also=None
+) -> tuple[dict | None, dict | None, Callable[[DynamicTreeSpec], dict | None]]:
     """The floored dynamic tree (bench/dynamic_trees.py) with the most expected tokens per second
     on the calibration answers (depth and top_k at most those given), with its drafting time (None
-    when no answer has two tokens, or search is False: tree.dynamic=off); and `existing` (a
+    when no answer has two tokens, or search is False: tree.dynamic=off); `existing` (a
     calibration record's dynamic tree: depth, top_k, total_tokens, min_path_prob) scored on the
-    same growths (None without it)."""
+    same growths (None without it); and candidate(spec): a dynamic tree as a head tree of the
+    adaptive hybrid rule (dynamic_trees.rule_candidate), None where it was not grown here
+    (`also`, a stored rule's dynamic tree, is grown too)."""
     depth = min(depth, MAX_DEPTH)
     searched = ([k for k in TOP_K if k <= top_k] or [top_k]) if search else []
-    widths = sorted(set(searched) | ({int(existing["top_k"])} if existing else set()))
-    grown_depth = max(depth if search else 0, int(existing["depth"]) if existing else 0)
-    if not widths:
-        return None, None
+    wanted = [tree for tree in (existing, also) if tree]
+    widths = sorted(set(searched) | {int(tree["top_k"]) for tree in wanted})
+    grown_depth = max([depth if search else 0, *(int(tree["depth"]) for tree in wanted)])
     growths: dict[int, list] = {k: [] for k in widths}
+    draft_s: dict[int, dict[int, float]] = {}
+
+    def candidate(spec: DynamicTreeSpec) -> dict | None:
+        grown = spec.top_k in draft_s and spec.depth <= grown_depth
+        return rule_candidate(growths[spec.top_k], spec, draft_s[spec.top_k]) if grown else None
+
+    if not widths:
+        return None, None, candidate
     answered = [(ids, full) for ids, full in zip(prompts, contexts) if len(full) - len(ids) >= 2]
     for ids, full in tqdm(answered, desc="calibration: dynamic trees", unit="prompt", file=sys.stderr):
         for k, grown in grow_along(target, head, full, len(ids), widths, grown_depth).items():
             growths[k] += grown
     if not any(growths.values()):
-        return None, None
-    draft_s = {
-        k: {d: time_draft(target, head, DynamicTreeSpec(d, k, 1), prompt) for d in range(1, grown_depth + 1)}
-        for k in widths
-    }
+        return None, None, candidate
+    for k in widths:  # a step drafting d levels of a k-wide tree
+        draft_s[k] = {d: time_draft(target, head, DynamicTreeSpec(d, k, 1), prompt) for d in range(1, grown_depth + 1)}
     most = max(max(NODES), int(existing["total_tokens"]) if existing else 0)
     verify_s = [interpolate(target_s, max(m, 1)) for m in range(most + 2)]
     before = None
@@ -604,9 +609,8 @@ def calibrate_dynamic(
         before = [r for r in dynamic_choice({k: growths[k]}, verify_s, draft_s, d, *spec) if r["depth"] == d][0]
         before = {**before, "draft_ms": 1e3 * draft_s[k][d]}
     if not search:
-        return None, before
-    growths = {k: growths[k] for k in searched}
-    rows = dynamic_choice(growths, verify_s, draft_s, depth, NODES, gates)
+        return None, before, candidate
+    rows = dynamic_choice({k: growths[k] for k in searched}, verify_s, draft_s, depth, NODES, gates)
     plain = 1 / target_s[1]
     out.write("dynamic trees, the best of each depth (draft ms: all levels drafted):\n")
     out.write(f"{'depth':>5} {'top_k':>5} {'nodes':>5} {'floor':>5} {'tau':>6} {'draft ms':>8} {'tok/s':>7}\n")
@@ -617,7 +621,7 @@ def calibrate_dynamic(
             f"{1e3 * draft_s[r['top_k']][d]:>8.1f} {r['tokens_per_s']:>7.1f}  ({r['tokens_per_s'] / plain:.2f}x)\n"
         )
     best = max(rows, key=lambda r: r["tokens_per_s"])
-    return {**best, "draft_ms": 1e3 * draft_s[best["top_k"]][best["depth"]]}, before
+    return {**best, "draft_ms": 1e3 * draft_s[best["top_k"]][best["depth"]]}, before, candidate
 
 
 def calibration_texts(settings: InferJobConfig) -> tuple[str, list[str]]:
@@ -658,32 +662,6 @@ def store_default_tree(head, head_dir: Path, paths: list[list[int]], calibration
     # config.json only: the weights stay as stored (their dtype, a family's extra files)
     write_json(Path(head_dir) / CONFIG_NAME, {**config, "default_tree": paths, **extra})
     return True
-
-
-def tree_config_from(t: TreeConfig, paths: list, record: dict) -> TreeConfig:
-    """The tree settings a calibration record has this run draft: its dynamic tree (policy dynamic)
-    or its static tree under its gate, with `paths` (its default_tree) and its hybrid split; a
-    tree.min_path_prob given explicitly stays."""
-    dynamic = record.get("dynamic") if record.get("policy") == "dynamic" else None
-    if dynamic:
-        chosen = {k: dynamic[k] for k in ("depth", "top_k", "total_tokens")} | {"kind": "dynamic"}
-        chosen["min_path_prob"] = float(dynamic.get("min_path_prob") or 0.0)
-    else:
-        chosen = {"kind": "static", "min_path_prob": float(record.get("min_path_prob") or 0.0)}
-    hybrid = record.get("hybrid") or {}
-    gate = float(hybrid.get("min_path_prob") or 0.0)
-    if t.min_path_prob is not None:
-        chosen["min_path_prob"] = gate = t.min_path_prob
-    return dataclasses.replace(
-        t,
-        **chosen,
-        paths=paths,  # the static tree stored as the head's default_tree, chosen or not
-        hybrid_paths=hybrid.get("paths"),
-        hybrid_min_path_prob=gate if hybrid.get("paths") is not None else None,
-        ngram_nodes=hybrid.get("ngram_nodes"),
-        text_alone=hybrid.get("text_alone") if t.text_alone is None else t.text_alone,
-        text_alone_ngram=hybrid.get("text_alone_ngram") if t.text_alone_ngram is None else t.text_alone_ngram,
-    )
 
 
 def keep_calibration(t: TreeConfig, head, before: tuple[str, list, dict], out: TextIO) -> TreeConfig:
@@ -836,7 +814,8 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
             f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n"
         )
-    dynamic, old_dyn = (
+    old_rule_dynamic = ((old_hybrid or {}).get("rule") or {}).get("dynamic")
+    dynamic, old_dyn, dynamic_candidate = (
         calibrate_dynamic(
             target,
             head,
@@ -850,9 +829,10 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             out,
             t.dynamic != "off",
             old_dynamic,
+            old_rule_dynamic,
         )
-        if t.dynamic != "off" or old_dynamic is not None
-        else (None, None)
+        if t.dynamic != "off" or old_dynamic is not None or old_rule_dynamic
+        else (None, None, None)
     )
     use_dynamic = dynamic is not None and (t.dynamic == "only" or dynamic["tokens_per_s"] > best["tokens_per_s"])
     if dynamic is not None:
@@ -872,11 +852,19 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         g, alone = int(old_hybrid.get("ngram_nodes") or 0), int(old_hybrid.get("text_alone") or 0)
         need |= {1 + len(old_hybrid.get("paths") or []) + g, 1 + alone}
     hybrid_s = with_sizes(target, context, target_s, need)
-    lookup_s = time_lookup(context, t.ngram_max, top)
+    new_text = text_policy(t)  # the text drafter the new split is scored, and drafts, with
+    lookup_s = time_lookup(new_text, prompts, contexts, top)
     hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, top_probs, rows, hybrid_s, out, lookup_s)
-    text = text_positions(prompts, contexts, t.suffix_match, t.suffix_history)
-    rule, rule_score = calibrate_adaptive_rule(
-        settings, prompts, contexts, vectors, top_probs, rows, hybrid_s, hybrid, text, out
+    # the adaptive rule drafts over the suffix source only: with another, the fixed split runs
+    text = (*text_positions(new_text, prompts, contexts), lookup_s) if new_text.source == "suffix" else None
+    # the calibrated dynamic tree is one of the rule's head trees: hybrid may draft what spec drafts
+    dyn_head = dynamic_candidate(dynamic_from(dynamic | {"total_tokens": dynamic["nodes"]})) if dynamic else None
+    rule, rule_score = (
+        calibrate_adaptive_rule(
+            settings, prompts, contexts, vectors, top_probs, rows, hybrid_s, hybrid, text, out, dyn_head
+        )
+        if text is not None
+        else (None, None)
     )
     if rule is not None:
         hybrid["rule"] = rule
@@ -908,16 +896,22 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     record["policy"] = "dynamic" if use_dynamic else "static"
     paths = best["paths"]
     if weigh:
-        # each part scored as the one before is: the tree tree=default drafts, and the hybrid split
-        old_hybrid_lookup = lookup_s
-        if old_hybrid is not None and int(old_hybrid.get("ngram_max") or 3) != t.ngram_max:
-            old_hybrid_lookup = time_lookup(context, int(old_hybrid.get("ngram_max") or 3), top)
+        # each part scored as the one before is: the tree tree=default drafts, and the hybrid split,
+        # each split with the text source it drafts with
+        old_text = text_policy(t, old_hybrid)
+        old_lookup = lookup_s if old_text == new_text else time_lookup(old_text, prompts, contexts, top)
         new_split = score_hybrid_setting(
-            prompts, contexts, ranks, top_probs, hybrid, hybrid["min_path_prob"], hybrid_s, lookup_s, draft_by_depth
+            prompts, contexts, ranks, top_probs, hybrid, hybrid["min_path_prob"], hybrid_s, lookup_s, draft_by_depth, t
         )
-        old_rule = (old_hybrid or {}).get("rule")
-        if old_rule and all(d <= reach for d in map(len, old_rule.get("paths") or [])):
-            old_split = score_old_rule(old_rule, prompts, contexts, text, ranks, top_probs, hybrid_s, draft_by_depth)
+        old_rule = (old_hybrid or {}).get("rule") if old_text.source == "suffix" else None
+        # a stored rule's dynamic tree as grown here (None: not grown, e.g. deeper than the head drafts)
+        old_rule_head = dynamic_candidate(dynamic_from(old_rule_dynamic)) if old_rule and old_rule_dynamic else None
+        scorable = old_rule_head is not None if old_rule_dynamic else all(d <= reach for d in map(len, old_rule_paths))
+        if old_rule and scorable:
+            positions = text if old_text == new_text else (*text_positions(old_text, prompts, contexts), old_lookup)
+            old_split = score_old_rule(
+                old_rule, prompts, contexts, positions, ranks, top_probs, hybrid_s, draft_by_depth, old_rule_head
+            )
         elif old_hybrid is not None and all(d <= reach for d in map(len, old_hybrid.get("paths") or [])):
             old_split = score_hybrid_setting(
                 prompts,
@@ -927,8 +921,9 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
                 old_hybrid,
                 float(old_hybrid.get("min_path_prob") or 0.0),
                 hybrid_s,
-                old_hybrid_lookup,
+                old_lookup,
                 draft_by_depth,
+                t,
             )
         else:
             old_split = None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..config.infer import TreeConfig, parse_tree_spec
 from ..decode.drafters import make_drafter
-from ..decode.policy import TreePolicy, tree_policy_for
+from ..decode.policy import TreePolicy, method_policy
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import HEADS, read_head_config
@@ -69,7 +69,7 @@ def open_compared_heads(paths: list[str], session) -> dict[str, tuple[object, Tr
         session.draft_like_own_head(head)
         if not is_exported_dir(directory):
             use_cached_tree(head, directory, target, kernels=session.layouts is not None)
-        policy = tree_policy_for(head, TreeConfig(kind="default"))
+        policy = method_policy(head, TreeConfig(kind="default"), SPEC)
         out[method_name(label)] = (make_drafter(head, policy), policy, path)
     return out
 
@@ -93,6 +93,6 @@ def open_tree_variants(specs: list[str], session) -> dict[str, tuple[object, Tre
     """method name -> (drafter, tree policy, head path): the session's head drafting each tree."""
     out: dict[str, tuple[object, TreePolicy, str]] = {}
     for spec in specs:
-        policy = tree_policy_for(session.head, parse_tree_spec(spec))
+        policy = method_policy(session.head, parse_tree_spec(spec), SPEC)
         out[tree_method(spec)] = (make_drafter(session.head, policy), policy, str(session.head_dir))
     return out

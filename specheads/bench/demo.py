@@ -10,11 +10,10 @@ import torch
 
 from ..config.infer import InferJobConfig
 from ..decode.baselines import hf_generate
-from ..decode.draft_model import DraftModelDrafter, draft_model_policy
-from ..decode.drafters import make_drafter
 from ..decode.generate import speculative_generate
-from ..decode.policy import describe_policy, tree_policy_for
+from ..decode.policy import describe_policy
 from .inputs import encode_prompt, eos_token_ids, sampling_config
+from .session import method_drafter
 
 
 class TokenPrinter:
@@ -82,18 +81,14 @@ def run_demo(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dic
     prompt = torch.tensor([ids], device=target.device)
     eos = eos_token_ids(target)
     cfg = sampling_config(settings, settings.max_new_tokens, eos)
-    if head is None and session.draft is not None:  # no head: the separate draft model drafts (draft.model)
-        policy = draft_model_policy(settings.tree)
-        drafter = DraftModelDrafter(session.draft, policy)
-        who = f"draft model {session.draft.name}"
-    elif head is None:  # nor a draft model: the target with layers skipped (skip.layers)
-        policy = session.skip.policy
-        drafter = session.skip.drafter(target)
-        who = f"target skipping layers {list(session.skip.layers)}"
-    else:
-        policy = tree_policy_for(head, settings.tree)
-        drafter = make_drafter(head, policy)
+    method = "spec" if head is not None else "draft" if session.draft is not None else "skip"
+    drafter, policy, _ = method_drafter(session, method, settings.tree)
+    if method == "spec":
         who = f"{head.family} head"
+    elif method == "draft":  # no head: the separate draft model drafts (draft.model)
+        who = f"draft model {session.draft.name}"
+    else:  # nor a draft model: the target with layers skipped (skip.layers)
+        who = f"target skipping layers {list(session.skip.layers)}"
     gen = torch.Generator(device=target.device).manual_seed(settings.seed)
     # warm-up (first calls pay for lazy initialisation), not timed
     warm = sampling_config(settings, 4, eos)

@@ -131,6 +131,20 @@ def grow_along(
     return out
 
 
+def rule_candidate(positions: Sequence[Growth], spec: DynamicTreeSpec, draft_s: dict[int, float]) -> dict:
+    """`spec` as a head tree the adaptive hybrid rule may choose (hybrid_fit.calibrate_rule): the
+    drafts it accepts at each position, and its nodes (root excluded) and drafting ms per step on
+    average; draft_s[levels]: the drafting seconds of a step that drafts that many levels."""
+    steps = [g.accepted(spec.depth, spec.min_path_prob, spec.total_tokens) for g in positions]
+    count = max(len(steps), 1)
+    return {
+        "dynamic": spec,
+        "accepted": [a for a, _, _ in steps],
+        "nodes": sum(size - 1 for _, size, _ in steps) / count,
+        "draft_ms": 1e3 * sum(draft_s[levels] for _, _, levels in steps) / count,
+    }
+
+
 def dynamic_choice(
     growths: dict[int, list[Growth]],
     verify_s: Sequence[float],

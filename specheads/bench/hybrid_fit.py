@@ -1,10 +1,11 @@
 """tree=auto's fit of the adaptive hybrid rule (decode/hybrid_rule.py) on the calibration answers.
 
 At every answer position (the positions of replay.rank_vectors: a tree rooted at answer token i)
-the suffix source (decode/suffix.py) is asked what it would draft, with the calibration's earlier
-answers in its history as a serving process would have them, and the accepted length of its best g
-nodes is read off the true continuation. With the head's accepted length at the same positions
-(its part of the hybrid tree, under the gate it drafts with) that gives the rule's priors:
+the loop's own text drafter over the suffix source (decode/suffix.py) is asked what it would draft
+(walk_text), with the calibration's earlier answers in its history as a serving process would have
+them, and the accepted length of its best g nodes is read off the true continuation. With the
+head's accepted length at the same positions (its part of the hybrid tree, under the gate it
+drafts with) that gives the rule's priors:
 
   head_accept  the head's mean accepted drafts per step
   text_ratio   accepted text tokens per expected one (the scores' sum), pooled over the budgets,
@@ -20,13 +21,19 @@ tokens per second is what tree=auto weighs against the fixed split.
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+import torch
+
+from ..decode.drafters import HybridDrafter, make_hybrid_drafter
 from ..decode.hybrid_rule import TEXT_BUDGETS, AdaptiveRule, RuleParams
-from ..decode.suffix import SuffixIndex, TextDraft
+from ..decode.policy import HybridPolicy
+from ..decode.suffix import TextDraft
+from .timing import time_steps
 
 MAX_TEXT = max(TEXT_BUDGETS)
+T = TypeVar("T")
 
 
 def accepted_text(draft: TextDraft, truth: Sequence[int], budget: int) -> int:
@@ -38,32 +45,58 @@ def accepted_text(draft: TextDraft, truth: Sequence[int], budget: int) -> int:
     return k
 
 
-def text_positions(
-    prompts: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]], suffix_match: int, history_tokens: int
-) -> tuple[list[list[TextDraft]], list[list[tuple[int, ...]]], float]:
-    """Per answer, per position: the suffix source's draft and its accepted length for g = 0..MAX_TEXT
-    nodes; and the seconds one draft of the longest text took (the lookup's cost)."""
-    index = SuffixIndex(suffix_match, history_tokens)
-    drafts, accepted = [], []
+def walk_text(
+    policy: HybridPolicy,
+    prompts: Sequence[Sequence[int]],
+    contexts: Sequence[Sequence[int]],
+    read: Callable[[HybridDrafter, list[int]], T],
+) -> tuple[list[list[T]], HybridDrafter]:
+    """The loop's own text drafter (make_hybrid_drafter(None, policy)) stepped along each greedy
+    answer, one answer after another as a serving process takes requests (so its history holds the
+    answers before): at every answer position (rank_vectors' order: the tree rooted at answer token
+    i) read(drafter, the true continuation). Returns the reads, per answer, and the drafter as the
+    last answer left it. Scoring what this drafter proposes, rather than a copy of its source, is
+    what keeps a calibrated setting the one that runs."""
+    drafter = make_hybrid_drafter(None, policy)
+    reads: list[list[T]] = []
     for ids, full in zip(prompts, contexts):
         full = list(full)
-        index.start_request(list(ids))
-        index.extend(full[len(ids) : len(ids) + 1])  # the answer's first token: the first root
-        mine, acc = [], []
+        mine: list[T] = []
+        reads.append(mine)
+        if len(full) <= len(ids):
+            continue  # no answer: no request to replay
+        drafter.start(torch.tensor([list(ids)]), {}, full[len(ids)])
         for t in range(len(ids) - 1, len(full) - 2):  # the tree rooted at token t + 1
-            draft = index.draft(MAX_TEXT, MAX_TEXT)
-            truth = full[t + 2 :]
-            mine.append(draft)
-            acc.append(tuple(accepted_text(draft, truth, g) for g in range(MAX_TEXT + 1)))
-            index.extend([full[t + 2]])
-        drafts.append(mine)
-        accepted.append(acc)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        index.draft(MAX_TEXT, MAX_TEXT)
-        times.append(time.perf_counter() - t0)
-    return drafts, accepted, min(times)
+            mine.append(read(drafter, full[t + 2 :]))
+            drafter.advance({}, [full[t + 1]], full[t + 2])  # nothing drafted accepted: the next root
+    return reads, drafter
+
+
+def text_positions(
+    policy: HybridPolicy, prompts: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]]
+) -> tuple[list[list[TextDraft]], list[list[tuple[int, ...]]]]:
+    """Per answer, per position: the suffix source's draft (walk_text) and its accepted length for
+    g = 0..MAX_TEXT nodes."""
+
+    def read(drafter: HybridDrafter, truth: list[int]) -> tuple[TextDraft, tuple[int, ...]]:
+        draft = drafter.text_draft(MAX_TEXT, MAX_TEXT)
+        return draft, tuple(accepted_text(draft, truth, g) for g in range(MAX_TEXT + 1))
+
+    reads, _ = walk_text(policy, prompts, contexts, read)
+    return [[d for d, _ in answer] for answer in reads], [[a for _, a in answer] for answer in reads]
+
+
+def time_lookup(
+    policy: HybridPolicy,
+    prompts: Sequence[Sequence[int]],
+    contexts: Sequence[Sequence[int]],
+    nodes: int,
+    repeats: int = 5,
+) -> float:
+    """Seconds the loop's text drafter spends proposing `nodes` nodes, where the calibration answers
+    leave it (walk_text: its text and history as long as calibration makes them)."""
+    _, drafter = walk_text(policy, prompts, contexts, lambda drafter, truth: None)
+    return time_steps({0: lambda: drafter.text_draft(nodes, nodes)}, repeats)[0]
 
 
 def fit_rule(
@@ -188,9 +221,9 @@ def calibrate_rule(
     none, and the one with the most simulated tokens per second: (its head tree or None, its
     parameters, its simulation).
 
-    text: text_positions' (drafts, accepted, lookup seconds); heads: (tree, accepted drafts at every
-    position in rank_vectors' order) per candidate, the tree as {"nodes", "draft_ms"} under its
-    gate; verify_ms[n - 1]: a forward of n query tokens."""
+    text: text_positions' (drafts, accepted) and time_lookup's seconds; heads: (tree, accepted
+    drafts at every position in rank_vectors' order) per candidate, the tree as {"nodes",
+    "draft_ms"} under its gate; verify_ms[n - 1]: a forward of n query tokens."""
     drafts, text_acc, lookup_s = text
     none = [[0] * len(d) for d in drafts]
     params = fit_rule(drafts, text_acc, none, verify_ms, 0.0, 0, 1e3 * lookup_s)

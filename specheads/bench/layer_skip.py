@@ -51,10 +51,9 @@ from ..config.infer import InferJobConfig, resolve_search
 from ..data.chat import tokenize_conversation
 from ..data.formats import load_conversations
 from ..decode.baselines import hf_generate
-from ..decode.draft_model import draft_model_policy
 from ..decode.kv import new_cache
 from ..decode.layer_skip import LayerSkipDrafter, VocabReader, check_skipped, kept_layers
-from ..decode.policy import TreePolicy
+from ..decode.policy import TreePolicy, method_policy
 from ..decode.target_layers import check_layer_family, crop_layers, run_layers
 from ..decode.tree import spine_paths, static_tree
 from ..errors import SpecHeadsError
@@ -194,7 +193,7 @@ def time_level(
     target, skipped: Sequence[int], context: Sequence[int], repeats: int = 5, vocab: Sequence[int] | None = None
 ) -> float:
     """Seconds the drafter spends on one level of one node (the root) after `context`, timed as in
-    decoding (calibrate.time_repeated)."""
+    decoding, at the mean the loop pays (calibrate.time_repeated)."""
     cache = full_cache(target, context[:-1])
     drafter = LayerSkipDrafter(target, skipped, static_tree([[0]]), vocab)
     drafter.bind_target_cache(cache)
@@ -385,7 +384,7 @@ def resolve_layer_skip(settings: InferJobConfig, target, kernels: bool, out: Tex
     if s.layers != "auto":
         layers = check_skipped(len(target.layers), s.layers)
         vocab = tuple(answer_vocab(s.vocab_data, target, s.draft_vocab)[0]) if s.draft_vocab else None
-        return LayerSkip(layers, draft_model_policy(settings.tree), "given", vocab)
+        return LayerSkip(layers, method_policy(None, settings.tree, "skip"), "given", vocab)
     path = skip_cache_path(target, kernels)
     stored = read_choice(path)
     if stored is None or s.recalibrate:

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,16 +33,15 @@ from tqdm import tqdm
 from ..atomic import write_json
 from ..config.infer import InferJobConfig
 from ..decode.baselines import Assistant, PlainDrafter, hf_generate
-from ..decode.draft_model import DraftModelDrafter, draft_model_policy
-from ..decode.drafters import make_drafter, make_hybrid_drafter
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
-from ..decode.policy import HybridPolicy, describe_policy, hybrid_policy_for, policy_depth, tree_policy_for
+from ..decode.policy import describe_policy, method_policy, policy_depth
 from ..heads.io import draft_precision
 from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
 from .compared import open_compared_heads, open_precision_variants, open_tree_variants
 from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
 from .questions import read_questions
+from .session import method_drafter
 from .trees import machine_record, warn_overlap
 
 SPEC_FIELDS = ("accept_lengths", "accepted_drafts", "tree_depths", "tree_sizes")
@@ -255,6 +254,10 @@ def output_paths(output: str | os.PathLike) -> dict[str, Path]:
     }
 
 
+# the methods drafting through this package's loop, their drafters built in this order (session.method_drafter)
+DRAFTING_METHODS = ("spec", "hybrid", "lookup", "suffix", "draft", "skip")
+
+
 def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dict:
     """The timed benchmark of `infer.py bench.questions=FILE`: every method on every question.
 
@@ -271,7 +274,6 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         method) and the plots; its fields are in docs/contracts.md.
     """
     b = settings.bench
-    target = session.target
     questions = read_questions(b.questions, b.limit, b.per_category, b.categories)
     reference = (
         read_reference(b.reference, {"max_new_tokens": b.max_new_tokens, "temperature": settings.temperature})
@@ -280,75 +282,89 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     )
     paths = output_paths(b.output)
     paths["rows"].parent.mkdir(parents=True, exist_ok=True)
-    eos = eos_token_ids(target)
-    cfg = sampling_config(settings, b.max_new_tokens, eos)
-    spec_heads = {}  # method -> (drafter, tree policy, head path)
-    if "spec" in b.methods:
-        policy = tree_policy_for(session.head, settings.tree)
-        spec_heads["spec"] = (make_drafter(session.head, policy), policy, str(session.head_dir))
-    if "hybrid" in b.methods:
-        hybrid = hybrid_policy_for(session.head, settings.tree)
-        path = str(session.head_dir) if session.head is not None else None
-        spec_heads["hybrid"] = (make_hybrid_drafter(session.head, hybrid), hybrid, path)
-    if "lookup" in b.methods:
-        text_only = HybridPolicy(None, b.prompt_lookup_num_tokens, settings.tree.ngram_max)
-        spec_heads["lookup"] = (make_hybrid_drafter(None, text_only), text_only, None)
-    if "suffix" in b.methods:
-        t = settings.tree
-        suffix = HybridPolicy(
-            None,
-            b.prompt_lookup_num_tokens,
-            t.ngram_max,
-            source="suffix",
-            suffix_match=t.suffix_match,
-            suffix_history=t.suffix_history,
-        )
-        spec_heads["suffix"] = (make_hybrid_drafter(None, suffix), suffix, None)
-    if "draft" in b.methods:
-        drafting = draft_model_policy(settings.tree)
-        spec_heads["draft"] = (DraftModelDrafter(session.draft, drafting), drafting, session.draft.name)
-    if "skip" in b.methods:
-        skip = session.skip
-        spec_heads["skip"] = (skip.drafter(target), skip.policy, None)
+    drafters = open_drafters(settings, session, questions)
     assistant = assistant_for(settings, session) if "assisted" in b.methods else None
-    spec_heads.update(open_compared_heads(b.heads, session))
+    methods = list(b.methods) + [m for m in drafters if m not in b.methods]
+    run = method_runner(settings, session.target, drafters, assistant)
+    warm_up(run, settings, session.target, questions, methods, drafters)
+    rows, prompts, bandwidth = time_questions(run, settings, session.target, questions, methods, paths["rows"])
+    report = report_header(settings, session, len(questions), summarize(rows, methods), drafters, assistant)
+    if bandwidth:
+        report["memory_bandwidth"] = summarize_bandwidth(bandwidth, b.bandwidth_mib)
+    report.update(method_reports(drafters, rows, session))
+    report.update(output_checks(settings, session.target, rows, prompts, methods, reference))
+    write_outputs(report, paths, b.plots)
+    print_report(report, paths, out)
+    return report
+
+
+def open_drafters(settings: InferJobConfig, session, questions: Sequence[dict]) -> dict[str, tuple]:
+    """method -> (drafter, tree policy, what drafts) of every method drafting through our loop:
+    bench.methods' own (session.method_drafter) and bench.heads, bench.head_dtypes, bench.trees
+    beside them; one line for each whose tree was calibrated on questions measured here."""
+    b = settings.bench
+    drafters = {
+        m: method_drafter(session, m, settings.tree, b.prompt_lookup_num_tokens)
+        for m in DRAFTING_METHODS
+        if m in b.methods
+    }
+    drafters.update(open_compared_heads(b.heads, session))
     if b.head_dtypes:
-        spec_heads.update(open_precision_variants(b.head_dtypes, session, spec_heads["spec"][1]))
+        drafters.update(open_precision_variants(b.head_dtypes, session, drafters["spec"][1]))
     if b.trees:
-        spec_heads.update(open_tree_variants(b.trees, session))
-    for method, (drafter, _, _) in spec_heads.items():
+        drafters.update(open_tree_variants(b.trees, session))
+    for method, (drafter, _, _) in drafters.items():
         # a tree chosen on the questions it is measured on flatters its head
         warn_overlap(method, getattr(drafter.head, "calibration", None), questions, b.turns, sys.stderr)
-    methods = list(b.methods) + [m for m in spec_heads if m not in b.methods]
+    return drafters
+
+
+def method_runner(settings: InferJobConfig, target, drafters: dict, assistant) -> Callable[..., dict]:
+    """run(method, prompt ids, sampling config) -> the method's answer and measurements; every
+    method samples from generators seeded here with settings.seed."""
     gen = torch.Generator(device=target.device).manual_seed(settings.seed)
     torch.manual_seed(settings.seed)  # transformers' sampling draws from the global generator
-    lookup = (b.prompt_lookup_num_tokens, b.prompt_lookup_max_ngram)
-    tok = target.tokenizer
-    first_prompts = [encode_prompt(tok, q["prompt"], settings.system, settings.chat) for q in questions]
+    lookup = (settings.bench.prompt_lookup_num_tokens, settings.bench.prompt_lookup_max_ngram)
 
-    def run(method: str, prompt: torch.Tensor, c: SamplingConfig) -> dict:
-        if method in spec_heads:
-            return run_spec(target, spec_heads[method][0], prompt, c, generator=gen)
+    def run(method: str, ids: list[int], c: SamplingConfig) -> dict:
+        prompt = torch.tensor([ids], device=target.device)
+        if method in drafters:
+            return run_spec(target, drafters[method][0], prompt, c, generator=gen)
         if method == "plain":
             return run_spec(target, PlainDrafter(), prompt, c, generator=gen)
         if method == "assisted":
             return hf_generate(target, prompt, c, assistant=assistant)
         return hf_generate(target, prompt, c, lookup if method == "prompt_lookup" else None)
 
-    warm = sampling_config(settings, min(16, b.max_new_tokens), eos)
-    for ids in first_prompts[: b.warmup]:
+    return run
+
+
+def warm_up(run, settings: InferJobConfig, target, questions, methods, drafters: dict) -> None:
+    """Every method on the first bench.warmup questions, short and untimed (first calls pay for lazy
+    initialisation); then the drafters that remember earlier answers forget the warm-up's."""
+    b = settings.bench
+    warm = sampling_config(settings, min(16, b.max_new_tokens), eos_token_ids(target))
+    for q in questions[: b.warmup]:
+        ids = encode_prompt(target.tokenizer, q["prompt"], settings.system, settings.chat)
         for m in methods:
-            run(m, torch.tensor([ids], device=target.device), warm)
-    for drafter, _, _ in spec_heads.values():
+            run(m, ids, warm)
+    for drafter, _, _ in drafters.values():
         if hasattr(drafter, "forget_history"):  # the warm-up's answers must not seed the questions timed
             drafter.forget_history()
 
+
+def time_questions(run, settings: InferJobConfig, target, questions, methods, path: Path) -> tuple[list, dict, list]:
+    """Every method on every question, timed: (the rows, also written to `path` as they come and
+    moved into place at the end; the prompt ids by (question_id, turn, method); the memory
+    bandwidth sampled before each question, CPU targets only)."""
+    b = settings.bench
+    cfg = sampling_config(settings, b.max_new_tokens, eos_token_ids(target))
     # on CPU a one-row step follows the memory bandwidth of the moment: sample it between questions
     probe = BandwidthProbe(b.bandwidth_mib) if b.bandwidth_mib and target.device.type == "cpu" else None
     bandwidth: list[float] = []
     rows: list[dict] = []
     prompts: dict[tuple, list[int]] = {}  # (question_id, turn, method) -> prompt ids
-    tmp = paths["rows"].with_name(f".{paths['rows'].name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with tmp.open("w", encoding="utf-8") as f:
             for qi, q in enumerate(
@@ -356,52 +372,63 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             ):
                 # rotate the order so that no method always runs first (caches, clocks)
                 order = methods[qi % len(methods) :] + methods[: qi % len(methods)]
-                turns = q["turns"] if b.turns == "all" else q["turns"][:1]
                 copy_gb_s = probe.sample() if probe is not None else None
                 if copy_gb_s is not None:
                     bandwidth.append(copy_gb_s)
-                answers: dict[str, list[str]] = {m: [] for m in order}  # each method's own earlier answers
-                for turn in range(1, len(turns) + 1):
-                    for m in order:
-                        ids = encode_turns(tok, turns[:turn], answers[m], settings.system, settings.chat)
-                        prompts[q["question_id"], turn, m] = ids
-                        r = run(m, torch.tensor([ids], device=target.device), cfg)
-                        answers[m].append(tok.decode(r["output_ids"], skip_special_tokens=True))
-                        row = {
-                            "question_id": q["question_id"],
-                            "category": q["category"],
-                            "turn": turn,
-                            "method": m,
-                            "prompt_tokens": len(ids),
-                            "new_tokens": len(r["output_ids"]),
-                            **r,
-                        }
-                        row["tau"] = tau_of(row["new_tokens"], row["target_forwards"])
-                        row["tokens_per_s"] = row["new_tokens"] / row["wall_s"] if row["wall_s"] else 0.0
-                        if copy_gb_s is not None:
-                            row["copy_gb_s"] = copy_gb_s
-                        rows.append(row)
-                        f.write(json.dumps(row) + "\n")
-                        f.flush()
-        os.replace(tmp, paths["rows"])
+                for row, ids in question_rows(run, settings, target.tokenizer, q, order, cfg):
+                    if copy_gb_s is not None:
+                        row["copy_gb_s"] = copy_gb_s
+                    prompts[q["question_id"], row["turn"], row["method"]] = ids
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return rows, prompts, bandwidth
 
-    summary = summarize(rows, methods)
+
+def question_rows(run, settings: InferJobConfig, tok, q: dict, order, cfg) -> Iterator[tuple[dict, list[int]]]:
+    """One question's (row, prompt ids), turn by turn, each method in `order` answering a turn
+    after its own answers to the turns before it."""
+    turns = q["turns"] if settings.bench.turns == "all" else q["turns"][:1]
+    answers: dict[str, list[str]] = {m: [] for m in order}  # each method's own earlier answers
+    for turn in range(1, len(turns) + 1):
+        for m in order:
+            ids = encode_turns(tok, turns[:turn], answers[m], settings.system, settings.chat)
+            r = run(m, ids, cfg)
+            answers[m].append(tok.decode(r["output_ids"], skip_special_tokens=True))
+            row = {
+                "question_id": q["question_id"],
+                "category": q["category"],
+                "turn": turn,
+                "method": m,
+                "prompt_tokens": len(ids),
+                "new_tokens": len(r["output_ids"]),
+                **r,
+            }
+            row["tau"] = tau_of(row["new_tokens"], row["target_forwards"])
+            row["tokens_per_s"] = row["new_tokens"] / row["wall_s"] if row["wall_s"] else 0.0
+            yield row, ids
+
+
+def report_header(settings: InferJobConfig, session, questions: int, summary: dict, drafters, assistant) -> dict:
+    """The summary's run-wide fields: the models, the machine, the settings, each method's summary."""
+    target, head, b = session.target, session.head, settings.bench
     report: dict[str, Any] = {
         "target": target.info.name,
         "head": str(session.head_dir) if session.head_dir else None,
-        "family": session.head.family if session.head is not None else None,
-        "tree": describe_policy(spec_heads["spec"][1]) if "spec" in spec_heads else None,
+        "family": head.family if head is not None else None,
+        "tree": describe_policy(drafters["spec"][1]) if "spec" in drafters else None,
         "device": str(target.device),
         "machine": machine_record(target.device, kernels=session.layouts is not None),
         "dtype": str(target.dtype).replace("torch.", ""),
-        "head_dtype": draft_precision(session.head) if session.head is not None else None,
+        "head_dtype": draft_precision(head) if head is not None else None,
         "temperature": settings.temperature,
         "top_p": settings.top_p,
         "max_new_tokens": b.max_new_tokens,
-        "questions": len(questions),
+        "questions": questions,
         "turns": b.turns,
         "methods": summary,
     }
@@ -413,9 +440,13 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
                 "schedule": assistant.schedule,
                 "universal": assistant.tokenizer is not None,
             }
-    if bandwidth:
-        report["memory_bandwidth"] = summarize_bandwidth(bandwidth, b.bandwidth_mib)
-    del probe  # its buffers go before the plots and the baseline comparison
+    return report
+
+
+def method_reports(drafters: dict, rows: Sequence[dict], session) -> dict:
+    """Each drafting method's tree, acceptance per depth and step costs: the main head's at the top
+    level, hybrid's with its sources and choices, lookup, suffix, draft and skip under their names,
+    the heads compared beside them under compared_heads."""
     heads = {
         m: {
             "head": path,
@@ -424,15 +455,16 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             "acceptance_per_depth": acceptance_per_depth([r for r in rows if r["method"] == m]),
             "costs": cost_breakdown(rows, m),
         }
-        for m, (drafter, policy, path) in spec_heads.items()
+        for m, (drafter, policy, path) in drafters.items()
     }
+    report: dict[str, Any] = {}
     if "spec" in heads:  # the main head's entries sit at the top level of the summary
         main = heads.pop("spec")
         report["acceptance_per_depth"], report["costs"] = main["acceptance_per_depth"], main["costs"]
     if "hybrid" in heads:
         report["hybrid"] = heads.pop("hybrid")
         report["hybrid"]["accepted_sources"] = source_shares([r for r in rows if r["method"] == "hybrid"])
-        choices = getattr(spec_heads["hybrid"][0], "choices", {})
+        choices = getattr(drafters["hybrid"][0], "choices", {})
         if choices:  # the adaptive rule's steps by what they drafted
             report["hybrid"]["choices"] = {
                 describe_choice(c): n for c, n in sorted(choices.items(), key=lambda x: (x[0].head, x[0].text_nodes))
@@ -444,25 +476,41 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         report["skip"].update(session.skip.describe())
     if heads:
         report["compared_heads"] = heads
+    return report
+
+
+def output_checks(settings: InferJobConfig, target, rows, prompts: dict, methods, reference) -> dict:
+    """Whether each method's answers equal the baseline's (else, at temperature 0, our own plain
+    loop's), and their agreement with bench.reference's baseline answers."""
+    checks: dict[str, Any] = {}
     if "baseline" in methods:
-        report["identical_to_baseline"] = compare_to_baseline(
+        checks["identical_to_baseline"] = compare_to_baseline(
             target, rows, prompts, methods, greedy=settings.temperature <= 0
         )
     elif "plain" in methods and settings.temperature <= 0:  # no HF baseline: our own plain loop's answers
-        report["identical_to_plain"] = compare_outputs(rows, methods, "plain")
+        checks["identical_to_plain"] = compare_outputs(rows, methods, "plain")
     if reference is not None:
-        report["agreement_with_reference"] = {
-            "reference": str(b.reference),
+        checks["agreement_with_reference"] = {
+            "reference": str(settings.bench.reference),
             "methods": agreement(rows, reference, methods),
         }
+    return checks
+
+
+def write_outputs(report: dict, paths: dict[str, Path], plots: bool) -> None:
+    """OUT.summary.json, and with bench.plots the tau and acceptance plots."""
     write_json(paths["summary"], report)
-    if b.plots:
+    if plots:
         from .plots import plot_acceptance_per_depth, plot_tau_per_category
 
-        plot_tau_per_category(summary, paths["tau_png"])
+        plot_tau_per_category(report["methods"], paths["tau_png"])
         if "acceptance_per_depth" in report:
             plot_acceptance_per_depth(report["acceptance_per_depth"], paths["acceptance_png"])
-    out.write(format_table(summary) + "\n")
+
+
+def print_report(report: dict, paths: dict[str, Path], out: TextIO) -> None:
+    """The table, the identity checks, the costs and each method's lines, and where the files are."""
+    out.write(format_table(report["methods"]) + "\n")
     for m, cmp in report.get("identical_to_plain", {}).items():
         out.write(f"{m}: {cmp['equal']}/{cmp['total']} outputs identical to plain\n")
     for m, cmp in report.get("identical_to_baseline", {}).items():
@@ -472,7 +520,7 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
                 f"  question {d['question_id']} turn {d['turn']}: first differs at token {d['index']} "
                 f"(target top-2 logit margin there {d['top2_margin']:.4f})\n"
             )
-    if reference is not None:
+    if "agreement_with_reference" in report:
         out.write("".join(line + "\n" for line in format_agreement(report["agreement_with_reference"]["methods"])))
     if report.get("costs"):
         out.write(format_costs(report["costs"]) + "\n")
@@ -499,7 +547,6 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
             out.write(f"{m}: {format_costs(info['costs'])}\n")
     out.write(f"rows: {paths['rows']}\nsummary: {paths['summary']}\n")
     out.flush()
-    return report
 
 
 def assistant_for(settings: InferJobConfig, session) -> Assistant:
@@ -508,7 +555,7 @@ def assistant_for(settings: InferJobConfig, session) -> Assistant:
     assisted decoding) only when the two vocabularies' sizes differ."""
     draft = session.draft
     d = settings.draft
-    tokens = d.assistant_tokens or policy_depth(draft_model_policy(settings.tree))
+    tokens = d.assistant_tokens or policy_depth(method_policy(None, settings.tree, "draft"))
     sizes = {m.config.get_text_config().vocab_size for m in (session.target.model, draft.model)}
     return Assistant(draft.model, tokens, d.assistant_schedule, draft.tokenizer if len(sizes) > 1 else None)
 

@@ -10,9 +10,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ..config.infer import InferJobConfig
+from ..config.infer import InferJobConfig, TreeConfig
 from ..config.model import ModelConfig
-from ..decode.draft_model import DraftModel, load_draft_model
+from ..decode.draft_model import DraftModel, DraftModelDrafter, load_draft_model
+from ..decode.drafters import make_drafter, make_hybrid_drafter
+from ..decode.policy import DEFAULT_NGRAM_NODES, method_policy
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import read_head_config
@@ -41,6 +43,22 @@ class Session:
         prepare_for_drafting(head, head_dtype or self.head_dtype, self.target)
         if self.layouts is not None:
             route_draft_kernels(head, self.layouts)
+
+
+def method_drafter(session: Session, method: str, tree: TreeConfig, text_nodes: int = DEFAULT_NGRAM_NODES) -> tuple:
+    """(drafter, policy, what drafts) of a drafting method over the session: the policy
+    policy.method_policy resolves (skip: the layer skip's own choice), drafted by the session's
+    head, the text, its draft model or the target's skipped layers; what drafts: the head's path
+    or the draft model's name (None: the text or the target alone)."""
+    if method == "skip":
+        return session.skip.drafter(session.target), session.skip.policy, None
+    policy = method_policy(session.head, tree, method, text_nodes)
+    if method == "spec":
+        return make_drafter(session.head, policy), policy, str(session.head_dir)
+    if method == "draft":
+        return DraftModelDrafter(session.draft, policy), policy, session.draft.name
+    head = str(session.head_dir) if method == "hybrid" and session.head is not None else None
+    return make_hybrid_drafter(session.head, policy), policy, head  # lookup, suffix: policy.head is None
 
 
 def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:

@@ -159,7 +159,7 @@ def use_cached_tree(head, head_dir: str | Path, target, kernels: bool, out: Text
         return False
     head.default_tree = stored["default_tree"]
     head.calibration = stored.get("calibration")
-    dynamic = stored_dynamic(head)
+    dynamic = stored_dynamic(head.calibration)
     tree = f"a dynamic tree of {dynamic['total_tokens']} nodes" if dynamic else f"{len(head.default_tree)} nodes"
     out.write(
         f"tree: {head_dir} drafts with the tree calibrated on this machine "

@@ -37,15 +37,15 @@ from typing import Any
 
 import torch
 
-from ..config.infer import DraftModelConfig, TreeConfig, resolve_search
+from ..config.infer import DraftModelConfig
 from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 from ..numerics import relative_error, same_numbers
 from ..target import FrozenTarget, target_source
 from .drafters import DraftTable, grow_tree
 from .kv import cache_length, compact_cache, new_cache, tree_attention_bias
-from .policy import DynamicTreeSpec, TreePolicy
-from .tree import TreeLayout, chain_paths, static_tree
+from .policy import TreePolicy
+from .tree import TreeLayout
 
 # written beside a draft that make_draft_model cut from a target: where its layers came from
 MADE_FROM_FILE = "specheads_draft.json"
@@ -156,23 +156,6 @@ def load_draft_model(cfg: DraftModelConfig, target: FrozenTarget) -> DraftModel:
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def draft_model_policy(tree: TreeConfig) -> TreePolicy:
-    """The tree a draft model grows: tree=default and tree=chain draft the top-1 chain of tree.depth
-    tokens (5 unless set), tree=static its rank paths, tree=dynamic an EAGLE-2 tree, each gated by
-    tree.min_path_prob (0 unless set) as a head's is. tree=auto calibrates heads only."""
-    tree = resolve_search(tree)
-    gate = tree.min_path_prob or 0.0
-    if tree.kind in ("default", "chain"):
-        return static_tree(chain_paths(tree.depth), gate)
-    if tree.kind == "static":
-        if not tree.paths:
-            raise SpecHeadsError("tree=static needs tree.paths, e.g. 'tree.paths=[[0],[1],[0,0]]'")
-        return static_tree(tree.paths, gate)
-    if tree.kind == "dynamic":
-        return DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, gate)
-    raise SpecHeadsError(f"a draft model drafts tree=default, chain, static or dynamic, not tree={tree.kind}")
 
 
 class DraftModelDrafter:

@@ -29,7 +29,7 @@ import torch
 from ..errors import SpecHeadsError
 from .hybrid_rule import AdaptiveRule, Choice
 from .policy import DynamicTreeSpec, HybridPolicy, TreePolicy, check_depth, policy_depth
-from .suffix import SuffixIndex
+from .suffix import SuffixIndex, TextDraft
 from .target_layers import check_layer_family, crop_layers, run_layers
 from .tree import FROM_HEAD, FROM_TEXT, StaticTree, TreeLayout, merge_chains, pruned_tree, select_dynamic
 
@@ -578,6 +578,16 @@ def text_continuations(
     return chains
 
 
+def chain_nodes(chains: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """The nodes of a token trie given as root-to-leaf chains (text_continuations'), each once, in
+    the order the chains add them (every node after its parent)."""
+    order: dict[tuple[int, ...], None] = {}
+    for chain in chains:
+        for m in range(1, len(chain) + 1):
+            order.setdefault(tuple(int(t) for t in chain[:m]))
+    return tuple(order)
+
+
 class HybridDrafter:
     """One tree from two drafters: a head's tree (any family, or none) and the continuations of
     the text's own repeats (prompt and answer so far; with the suffix source, earlier answers too),
@@ -657,6 +667,19 @@ class HybridDrafter:
             return [root], TreeLayout((-1,))
         return self.inner.draft(root, prefix_len, max_depth)
 
+    def text_draft(self, max_depth: int, budget: int, min_match: int = 1) -> TextDraft:
+        """The text source's best `budget` nodes (at most max_depth deep) continuing a repeat of at
+        least min_match tokens (none: an empty draft): what draft() hangs below the root, a budget of
+        g drafting the first g of them. Calibration steps this drafter along its answers and reads
+        them here (bench/hybrid_fit.walk_text). The n-gram source scores no node (scores empty,
+        match 0): its nodes are in the order its chains add them."""
+        p = self.policy
+        if p.source == "suffix":
+            text = self.index.draft(max_depth, budget)
+            return text if text.match >= min_match else TextDraft()
+        chains = text_continuations(self.text, p.ngram_max, budget, max_depth, min_ngram=min_match)
+        return TextDraft(chain_nodes(chains))
+
     def _merged(self, tokens, layout, chains) -> tuple[list[int], TreeLayout]:
         tokens, layout, self.sources = merge_chains(tokens, layout, chains)
         return tokens, layout
@@ -672,7 +695,7 @@ class HybridDrafter:
             self.last = (tokens, layout, choice, p.rule.text_expected(text, choice.text_nodes))
             return tokens, layout
         if p.source == "suffix":
-            text = self.index.draft(max_depth, max(p.text_alone, p.ngram_nodes))
+            text = self.text_draft(max_depth, max(p.text_alone, p.ngram_nodes))
             if p.text_alone and self.inner is not None and text.match >= p.alone_ngram:
                 return self._merged([root], TreeLayout((-1,)), text.chains(p.text_alone))
             return self._merged(*self._head_tree(root, prefix_len, max_depth), text.chains(p.ngram_nodes))

@@ -3,12 +3,15 @@
 A policy is a static tree of rank paths (tree.py) or an EAGLE-2 dynamic tree (DynamicTreeSpec).
 `tree.kind=default` takes the dynamic tree the head's calibration chose, else the head's stored
 tree, else its family's fallback tree, else a dynamic tree; `auto` is resolved into a tree by
-calibration (bench/calibrate.py) first.
+calibration (bench/calibrate.py) first; either way a calibration record becomes tree settings in
+one place (tree_config_from).
 A hybrid policy (HybridPolicy) adds the continuations of the text's own repeats to a head's tree.
+method_policy resolves what each benchmark method (and the demo) drafts: every caller goes through it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config.infer import TreeConfig, resolve_search
@@ -70,49 +73,85 @@ def fallback_policy(head, tree: TreeConfig) -> TreePolicy:
     return static_tree(sorted(paths), gate)
 
 
-def stored_dynamic(head) -> dict | None:
-    """The dynamic tree a head's calibration chose over its static tree (bench/calibrate.py's
+def stored_dynamic(calibration: dict | None) -> dict | None:
+    """The dynamic tree a calibration record chose over its static tree (bench/calibrate.py's
     record: "policy": "dynamic"), else None."""
-    calibration = getattr(head, "calibration", None) or {}
+    calibration = calibration or {}
     return calibration.get("dynamic") if calibration.get("policy") == "dynamic" else None
 
 
-def min_path_prob_for(head, tree: TreeConfig) -> float:
-    """tree.min_path_prob, else the one calibrated with the head's stored tree (tree=default only:
-    it belongs to that tree), else 0 (every level drafted)."""
-    if tree.min_path_prob is not None:
-        return tree.min_path_prob
-    dynamic = stored_dynamic(head) if tree.kind == "default" else None
-    if dynamic is not None:
-        return float(dynamic["min_path_prob"])
-    if tree.kind == "default" and getattr(head, "default_tree", None):
-        return float(((getattr(head, "calibration", None) or {}).get("min_path_prob")) or 0.0)
-    return 0.0
+def dynamic_from(record: dict, gate: float | None = None) -> DynamicTreeSpec:
+    """A record's dynamic tree (depth, top_k, total_tokens, min_path_prob), under `gate` if given."""
+    floor = record.get("min_path_prob") if gate is None else gate
+    return DynamicTreeSpec(int(record["depth"]), int(record["top_k"]), int(record["total_tokens"]), float(floor or 0.0))
+
+
+def tree_config_from(t: TreeConfig, paths: list | None, record: dict) -> TreeConfig:
+    """The tree settings a calibration record has a run draft (tree=auto's own run, and tree=default
+    through stored_settings): its dynamic tree (policy dynamic) or its static tree `paths` (its
+    default_tree; none: t's kind stays) under its gate, and its hybrid split. A setting given
+    explicitly (tree.min_path_prob, the split's keys) stays."""
+    dynamic = stored_dynamic(record)
+    if dynamic:
+        chosen = {k: dynamic[k] for k in ("depth", "top_k", "total_tokens")} | {"kind": "dynamic"}
+        chosen["min_path_prob"] = float(dynamic.get("min_path_prob") or 0.0)
+    elif paths:
+        chosen = {"kind": "static", "min_path_prob": float(record.get("min_path_prob") or 0.0)}
+    else:  # no stored tree: tree=default drafts the family's fallback
+        chosen = {}
+    hybrid = record.get("hybrid") or {}
+    gate = float(hybrid.get("min_path_prob") or 0.0)
+    if t.min_path_prob is not None:
+        chosen["min_path_prob"] = gate = t.min_path_prob
+    if t.hybrid_paths is None:  # a split given by hand keeps its own gate, text nodes and rule
+        chosen["hybrid_paths"] = hybrid.get("paths")
+        chosen["hybrid_min_path_prob"] = gate if hybrid.get("paths") is not None else None
+        for k in ("ngram_nodes", "text_alone", "text_alone_ngram"):
+            chosen[k] = hybrid.get(k) if getattr(t, k) is None else getattr(t, k)
+    return dataclasses.replace(t, **chosen, paths=paths)  # paths: the stored default_tree, chosen or not
+
+
+def stored_settings(head, tree: TreeConfig) -> TreeConfig:
+    """tree=default as the settings the head's stored tree and calibration make (tree_config_from:
+    read as tree=auto hands its record to its run); any other kind as given."""
+    if tree.kind != "default" or head is None:
+        return tree
+    return tree_config_from(tree, getattr(head, "default_tree", None), getattr(head, "calibration", None) or {})
+
+
+def named_tree(tree: TreeConfig) -> TreePolicy:
+    """The tree the settings name outright (tree=static's paths, a chain of tree.depth, a dynamic
+    tree), gated by tree.min_path_prob (0 unless set)."""
+    gate = tree.min_path_prob or 0.0
+    if tree.kind == "static":
+        if not tree.paths:
+            raise SpecHeadsError("tree=static needs tree.paths, e.g. 'tree.paths=[[0],[1],[0,0]]'")
+        return static_tree(tree.paths, gate)
+    if tree.kind == "chain":
+        return static_tree(chain_paths(tree.depth), gate)
+    if tree.kind == "dynamic":
+        return DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, gate)
+    raise SpecHeadsError(f"tree.kind={tree.kind} is resolved by calibration, not here")
 
 
 def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
     """The tree to draft: tree.kind, or for `default` the head's calibrated dynamic tree or stored
     tree, else a family default."""
-    tree = resolve_search(tree)  # depth and top_k left None: their defaults
-    kind = tree.kind
-    gate = min_path_prob_for(head, tree)
-    if kind == "static":
-        if not tree.paths:
-            raise SpecHeadsError("tree=static needs tree.paths, e.g. 'tree.paths=[[0],[1],[0,0]]'")
-        policy: TreePolicy = static_tree(tree.paths, gate)
-    elif kind == "chain":
-        policy = static_tree(chain_paths(tree.depth), gate)
-    elif kind == "dynamic":
-        policy = DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, gate)
-    elif kind == "default" and stored_dynamic(head) is not None:
-        dyn = stored_dynamic(head)
-        policy = DynamicTreeSpec(dyn["depth"], dyn["top_k"], dyn["total_tokens"], gate)
-    elif kind == "default":
-        policy = static_tree(head.default_tree, gate) if head.default_tree else fallback_policy(head, tree)
-    else:
-        raise SpecHeadsError(f"tree.kind={kind} is resolved by calibration, not here")
+    tree = resolve_search(stored_settings(head, tree))  # depth and top_k left None: their defaults
+    policy = fallback_policy(head, tree) if tree.kind == "default" else named_tree(tree)
     check_depth(head, policy)
     return policy
+
+
+def model_tree_policy(tree: TreeConfig) -> TreePolicy:
+    """The tree a model drafting for the target grows (a draft model; the target skipping layers):
+    tree=default and tree=chain the top-1 chain of tree.depth tokens (5 unless set), tree=static
+    its rank paths, tree=dynamic an EAGLE-2 tree, each gated by tree.min_path_prob (0 unless set)
+    as a head's is. tree=auto calibrates heads only."""
+    tree = resolve_search(tree)
+    if tree.kind == "auto":
+        raise SpecHeadsError("a draft model drafts tree=default, chain, static or dynamic, not tree=auto")
+    return named_tree(dataclasses.replace(tree, kind="chain") if tree.kind == "default" else tree)
 
 
 TEXT_SOURCES = ("suffix", "ngram")
@@ -133,7 +172,7 @@ class HybridPolicy:
     # > 0: a step whose last alone_ngram (or more, up to ngram_max) tokens occurred earlier in the
     # text drafts the text's continuations alone, text_alone nodes at most: no head drafting
     text_alone: int = 0
-    alone_ngram: int = 0  # 0: ngram_max
+    alone_ngram: int = 0  # 0: ngram_max (at most trigger_max)
     # where the text's continuations come from: ngram = prompt lookup's matches of the last n-gram
     # (n <= ngram_max), most recent first; suffix = decode/suffix.py's frequency-scored continuations
     # of the longest repeated suffix (up to suffix_match tokens), with up to suffix_history tokens of
@@ -147,77 +186,135 @@ class HybridPolicy:
 
     def __post_init__(self):
         if self.alone_ngram == 0:
-            object.__setattr__(self, "alone_ngram", self.ngram_max)
-        trigger_max = self.suffix_match if self.source == "suffix" else self.ngram_max
-        if not 1 <= self.alone_ngram <= trigger_max:
-            raise SpecHeadsError(f"the text-alone trigger must be 1..{trigger_max} tokens, got {self.alone_ngram}")
+            object.__setattr__(self, "alone_ngram", min(self.ngram_max, self.trigger_max))
+        if not 1 <= self.alone_ngram <= self.trigger_max:
+            raise SpecHeadsError(f"the text-alone trigger must be 1..{self.trigger_max} tokens, got {self.alone_ngram}")
         if self.source not in TEXT_SOURCES:
             raise SpecHeadsError(f"the text source must be one of {', '.join(TEXT_SOURCES)}, got {self.source!r}")
         if self.rule is not None and self.source != "suffix":
             raise SpecHeadsError("the adaptive hybrid rule needs tree.text_source=suffix")
 
+    @property
+    def trigger_max(self) -> int:
+        """The longest repeat the source matches: the longest text-alone trigger."""
+        return self.suffix_match if self.source == "suffix" else self.ngram_max
+
+
+Policy = TreePolicy | HybridPolicy
+
+
+# what a calibrated hybrid split stores of its text source (as the tree settings name them)
+TEXT_SETTINGS = ("text_source", "ngram_max", "suffix_match", "suffix_history")
+
+
+def text_settings(tree: TreeConfig, stored: dict | None = None) -> dict:
+    """The text source's settings: a calibrated split's own (`stored`, its record: what it was
+    scored with) where it has them, else the tree settings'."""
+    return {k: (stored or {}).get(k, getattr(tree, k)) for k in TEXT_SETTINGS}
+
+
+def text_policy(tree: TreeConfig, stored: dict | None = None) -> HybridPolicy:
+    """The text drafter alone, its source resolved by text_settings: the one tree=auto steps along
+    its answers to score a split, and the source hybrid_policy_for drafts that split with."""
+    s = text_settings(tree, stored)
+    return HybridPolicy(
+        None,
+        ngram_max=int(s["ngram_max"]),
+        source=s["text_source"],
+        suffix_match=int(s["suffix_match"]),
+        suffix_history=int(s["suffix_history"]),
+    )
+
+
+def alone_trigger(text: HybridPolicy, given: int | None) -> int:
+    """The text-alone trigger drafted: the one given (stored or asked for), as long as the source
+    matches at most; none given: the text policy's own."""
+    return text.alone_ngram if given is None else min(int(given), text.trigger_max)
+
+
+def calibrated_split(tree: TreeConfig) -> bool:
+    """Whether the hybrid split drafted is the head's calibration's: tree=default's stored one, or
+    the one tree=auto just chose (tree.hybrid_paths)."""
+    return tree.kind == "default" or tree.hybrid_paths is not None
+
 
 def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
-    """The hybrid tree to draft. tree=auto's split (tree.hybrid_paths with their gate
-    tree.hybrid_min_path_prob, tree.ngram_nodes and the text-alone rule, set by calibration) first;
-    with tree=default, the split stored with the head's calibration, its head part gated as the
-    calibration scored it (the record's min_path_prob); else the head's own tree (tree_policy_for)
-    and tree.ngram_nodes text nodes. A setting given explicitly (tree.min_path_prob included) wins
-    over a stored one. Without a head: text only."""
+    """The hybrid tree to draft: the split of the settings (tree.hybrid_paths with their gate
+    tree.hybrid_min_path_prob, tree.ngram_nodes and the text-alone rule), which tree=auto sets and
+    tree=default reads from the head's calibration (stored_settings); without a split, the head's
+    own tree (tree_policy_for) and tree.ngram_nodes text nodes. A setting given explicitly
+    (tree.min_path_prob included) wins over a stored one, except the text source: a calibrated
+    split drafts from the one it was scored with (text_policy: its record's, where stored).
+    Without a head: text only."""
     stored = ((getattr(head, "calibration", None) or {}).get("hybrid") or {}) if head is not None else {}
-    nodes, alone, alone_ngram = tree.ngram_nodes, tree.text_alone, tree.text_alone_ngram
-    gate = tree.min_path_prob
-    if tree.hybrid_paths is not None:
-        paths = tree.hybrid_paths
-        gate = tree.hybrid_min_path_prob if tree.hybrid_min_path_prob is not None else gate
-    elif tree.kind == "default" and stored.get("paths") is not None:
-        paths = stored["paths"]
-        gate = stored.get("min_path_prob") if gate is None else gate
-        nodes = stored.get("ngram_nodes") if nodes is None else nodes
-        alone = stored.get("text_alone") if alone is None else alone
-        alone_ngram = stored.get("text_alone_ngram") if alone_ngram is None else alone_ngram
-    else:
-        paths = None
-    rule = stored_rule(stored, tree) if head is not None else None
-    if rule is not None:  # the rule drafts the head's tree it was fitted with, under its gate
-        paths = stored["rule"]["paths"]
-        gate = tree.min_path_prob if tree.min_path_prob is not None else stored["rule"].get("min_path_prob", 0.0)
+    given_gate = tree.min_path_prob
+    tree = stored_settings(head, tree)
+    paths = tree.hybrid_paths
+    gate = tree.hybrid_min_path_prob if tree.hybrid_min_path_prob is not None else tree.min_path_prob
+    text = text_policy(tree, stored if calibrated_split(tree) else None)
+    rule = stored_rule(stored, tree, text.source) if head is not None else None
     if head is None:
         policy = None
-    elif paths is not None:
-        # [] : the calibration gave the head no node
+    elif rule is not None:  # the rule drafts the head's tree it was fitted with, under its gate
+        policy = rule_tree(stored["rule"], given_gate)
+    elif paths is not None:  # [] : the calibration gave the head no node
         policy = static_tree(paths, float(gate or 0.0)) if paths else None
-        if policy is not None:
-            check_depth(head, policy)
     else:
         policy = tree_policy_for(head, tree)
-    nodes = DEFAULT_NGRAM_NODES if nodes is None else int(nodes)
-    alone = DEFAULT_TEXT_ALONE if alone is None else int(alone)
-    source = tree.text_source
-    trigger_max = tree.suffix_match if source == "suffix" else tree.ngram_max
-    alone_ngram = tree.ngram_max if alone_ngram is None else min(int(alone_ngram), trigger_max)
-    return HybridPolicy(
-        policy,
-        nodes,
-        tree.ngram_max,
-        alone,
-        alone_ngram,
-        source=source,
-        suffix_match=tree.suffix_match,
-        suffix_history=tree.suffix_history,
+    if policy is not None:
+        check_depth(head, policy)
+    nodes = DEFAULT_NGRAM_NODES if tree.ngram_nodes is None else int(tree.ngram_nodes)
+    alone = DEFAULT_TEXT_ALONE if tree.text_alone is None else int(tree.text_alone)
+    return dataclasses.replace(
+        text,
+        head=policy,
+        ngram_nodes=nodes,
+        text_alone=alone,
+        alone_ngram=alone_trigger(text, tree.text_alone_ngram),
         rule=rule,
     )
 
 
-def stored_rule(stored_hybrid: dict, tree: TreeConfig) -> RuleParams | None:
+def rule_tree(record: dict, gate: float | None) -> TreePolicy | None:
+    """The head tree an adaptive rule (its record) was fitted with, under its own gate unless `gate`
+    is given: the calibrated dynamic tree, drafted as spec drafts it, else static paths ([]: none)."""
+    if record.get("dynamic"):
+        return dynamic_from(record["dynamic"], gate)
+    paths = record.get("paths") or []
+    floor = record.get("min_path_prob") if gate is None else gate
+    return static_tree(paths, float(floor or 0.0)) if paths else None
+
+
+def stored_rule(stored_hybrid: dict, tree: TreeConfig, source: str) -> RuleParams | None:
     """The adaptive rule calibrated with the hybrid split in use (tree.hybrid_rule=adaptive, the
-    suffix source, and a split from the same calibration: tree=default's stored one or the one
-    tree=auto just chose), else None: the fixed split."""
+    suffix source drafting, and a split from the same calibration: calibrated_split), else None:
+    the fixed split."""
     record = stored_hybrid.get("rule")
-    same_split = tree.kind == "default" or tree.hybrid_paths is not None
-    if tree.hybrid_rule != "adaptive" or tree.text_source != "suffix" or not record or not same_split:
+    if tree.hybrid_rule != "adaptive" or source != "suffix" or not record or not calibrated_split(tree):
         return None
     return RuleParams.from_record(record)
+
+
+def method_policy(head, tree: TreeConfig, method: str, text_nodes: int = DEFAULT_NGRAM_NODES) -> Policy:
+    """What a benchmark method drafts under these tree settings: the one place a setting (and the
+    head's stored calibration, stored_settings) becomes a policy. spec: the head's tree; hybrid:
+    the head's tree and the text's repeats; lookup and suffix: that text source alone, text_nodes
+    nodes (bench.prompt_lookup_num_tokens); draft and skip: a model drafting for the target (a
+    draft model; the target skipping layers given by hand)."""
+    if method == "spec":
+        return tree_policy_for(head, tree)
+    if method == "hybrid":
+        return hybrid_policy_for(head, tree)
+    if method == "lookup":
+        return HybridPolicy(None, text_nodes, tree.ngram_max)
+    if method == "suffix":
+        t = tree
+        return HybridPolicy(
+            None, text_nodes, t.ngram_max, source="suffix", suffix_match=t.suffix_match, suffix_history=t.suffix_history
+        )
+    if method in ("draft", "skip"):
+        return model_tree_policy(tree)
+    raise SpecHeadsError(f"method {method} drafts no tree of its own")
 
 
 def describe_text_alone(nodes: int, trigger: int, ngram_max: int) -> str:
@@ -227,14 +324,18 @@ def describe_text_alone(nodes: int, trigger: int, ngram_max: int) -> str:
     return f"; up to {nodes} text nodes alone after a repeated {trigger}{'+' if trigger < ngram_max else ''}-gram"
 
 
-def describe_policy(policy: TreePolicy | HybridPolicy) -> str:
+def describe_source(policy: HybridPolicy) -> str:
+    """The text source in words: also how tree=auto reports the source it scored a split with."""
+    if policy.source == "suffix":
+        history = f", {policy.suffix_history} tokens of earlier answers" if policy.suffix_history else ""
+        return f"suffix, match <= {policy.suffix_match}{history}"
+    return f"n-gram <= {policy.ngram_max}"
+
+
+def describe_policy(policy: Policy) -> str:
     if isinstance(policy, HybridPolicy):
         head = describe_policy(policy.head) if policy.head is not None else "no head"
-        if policy.source == "suffix":
-            history = f", {policy.suffix_history} tokens of earlier answers" if policy.suffix_history else ""
-            source = f"suffix, match <= {policy.suffix_match}{history}"
-        else:
-            source = f"n-gram <= {policy.ngram_max}"
+        source = describe_source(policy)
         if policy.rule is not None:
             budgets = "/".join(str(g) for g in policy.rule.text_budgets if g)
             return f"hybrid, adaptive per step: {head} or not, + 0/{budgets} text nodes ({source})"

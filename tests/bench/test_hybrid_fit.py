@@ -7,8 +7,11 @@ import pytest
 
 from specheads.bench.hybrid_fit import MAX_TEXT, MIN_EXPECTED, fit_rule, per_answer, simulate, text_positions
 from specheads.decode.hybrid_rule import TEXT_BUDGETS
+from specheads.decode.policy import HybridPolicy
 from specheads.decode.suffix import SuffixIndex
 from specheads.decode.tree import TreeLayout, merge_chains
+
+SUFFIX = HybridPolicy(None, source="suffix", suffix_match=4, suffix_history=100)  # the text drafter walked
 
 
 def greedy_walk(tokens, layout, truth):
@@ -40,7 +43,7 @@ def test_text_positions_are_what_the_loop_would_draft_and_accept(seed):
     """At each position: the draft equals a fresh index over the answers before and the text so
     far, and its accepted length for each budget is what verifying the merged tree accepts."""
     _, prompts, contexts = random_answers(seed)
-    drafts, accepted, _ = text_positions(prompts, contexts, suffix_match=4, history_tokens=100)
+    drafts, accepted = text_positions(SUFFIX, prompts, contexts)
     for a, (ids, full) in enumerate(zip(prompts, contexts)):
         assert len(drafts[a]) == len(full) - len(ids) - 1
         for i, t in enumerate(range(len(ids) - 1, len(full) - 2)):
@@ -59,7 +62,7 @@ def test_text_positions_are_what_the_loop_would_draft_and_accept(seed):
 @pytest.mark.parametrize("seed", range(5))
 def test_the_priors_follow_their_plain_formulas(seed):
     rng, prompts, contexts = random_answers(seed)
-    drafts, accepted, _ = text_positions(prompts, contexts, suffix_match=4, history_tokens=100)
+    drafts, accepted = text_positions(SUFFIX, prompts, contexts)
     heads = per_answer([rng.randint(0, 3) for _ in range(sum(len(d) for d in drafts))], contexts, prompts)
     params = fit_rule(drafts, accepted, heads, (10.0, 12.0, 14.0), draft_ms=2.0, head_nodes=3, lookup_ms=0.1)
     flat = [(d, a, h) for answer in zip(drafts, accepted, heads) for d, a, h in zip(*answer)]
@@ -82,7 +85,7 @@ def test_the_ratio_table_counts_each_cell_plainly(seed):
     """Each cell: accepted over expected text tokens of the positions with that matched length
     whose nodes that budget's column holds, shrunk toward the column's pool where it is thin."""
     rng, prompts, contexts = random_answers(seed)
-    drafts, accepted, _ = text_positions(prompts, contexts, suffix_match=4, history_tokens=100)
+    drafts, accepted = text_positions(SUFFIX, prompts, contexts)
     heads = [[0] * len(d) for d in drafts]
     params = fit_rule(drafts, accepted, heads, (10.0,), 1.0, 1, 0.0)
     flat = [(d, a) for answer in zip(drafts, accepted) for d, a in zip(*answer)]

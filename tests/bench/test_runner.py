@@ -22,6 +22,8 @@ from specheads.bench.runner import (
 from specheads.bench.session import Session
 from specheads.config.infer import BenchConfig, InferJobConfig, TreeConfig
 from specheads.config.train import HeadConfig
+from specheads.decode.hybrid_rule import RuleParams
+from specheads.decode.policy import describe_policy, method_policy
 from specheads.errors import SpecHeadsError
 from specheads.heads import build_head, save_head
 
@@ -367,3 +369,75 @@ def test_hybrid_without_a_head_is_prompt_lookup_through_our_loop(tmp_path, tiny_
     rows = [json.loads(line) for line in (tmp_path / "res.jsonl").read_text().splitlines()]
     counts = [r["accepted_sources"] for r in rows if r["method"] == "hybrid"]
     assert all(set(c) <= {"text"} for c in counts)  # no head: every accepted draft is the text's
+
+
+# a stored calibration unlike the tree settings' defaults in every part a method drafts from: the
+# head's tree under a gate, a hybrid split with its own gate, text source and text-alone rule, and
+# an adaptive rule with its own head tree and gate
+CALIBRATION = {
+    "min_path_prob": 0.05,
+    "hybrid": {
+        "paths": [[0], [0, 0]],
+        "min_path_prob": 0.1,
+        "ngram_nodes": 4,
+        "text_source": "suffix",
+        "ngram_max": 2,
+        "suffix_match": 4,
+        "suffix_history": 100,
+        "text_alone": 6,
+        "text_alone_ngram": 2,
+        "rule": {
+            **RuleParams(verify_ms=(1.0, 1.1, 1.2, 1.3), draft_ms=0.5, head_nodes=2, head_accept=1.0).to_record(),
+            "paths": [[0], [1]],
+            "min_path_prob": 0.2,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        TreeConfig(),
+        TreeConfig(hybrid_rule="fixed", ngram_nodes=3),
+        TreeConfig(kind="chain", depth=2, min_path_prob=0.1),
+    ],
+    ids=["default", "fixed-split", "chain"],
+)
+def test_each_method_drafts_what_the_resolver_resolves(tmp_path, tiny_target, monkeypatch, tree):
+    """The benchmark's drafters of spec, hybrid, lookup and suffix draft the policy that
+    policy.method_policy resolves from the same tree settings and the head's stored calibration,
+    and the summary describes that policy."""
+    import specheads.bench.runner as runner
+
+    head = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), tiny_target)
+    head.default_tree, head.calibration = [[0], [1], [0, 0]], json.loads(json.dumps(CALIBRATION))
+    methods = ["spec", "hybrid", "lookup", "suffix"]
+    settings = InferJobConfig(
+        tree=tree,
+        bench=BenchConfig(
+            questions=str(numbered_questions(tmp_path / "q.jsonl", 1)),
+            output=str(tmp_path / "res.jsonl"),
+            max_new_tokens=4,
+            methods=methods,
+            prompt_lookup_num_tokens=6,
+            warmup=0,
+            plots=False,
+        ),
+    )
+    real, used = runner.method_runner, {}
+
+    def spy(settings, target, drafters, assistant):
+        used.update(drafters)
+        return real(settings, target, drafters, assistant)
+
+    monkeypatch.setattr(runner, "method_runner", spy)
+    report = run_benchmark(settings, Session(tiny_target, head, tmp_path / "head", {}), out=io.StringIO())
+    assert set(used) == set(methods)
+    for m in methods:
+        resolved = method_policy(head, tree, m, 6)
+        drafter, policy, _ = used[m]
+        assert drafter.policy == policy == resolved, m
+        assert (report["tree"] if m == "spec" else report[m]["tree"]) == describe_policy(resolved)
+    hybrid = used["hybrid"][0]
+    assert hybrid.inner.policy == hybrid.policy.head  # the head part drafts the resolved head tree

@@ -13,13 +13,12 @@ from conftest import ROOT, assert_first_two_tokens_follow, assert_other_numbers,
 from test_generate import accepts_any_draft_in_support, first_two_probs, first_two_samples
 
 from specheads.bench.inputs import eos_token_ids
-from specheads.config.infer import DraftModelConfig, TreeConfig
+from specheads.config.infer import DraftModelConfig
 from specheads.decode.baselines import Assistant, hf_generate
 from specheads.decode.draft_model import (
     MADE_FROM_FILE,
     DraftModel,
     DraftModelDrafter,
-    draft_model_policy,
     first_layers_logits,
     load_draft_model,
     make_draft_model,
@@ -296,15 +295,6 @@ def test_assisted_generation_gives_the_targets_greedy_output(tiny_target, made):
     assert out["output_ids"] == hf_greedy(tiny_target, prompt, 24)
     assert out["target_forwards"] < len(out["output_ids"]) - 1
     assert made.model.generation_config.num_assistant_tokens != 4  # the call's settings are not left behind
-
-
-def test_the_draft_model_policy_follows_the_tree_settings():
-    assert draft_model_policy(TreeConfig()) == static_tree(chain_paths(5))
-    assert draft_model_policy(TreeConfig(kind="chain", depth=3)) == static_tree(chain_paths(3))
-    assert draft_model_policy(TreeConfig(kind="static", paths=[[0], [1]])) == static_tree([[0], [1]])
-    assert draft_model_policy(TreeConfig(kind="dynamic", depth=3, top_k=2, total_tokens=6)) == DynamicTreeSpec(3, 2, 6)
-    with pytest.raises(SpecHeadsError, match="not tree=auto"):
-        draft_model_policy(TreeConfig(kind="auto"))
 
 
 class RewindsWithoutCropping(DraftModelDrafter):

@@ -14,6 +14,7 @@ from specheads.decode.policy import (
     HybridPolicy,
     describe_policy,
     hybrid_policy_for,
+    model_tree_policy,
     tree_policy_for,
 )
 from specheads.decode.tree import StaticTree, chain_paths, static_tree
@@ -52,6 +53,15 @@ def test_the_medusa_default_tree_has_one_source(tiny_target):
     for preset in sorted((CONF / "tree").glob("*.yaml")):
         stored = OmegaConf.load(preset).get("paths")
         assert not stored or sorted(map(tuple, stored)) != sorted(map(tuple, paths)), preset
+
+
+def test_a_draft_model_drafts_the_tree_the_settings_name():
+    assert model_tree_policy(TreeConfig()) == static_tree(chain_paths(5))
+    assert model_tree_policy(TreeConfig(kind="chain", depth=3)) == static_tree(chain_paths(3))
+    assert model_tree_policy(TreeConfig(kind="static", paths=[[0], [1]])) == static_tree([[0], [1]])
+    assert model_tree_policy(TreeConfig(kind="dynamic", depth=3, top_k=2, total_tokens=6)) == DynamicTreeSpec(3, 2, 6)
+    with pytest.raises(SpecHeadsError, match="not tree=auto"):
+        model_tree_policy(TreeConfig(kind="auto"))
 
 
 def test_the_head_picks_its_drafter_and_its_depth_limit(tiny_target):
