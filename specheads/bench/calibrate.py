@@ -7,14 +7,20 @@
    is one of its paths, so E[accepted] = sum over tree paths of freq(path), where freq(path) is
    the share of positions whose rank vector starts with it. For n nodes the best tree is
    therefore the n most frequent paths (a child is never more frequent than its parent).
-2. Cost. Target forwards of 1..max_nodes+1 query tokens are timed against a realistic context,
-   and the head's drafting of each candidate tree (and of its cuts at each depth) is timed with
-   the real drafter; each at the mean over repeats, what the loop pays (bench/timing.py).
-3. Pick n maximising (1 + E[accepted]) / (target time + draft time), each tree under the depth
-   gate (StaticTree.min_path_prob) that serves it best: at every position the head's top-1
-   probabilities along the answer (teacher-forced, as the ranks) say how deep the gated tree
-   drafts there, and the step accepts at most that deep and costs that depth's drafting and
-   nodes, so that steps where the head is unsure stop early and cost less.
+2. Cost. Target forwards of every query-token count priced (the trees' and the hybrid's) are timed
+   in one run after a context of the mean length the loop's steps verify after (step_context),
+   made non-decreasing in the count by a least-squares fit, and the head's drafting of each
+   candidate tree (and of its cuts at each depth) is timed with the real drafter; each at the
+   mean over repeats, what the loop pays (bench/timing.py).
+3. Pick n maximising tokens per second, each tree under the depth gate (StaticTree.min_path_prob)
+   that serves it best: at every position the head's top-1 probabilities along the answer
+   (teacher-forced, as the ranks) say how deep the gated tree drafts there, and a step there
+   accepts at most that deep and costs that depth's drafting and nodes, so that steps where the
+   head is unsure stop early and cost less. Every setting is scored by walking the answers as
+   the loop does (bench/walk.py: a step accepting a drafts is followed by the step a + 1
+   positions on): tau = the answers' tokens / the steps taken, tokens/s = those tokens / the
+   steps' summed seconds. (E[accepted] above, over every position, ranks the trees of n nodes;
+   it overstates tau wherever accepted runs are long, counting a run once per token of it.)
 4. The hybrid tree (the head's tree + continuations of the text's repeats, decode.drafters.
    HybridDrafter): the loop's own text drafter, built from the tree settings' text source as the
    loop builds it, is stepped along the answers (hybrid_fit.walk_text), and at the same positions
@@ -81,7 +87,7 @@ from .hybrid_fit import accepted_text, calibrate_rule, score_rule, text_position
 from .inputs import encode_prompt, eos_token_ids, sampling_config
 from .questions import read_questions
 from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
-from .timing import time_steps
+from .timing import isotonic, time_steps
 from .trees import (
     cache_path,
     existing_calibration,
@@ -92,6 +98,7 @@ from .trees import (
     store_in_cache,
     utc_now,
 )
+from .walk import answer_lengths, walk, walked_tau
 
 BUILTIN_PROMPTS = [
     # half chat, half copy-heavy (BUILTIN_COPY_HEAVY): the copy-heavy ones give the text the answer
@@ -161,9 +168,10 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
 
     The mean the loop pays (timing.time_steps: every size timed once a round, so that a slow spell
     of the machine falls on all sizes alike; timed one size after another, it would inflate the
-    few sizes timed during it, and the forcing would carry that up to the larger ones, making large
-    trees look cheap beside small ones), made non-decreasing in n: more query tokens never cost
-    less. Each forward follows a 1-token one (settle_forward), as a decoding step follows a step.
+    few sizes timed during it, making large trees look cheap beside small ones), made
+    non-decreasing in n, more query tokens never costing less, by the least-squares monotone fit
+    (timing.isotonic; a running maximum carried one size's noise up to every larger size). Each
+    forward follows a 1-token one (settle_forward), as a decoding step follows a step.
     """
     model, device = target.model, target.device
     cache = new_cache(model)
@@ -178,10 +186,22 @@ def time_target(target, context: Sequence[int], sizes: Sequence[int], repeats: i
         after=lambda n: cache.crop(-n),
         sync=lambda: synchronize(device),
     )
-    running = 0.0
-    for n in sorted(out):
-        running = out[n] = max(out[n], running)
-    return out
+    ordered = sorted(out)
+    return dict(zip(ordered, isotonic([out[n] for n in ordered])))
+
+
+def step_context(prompts: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]]) -> list[int]:
+    """The context verification forwards are timed after: the longest calibration context cut to
+    the mean length the loop verifies after, over every answer position of every answer (the
+    prompt and the answer tokens before the step's root: a step's cost grows with its context, and
+    the loop steps at every length, not at the longest)."""
+    longest = list(max(contexts, key=len))
+    lengths = answer_lengths(prompts, contexts)
+    if not sum(lengths):
+        return longest
+    # answer position i (root: answer token i) verifies after len(prompt) + i tokens
+    mean = sum(n * len(ids) + n * (n - 1) / 2 for ids, n in zip(prompts, lengths)) / sum(lengths)
+    return longest[: max(round(mean), 1)]
 
 
 @torch.no_grad()
@@ -245,25 +265,35 @@ def gate_choice(
     target_s: dict[int, float],
     draft_s: dict[int, float],
     gates: Sequence[float] = GATES,
+    *,
+    lengths: Sequence[int],
 ) -> list[dict]:
     """Expected tokens/s of the tree `paths` under each depth gate (StaticTree.min_path_prob).
 
     At each position the gate sets the depth drafted (gated_depth, from the head's top-1 chain);
-    the step accepts the tree's accepted length cut to that depth and costs the verification of
-    the tree's nodes down to it plus its drafting (draft_s: seconds by depth drafted)."""
+    a step there accepts the tree's accepted length cut to that depth and costs the verification
+    of the tree's nodes down to it plus its drafting (draft_s: seconds by depth drafted). The
+    answers (lengths: positions per answer, walk.answer_lengths) are walked as the loop steps
+    through them (walk.walk): tau is their tokens per step, tokens/s their tokens per second of
+    the steps taken."""
     tree = static_tree(paths)
     full = frozenset(tree.paths)
     max_depth = tree.layout.max_depth
-    size = {d: pruned_tree(tree, d).size for d in range(1, max_depth + 1)}
+    verify = {d: interpolate(target_s, pruned_tree(tree, d).size) for d in range(1, max_depth + 1)}
+    ungated = [accepted_length(vector, full, max_depth) for vector in vectors]
+    tokens = sum(lengths)
     rows = []
     for gate in gates:
-        tokens = seconds = 0.0
-        for vector, top in zip(vectors, top_probs):
-            depth = gated_depth(top, max_depth, gate)
-            tokens += 1 + min(accepted_length(vector, full, max_depth), depth)
-            seconds += interpolate(target_s, size[depth]) + draft_s[depth]
-        n = max(len(vectors), 1)
-        rows.append({"min_path_prob": gate, "tau": tokens / n, "tokens_per_s": tokens / seconds if seconds else 0.0})
+        depths = [gated_depth(top, max_depth, gate) for top in top_probs] if gate else [max_depth] * len(vectors)
+        steps = walk(lengths, [min(a, d) for a, d in zip(ungated, depths)])
+        seconds = sum(verify[depths[i]] + draft_s[depths[i]] for i in steps)
+        rows.append(
+            {
+                "min_path_prob": gate,
+                "tau": walked_tau(lengths, len(steps)),
+                "tokens_per_s": tokens / seconds if seconds else 0.0,
+            }
+        )
     return rows
 
 
@@ -332,22 +362,28 @@ def hybrid_choice(
     alone_sizes: Sequence[int] = TEXT_NODES[1:],
     top_probs: Sequence[Sequence[float]] | None = None,
     text_nodes: Sequence[int] = TEXT_NODES,
+    *,
+    lengths: Sequence[int],
 ) -> list[dict]:
     """Every hybrid setting scored: expected tau, tokens per second. head_rows: the head-only rows
     (nodes, paths, draft_ms; optionally min_path_prob, the depth gate the head's part is drafted
     with, and draft_s, its drafting seconds by the depth drafted); vectors, text, top_probs (the
-    head's top-1 chain, as for gate_choice) and each alone[m] hold the same positions.
+    head's top-1 chain, as for gate_choice) and each alone[m] hold the same positions, those of
+    answers of `lengths` positions each (walk.answer_lengths).
 
     A setting is (head nodes n, text nodes g) and a text-alone rule: none, or (m, L): where the
     text's last m tokens (or more) occurred before (alone[m] = text_acceptance's for trigger m
     drafted something), the step verifies the text's L nodes alone, with no head drafting; every
     other step verifies the merged tree, which accepts max(A_head(n), A_text(g)). Under a gate the
     head's part is drafted as gate_choice counts it: at each position as deep as gated_depth says,
-    accepting at most that deep, verifying and drafting that many levels' nodes. Steps are counted
-    as positions, as for the head's tree; the head's catch-up after a skipped step (one forward
-    over a few more positions) is not priced. text_nodes: the text budgets g scored.
+    accepting at most that deep, verifying and drafting that many levels' nodes. Each setting
+    walks the answers as the loop steps through them (walk.walk: a step accepting a drafts is
+    followed by the step a + 1 positions on), so tau is the answers' tokens per step taken; the
+    head's catch-up after a skipped step (one forward over a few more positions) is not priced.
+    text_nodes: the text budgets g scored.
     """
     alone = alone or {}
+    tokens = sum(lengths)
     verify = {}
 
     def cost(nodes: int) -> float:
@@ -355,18 +391,22 @@ def hybrid_choice(
             verify[nodes] = interpolate(target_s, nodes)
         return verify[nodes]
 
-    # the text-alone steps of each rule (m, L): where they fire, and their summed tokens and cost
-    fires = {m: [len(a) > 1 for a in rows] for m, rows in alone.items()}
-    alone_sums = {}
+    # the text-alone steps of each rule (m, L): where they fire, what they accept and cost there
+    fired = {m: [i for i, a in enumerate(rows) if len(a) > 1] for m, rows in alone.items()}
+    alone_steps = {}
     for m, rows in alone.items():
         for size in alone_sizes:
-            acc = cost_s = 0.0
-            for a in rows:
-                if len(a) > 1:
-                    used = min(size, len(a) - 1)
-                    acc += 1 + a[used]
-                    cost_s += cost(1 + used) + lookup_s
-            alone_sums[m, size] = (acc, cost_s)
+            used = [min(size, len(rows[i]) - 1) for i in fired[m]]
+            alone_steps[m, size] = (
+                [rows[i][u] for i, u in zip(fired[m], used)],
+                [cost(1 + u) + lookup_s for u in used],
+            )
+
+    def score(accepted: list[int], costs: list[float]) -> tuple[float, float]:
+        steps = walk(lengths, accepted)
+        seconds = sum(map(costs.__getitem__, steps))
+        return walked_tau(lengths, len(steps)), tokens / seconds if seconds else 0.0
+
     out = []
     heads = [{"nodes": 0, "paths": [], "draft_ms": 0.0}, *head_rows]
     for h in heads:
@@ -375,20 +415,22 @@ def hybrid_choice(
         for g in text_nodes:
             if h["nodes"] == 0 and g == 0:
                 continue
-            step_tokens, step_cost = [], []
+            step_acc, step_cost = [], []
             for a_h, nodes, drafting, a_t in zip(head_acc, head_nodes, head_s, text):
                 used = min(g, len(a_t) - 1)
-                step_tokens.append(1 + max(a_h, a_t[used]))
+                step_acc.append(max(a_h, a_t[used]))
                 step_cost.append(cost(1 + nodes + used) + drafting + (lookup_s if g else 0.0))
-            rules = [(0, 0, sum(step_tokens), sum(step_cost))]
+            rules = [(0, 0, *score(step_acc, step_cost))]
             if h["nodes"]:  # without a head there is nothing to skip
-                for m, fired in fires.items():
-                    rest_tokens = sum(x for x, f in zip(step_tokens, fired) if not f)
-                    rest_cost = sum(c + (0.0 if g else lookup_s) for c, f in zip(step_cost, fired) if not f)
+                # under a rule the text is looked up at every step, to see whether it fires
+                rest_cost = step_cost if g else [c + lookup_s for c in step_cost]
+                for m, where in fired.items():
                     for size in alone_sizes:
-                        acc, cost_s = alone_sums[m, size]
-                        rules.append((size, m, rest_tokens + acc, rest_cost + cost_s))
-            for size, m, tokens, seconds in rules:
+                        accepted, costs = step_acc.copy(), rest_cost.copy()
+                        for i, a, c in zip(where, *alone_steps[m, size]):
+                            accepted[i], costs[i] = a, c
+                        rules.append((size, m, *score(accepted, costs)))
+            for size, m, tau, speed in rules:
                 out.append(
                     {
                         "head_nodes": h["nodes"],
@@ -397,24 +439,20 @@ def hybrid_choice(
                         "min_path_prob": gate,
                         "text_alone": size,
                         "text_alone_ngram": m,
-                        "tau": tokens / len(text),
-                        "tokens_per_s": tokens / seconds,
+                        "tau": tau,
+                        "tokens_per_s": speed,
                     }
                 )
     return out
 
 
 def with_sizes(target, context: Sequence[int], target_s: dict[int, float], sizes) -> dict[int, float]:
-    """target_s with the verification forwards of `sizes` it lacks timed too (two timing runs merged:
-    more tokens still never cost less)."""
-    missing = sorted(set(sizes) - set(target_s))
-    if not missing:
+    """target_s where it has every size of `sizes`; else all of its sizes and those timed anew in
+    one time_target run, so that every size is timed under the same machine state and fitted
+    monotone together (two runs merged put one run's slow spell beside the other's quiet one)."""
+    if set(sizes) <= set(target_s):
         return target_s
-    merged = {**target_s, **time_target(target, context, missing)}
-    running = 0.0
-    for n in sorted(merged):
-        running = merged[n] = max(merged[n], running)
-    return merged
+    return time_target(target, context, sorted(set(target_s) | set(sizes)))
 
 
 def score_hybrid_setting(
@@ -448,10 +486,18 @@ def score_hybrid_setting(
         [size] if size else [],
         top_probs,
         (g,),
+        lengths=answer_lengths(prompts, contexts),
     )
     rule = (size, trigger) if size and paths else (0, 0)
     found = [r for r in rows if r["head_nodes"] == len(paths) and (r["text_alone"], r["text_alone_ngram"]) == rule]
     return found[0] if found else None
+
+
+def hybrid_sizes(head_nodes: int) -> set[int]:
+    """The verification sizes calibrate_hybrid prices where the head's largest tree has head_nodes
+    nodes: up to that tree with every text node and the root."""
+    longest = head_nodes + max(TEXT_NODES) + 1
+    return {n for n in SIZES if n <= longest} | {longest}
 
 
 def calibrate_hybrid(
@@ -468,11 +514,12 @@ def calibrate_hybrid(
     sizes = list(TEXT_NODES[1:]) if t.text_alone is None else [t.text_alone] if t.text_alone else []
     # the merged tree's text part is the trigger-1 rule's text too: listed once, long enough for both
     text, alone = text_acceptance(source, prompts, contexts, max(top, *sizes), triggers if sizes else [])
-    longest = max(r["nodes"] for r in rows) + top + 1
-    context = max(contexts, key=len)
-    target_s = with_sizes(target, context, target_s, {n for n in SIZES if n <= longest} | {longest})
+    target_s = with_sizes(
+        target, step_context(prompts, contexts), target_s, hybrid_sizes(max(r["nodes"] for r in rows))
+    )
     lookup_s = time_lookup(source, prompts, contexts, top) if lookup_s is None else lookup_s
-    scored = hybrid_choice(vectors, text, rows, target_s, lookup_s, alone, sizes, top_probs)
+    lengths = answer_lengths(prompts, contexts)
+    scored = hybrid_choice(vectors, text, rows, target_s, lookup_s, alone, sizes, top_probs, lengths=lengths)
     best = max(scored, key=lambda r: r["tokens_per_s"])
     plain = 1 / target_s[1]
     head_best = max(r["tokens_per_s"] for r in rows)
@@ -600,17 +647,19 @@ def calibrate_dynamic(
         return None, None, candidate
     for k in widths:  # a step drafting d levels of a k-wide tree
         draft_s[k] = {d: time_draft(target, head, DynamicTreeSpec(d, k, 1), prompt) for d in range(1, grown_depth + 1)}
+    lengths = answer_lengths([ids for ids, _ in answered], [full for _, full in answered])
     most = max(max(NODES), int(existing["total_tokens"]) if existing else 0)
     verify_s = [interpolate(target_s, max(m, 1)) for m in range(most + 2)]
     before = None
     if existing:
         k, d = int(existing["top_k"]), int(existing["depth"])
         spec = ([int(existing["total_tokens"])], [float(existing.get("min_path_prob") or 0.0)])
-        before = [r for r in dynamic_choice({k: growths[k]}, verify_s, draft_s, d, *spec) if r["depth"] == d][0]
+        scored = dynamic_choice({k: growths[k]}, verify_s, draft_s, d, *spec, lengths=lengths)
+        before = [r for r in scored if r["depth"] == d][0]
         before = {**before, "draft_ms": 1e3 * draft_s[k][d]}
     if not search:
         return None, before, candidate
-    rows = dynamic_choice({k: growths[k] for k in searched}, verify_s, draft_s, depth, NODES, gates)
+    rows = dynamic_choice({k: growths[k] for k in searched}, verify_s, draft_s, depth, NODES, gates, lengths=lengths)
     plain = 1 / target_s[1]
     out.write("dynamic trees, the best of each depth (draft ms: all levels drafted):\n")
     out.write(f"{'depth':>5} {'top_k':>5} {'nodes':>5} {'floor':>5} {'tau':>6} {'draft ms':>8} {'tok/s':>7}\n")
@@ -747,9 +796,17 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     old_sizes = {pruned_tree(old_tree, d).size for d in range(1, old_tree.layout.max_depth + 1)} if old_tree else set()
     if old_dynamic is not None:
         old_sizes.add(int(old_dynamic["total_tokens"]) + 1)
-    context = max(contexts, key=len)
-    target_s = time_target(target, context, sorted({1, *(n + 1 for n in candidates), *old_sizes}))
-    prompt = context[: max(len(context) // 2, 1)]
+    # the hybrid's sizes too, new and before: every verification size timed in one run (with_sizes)
+    top = max(TEXT_NODES)
+    need = hybrid_sizes(max(candidates))
+    if old_hybrid is not None:
+        g, alone = int(old_hybrid.get("ngram_nodes") or 0), int(old_hybrid.get("text_alone") or 0)
+        need |= {1 + len(old_hybrid.get("paths") or []) + g, 1 + alone}
+    lengths = answer_lengths(prompts, contexts)
+    context = step_context(prompts, contexts)
+    target_s = time_target(target, context, sorted({1, *(n + 1 for n in candidates), *old_sizes, *need}))
+    longest = max(contexts, key=len)
+    prompt = longest[: max(len(longest) // 2, 1)]
     drafting: dict[tuple, float] = {}  # tree paths -> seconds of its drafting
 
     def draft_time(paths) -> float:
@@ -769,7 +826,8 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         paths = best_paths(freq, n)
         tree = static_tree(paths)
         draft_s = draft_by_depth(paths)
-        gated = max(gate_choice(vectors, top_probs, paths, target_s, draft_s, gates), key=lambda r: r["tokens_per_s"])
+        scored = gate_choice(vectors, top_probs, paths, target_s, draft_s, gates, lengths=lengths)
+        gated = max(scored, key=lambda r: r["tokens_per_s"])
         rows.append(
             {
                 "nodes": n,
@@ -786,7 +844,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     best = max(rows, key=lambda r: r["tokens_per_s"])
     # the static tree before under its gate, on the same positions and costs
     old_static = (
-        gate_choice(ranks, top_probs, old_paths, target_s, draft_by_depth(old_paths), (old_gate,))[0]
+        gate_choice(ranks, top_probs, old_paths, target_s, draft_by_depth(old_paths), (old_gate,), lengths=lengths)[0]
         if old_tree is not None
         else None
     )
@@ -844,13 +902,7 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"tau {dynamic['tau']:.2f}, draft {dynamic['draft_ms']:.1f} ms, expected speedup "
             f"{dynamic['tokens_per_s'] / plain:.2f}x{'  <- chosen: tree=default drafts it' if use_dynamic else ''}\n"
         )
-    # the hybrid splits, new and before, on the same verification costs and lookup time
-    top = max(TEXT_NODES)
-    longest = max(r["nodes"] for r in rows) + top + 1
-    need = {n for n in SIZES if n <= longest} | {longest}
-    if old_hybrid is not None:
-        g, alone = int(old_hybrid.get("ngram_nodes") or 0), int(old_hybrid.get("text_alone") or 0)
-        need |= {1 + len(old_hybrid.get("paths") or []) + g, 1 + alone}
+    # the hybrid splits, new and before, on the same verification costs (timed above) and lookup time
     hybrid_s = with_sizes(target, context, target_s, need)
     new_text = text_policy(t)  # the text drafter the new split is scored, and drafts, with
     lookup_s = time_lookup(new_text, prompts, contexts, top)

@@ -15,7 +15,7 @@ same position follows from it without drafting again:
   path's nodes down to the first that, or any node above it, ranks n or later.
 The expected tokens per second of each (top_k, depth, nodes, floor) weigh that acceptance against
 the target's verification cost per tree size and the drafting cost per number of levels drafted,
-timed with the real drafter.
+timed with the real drafter, over the steps the loop would take along the answers (bench/walk.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 from ..decode.drafters import DraftTable, make_drafter
 from ..decode.kv import cache_prefix, new_cache
 from ..decode.policy import DynamicTreeSpec
+from .walk import walk, walked_tau
 
 TOP_K = (2, 3, 4)  # children per expanded node, and nodes expanded per level
 MAX_DEPTH = 4  # deepest dynamic tree weighed
@@ -152,32 +153,32 @@ def dynamic_choice(
     max_depth: int,
     nodes: Sequence[int] = NODES,
     gates: Sequence[float] = (0.0,),
+    *,
+    lengths: Sequence[int],
 ) -> list[dict]:
-    """Expected tau and tokens/s of every (top_k, depth, nodes, floor): growths per top_k,
-    verify_s[m] the seconds of a target forward of m query tokens, draft_s[top_k][levels] the
-    drafting seconds of a step that drafts that many levels."""
+    """Expected tau and tokens/s of every (top_k, depth, nodes, floor): growths per top_k (the
+    positions of answers of `lengths` positions each, walk.answer_lengths), verify_s[m] the seconds
+    of a target forward of m query tokens, draft_s[top_k][levels] the drafting seconds of a step
+    that drafts that many levels. Each setting walks the answers as the loop steps through them
+    (walk.walk): tau is their tokens per step taken, tokens/s per second of those steps."""
+    tokens = sum(lengths)
     rows = []
     for top_k, positions in growths.items():
         for depth in range(1, max_depth + 1):
             for gate in gates:
-                tokens = dict.fromkeys(nodes, 0)
-                seconds = dict.fromkeys(nodes, 0.0)
-                for g in positions:
-                    ranks, left, levels = g.cut(depth, gate)
-                    drafting = draft_s[top_k][levels]
-                    for n in nodes:
-                        tokens[n] += 1 + accepted_within(ranks, n)
-                        seconds[n] += verify_s[min(n, left) + 1] + drafting
-                count = max(len(positions), 1)
+                cuts = [g.cut(depth, gate) for g in positions]
+                drafting = [draft_s[top_k][levels] for _, _, levels in cuts]
                 for n in nodes:
+                    steps = walk(lengths, [accepted_within(ranks, n) for ranks, _, _ in cuts])
+                    seconds = sum(verify_s[min(n, cuts[i][1]) + 1] + drafting[i] for i in steps)
                     rows.append(
                         {
                             "top_k": top_k,
                             "depth": depth,
                             "nodes": n,
                             "min_path_prob": gate,
-                            "tau": tokens[n] / count,
-                            "tokens_per_s": tokens[n] / seconds[n] if seconds[n] else 0.0,
+                            "tau": walked_tau(lengths, len(steps)),
+                            "tokens_per_s": tokens / seconds if seconds else 0.0,
                         }
                     )
     return rows

@@ -13,14 +13,18 @@ drafts with) that gives the rule's priors:
   overlap      least squares of max(A_head, A_text) - max(h, t) on min(h, t) over positions and
                budgets, clipped to [0, 1]: what a merged tree gains over the better of its parts
 
-and, with the timed costs, the rule's parameters. The rule is then run over the positions in order
-(each position one step, its running estimates restarted per answer, as per request): its expected
-tokens per second is what tree=auto weighs against the fixed split.
+and, with the timed costs, the rule's parameters. The rule is then run along each answer as the
+loop runs it (bench/walk.py): it chooses at a step's position, the step accepts what that choice
+accepts there, the rule observes it, and the next step is that many positions on plus one (its
+running estimates restarted per answer, as per request): its expected tokens per second (the
+answers' tokens over the seconds of the steps taken) is what tree=auto weighs against the fixed
+split. The priors are fitted over every position.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -31,6 +35,7 @@ from ..decode.hybrid_rule import TEXT_BUDGETS, AdaptiveRule, RuleParams
 from ..decode.policy import HybridPolicy
 from ..decode.suffix import TextDraft
 from .timing import time_steps
+from .walk import answer_lengths, walk, walked_tau
 
 MAX_TEXT = max(TEXT_BUDGETS)
 T = TypeVar("T")
@@ -174,28 +179,37 @@ def simulate(
     head_accepted: Sequence[Sequence[int]],
     has_head: bool = True,
 ) -> dict:
-    """The rule run over the positions in order, each one step: its tau and tokens per second, and
-    how often it made each kind of choice."""
+    """The rule run along the answers (per answer, per position) as the loop runs it: at each step
+    it chooses from the text's draft there and observes what its choice accepted, and the next
+    step is at the position after the accepted tokens' bonus (walk.walk). Its tau (the answers'
+    tokens per step), tokens per second, and how often it made each kind of choice."""
     rule = AdaptiveRule(params, has_head)
-    tokens = cost_ms = steps = 0.0
+    lengths = [len(d) for d in drafts]
+    flat = [position for answer in zip(drafts, text_accepted, head_accepted) for position in zip(*answer)]
+    starts = set(itertools.accumulate(lengths[:-1], initial=0))
+    cost_ms = 0.0
     kinds: dict[str, int] = {}
-    for answer_drafts, answer_text, answer_head in zip(drafts, text_accepted, head_accepted):
-        rule.start()
-        for draft, acc, a_head in zip(answer_drafts, answer_text, answer_head):
-            choice = rule.choose(draft)
-            g = choice.text_nodes
-            a_text = acc[g]
-            got = max(a_head, a_text) if choice.head else a_text
-            nodes = 1 + g + (params.head_nodes if choice.head else 0)
-            tokens += 1 + got
-            cost_ms += params.verify(nodes) + (params.draft_ms if choice.head else 0) + (params.lookup_ms if g else 0)
-            steps += 1
-            kind = ("head+text" if g else "head") if choice.head else ("text" if g else "plain")
-            kinds[kind] = kinds.get(kind, 0) + 1
-            rule.observe(choice, params.text_expected(draft, g), a_head, a_text)
+
+    def step(i: int) -> int:
+        nonlocal cost_ms
+        if i in starts:  # a new request: the rule's estimates start afresh
+            rule.start()
+        draft, acc, a_head = flat[i]
+        choice = rule.choose(draft)
+        g = choice.text_nodes
+        a_text = acc[g]
+        got = max(a_head, a_text) if choice.head else a_text
+        nodes = 1 + g + (params.head_nodes if choice.head else 0)
+        cost_ms += params.verify(nodes) + (params.draft_ms if choice.head else 0) + (params.lookup_ms if g else 0)
+        kind = ("head+text" if g else "head") if choice.head else ("text" if g else "plain")
+        kinds[kind] = kinds.get(kind, 0) + 1
+        rule.observe(choice, params.text_expected(draft, g), a_head, a_text)
+        return got
+
+    steps = walk(lengths, step)
     return {
-        "tau": tokens / steps if steps else 1.0,
-        "tokens_per_s": 1e3 * tokens / cost_ms if cost_ms else 0.0,
+        "tau": walked_tau(lengths, len(steps)),
+        "tokens_per_s": 1e3 * sum(lengths) / cost_ms if cost_ms else 0.0,
         "choices": kinds,
     }
 
@@ -203,8 +217,7 @@ def simulate(
 def per_answer(flat: Sequence, contexts: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]]) -> list[list]:
     """A flat per-position list (rank_vectors' order) cut into one list per answer."""
     out, start = [], 0
-    for ids, full in zip(prompts, contexts):
-        n = max(len(full) - len(ids) - 1, 0)
+    for n in answer_lengths(prompts, contexts):
         out.append(list(flat[start : start + n]))
         start += n
     return out

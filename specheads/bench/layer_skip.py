@@ -14,8 +14,9 @@ how deep it drafts and where it stops, chosen by expected tokens per second on t
    calibrate.gated_depth), accepts at a step rooted at s the run of top-1 matches cut at the depth
    it drafts, plus one level more where the target's token is among that level's alternatives (a
    leaf: the path ends there); the next step is rooted past the bonus token. Walking the answer step
-   by step (chain_walk) gives the steps the generation loop takes, accepted lengths and levels
-   drafted. The alternatives cost no drafting: only the chain's nodes have children to draft.
+   by step (chain_walk, with bench/walk.py's walk) gives the steps the generation loop takes,
+   accepted lengths and levels drafted. The alternatives cost no drafting: only the chain's nodes
+   have children to draft.
 3. Cost: a level of the reduced stack (the real drafter, timed right after a target forward, as in
    decoding) per level drafted, plus the target's verification of the root and the w nodes of
    every level drafted (calibrate.time_target).
@@ -62,6 +63,7 @@ from ..target import cache_root
 from .calibrate import GATES, calibration_prompts, gated_depth, time_repeated, time_target
 from .inputs import eos_token_ids, sampling_config
 from .trees import machine_description, machine_key, prompts_record, utc_now
+from .walk import walk
 
 CACHE_VERSION = 1
 FINALISTS, FINALIST_REPEATS = 3, 15  # the candidates timed again before the choice, and how often
@@ -174,8 +176,9 @@ def chain_walk(along: Along, depth: int, min_path_prob: float, width: int = 1) -
     level, tree.spine_paths) stopping under min_path_prob: (drafts accepted, levels drafted) per
     step (step 2 of the module docstring). Near the end a step drafts no deeper than the tokens
     left after its bonus token, as the loop."""
-    steps, i, n = [], 0, len(along.matches)
-    while i < n:
+    steps, n = [], len(along.matches)
+
+    def step(i: int) -> int:  # the step rooted at position i (walk.walk: the next is past its bonus)
         cap = min(depth, n - i - 1)  # the loop's max_depth: tokens left less the bonus
         drafted = gated_depth(along.probs[i], cap, min_path_prob) if cap >= 1 else 0
         accepted = 0
@@ -184,7 +187,9 @@ def chain_walk(along: Along, depth: int, min_path_prob: float, width: int = 1) -
         if accepted < drafted and along.ranks[i][accepted] < width:
             accepted += 1  # an alternative beside the chain: a leaf, the path ends on it
         steps.append((accepted, drafted))
-        i += accepted + 1
+        return accepted
+
+    walk([n], step)
     return steps
 
 

@@ -6,8 +6,9 @@ rank vectors give that number at every answer position: the head drafts along th
 (exactly as a tree drafts along its correct path) and the rank of each true token at depths
 1..D is recorded; a tree accepts the longest prefix of that vector that is one of its paths.
 `replay` then walks the answer as `speculative_generate` does (root token i, k drafts accepted,
-the bonus token i+k+1 is the next root), so its count of target forwards is the real loop's, for
-a chain of K or any static tree, at the cost of one target forward per answer (plus the head's).
+the bonus token i+k+1 is the next root: walk.walk, the walk tree=auto's scorers take too), so its
+count of target forwards is the real loop's, for a chain of K or any static tree, at the cost of
+one target forward per answer (plus the head's).
 
 That makes it the measure to choose heads, checkpoints and recipes by: tau of every chain length
 and tree size, per category, in seconds once the target's greedy answers are written (they are
@@ -42,6 +43,7 @@ from .compared import head_label
 from .inputs import encode_turns, eos_token_ids, sampling_config
 from .questions import read_questions
 from .runner import output_paths
+from .walk import walk
 
 MISS = 1 << 30  # the rank of a true token outside a reduced draft vocabulary
 CHAINS = (1, 2, 3, 4, 5, 6, 7, 8)  # vLLM serves chains up to num_speculative_tokens; K = 2..8 is the range compared
@@ -114,12 +116,14 @@ def replay(
     tree = frozenset(tuple(p) for p in paths)
     if len(vectors) < answer_len - 1:
         raise ValueError(f"{len(vectors)} rank vectors cannot replay an answer of {answer_len} tokens")
-    i, accepted = 0, []
-    while i < answer_len - 1:  # answer token i is the root; the prefill made token 0
+    accepted: list[int] = []
+
+    def step(i: int) -> int:  # answer token i is the root; the prefill made token 0
         cap = max_new_tokens - (i + 1) - 1  # the loop's max_depth: the tokens still allowed, less the bonus
-        k = accepted_length(vectors[i], tree, cap)
-        accepted.append(k)
-        i += k + 1
+        accepted.append(accepted_length(vectors[i], tree, cap))
+        return accepted[-1]
+
+    walk([max(answer_len - 1, 0)], step)
     return Replay(len(accepted), max(answer_len - 1, 0), tuple(accepted))
 
 

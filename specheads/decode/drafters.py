@@ -9,6 +9,8 @@ A drafter follows the generation loop through three calls:
 to time drafting during tree calibration). A drafter that runs the target's own layers (early exit)
 also has bind_target_cache(cache): whoever owns the target's KV cache (the generation loop) hands it
 over before start(), and at every draft() it holds exactly the committed prefix.
+A drafter that keeps the answers it served (the hybrid's suffix history) also has finish(tokens):
+the tokens the last step committed, which no advance() follows, so its history holds the whole answer.
 A drafter may also say where each node of its last tree came from (`sources`, tree.FROM_HEAD /
 FROM_TEXT bits), which the loop counts for accepted nodes. Drafts are deterministic (top-k), so any
 acceptance rule that treats them as one-hot proposals is lossless.
@@ -644,6 +646,11 @@ class HybridDrafter:
         self.index.extend([int(t) for t in tokens[1:]] + [int(bonus)])
         if self.inner is not None:
             self.inner.advance(states, tokens, bonus)
+
+    def finish(self, tokens: Sequence[int]) -> None:
+        """The request's last committed tokens (no advance follows them): the answer joins the history
+        whole when the next request starts, as calibration's text walk counts it."""
+        self.index.extend([int(t) for t in tokens])
 
     def _observe(self, accepted: Sequence[int]) -> None:
         """Tell the rule how much of the accepted path each drafted source proposed."""

@@ -195,6 +195,8 @@ def speculative_generate(
             prefix_len += len(path)
             drafter.advance(_select(dict(store), torch.tensor(path)), [tokens[i] for i in path], acc.bonus)
             root = acc.bonus
+        elif hasattr(drafter, "finish"):  # no advance after the last step: hand over what it committed
+            drafter.finish(new[:emitted])
         synchronize(device)
         t3 = time.perf_counter()
         res.draft_s += t2 - t1

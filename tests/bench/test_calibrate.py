@@ -21,10 +21,14 @@ from specheads.bench.calibrate import (
     gate_choice,
     gated_depth,
     hybrid_choice,
+    hybrid_sizes,
     interpolate,
+    step_context,
     text_acceptance,
     time_target,
+    with_sizes,
 )
+from specheads.bench.inputs import eos_token_ids
 from specheads.bench.questions import read_questions
 from specheads.bench.replay import accepted_length, best_paths, path_frequencies, rank_vectors
 from specheads.bench.session import Session
@@ -107,20 +111,27 @@ def test_the_gate_model_predicts_how_deep_the_gated_loop_drafts_and_what_it_acce
     assert 3 in depths and min(depths) < 3 and max(res.accepted_drafts) >= 1
 
 
-def test_gate_choice_counts_each_position_at_the_depth_its_gate_allows():
-    vectors = [(0, 0, 0), (0, 0, 1), (1,), (0, 5)]
-    tops = [(0.9, 0.9, 0.9), (0.9, 0.3, 0.5), (0.2, 0.9, 0.9), (0.6, 0.4, 0.1)]
+def test_gate_choice_counts_each_step_at_the_depth_its_gate_allows():
+    """One answer of 11 positions: the loop steps at positions 0, 4, 7 and 9 (each accepted run
+    and its bonus token skip the positions in between, which the scoring must not count)."""
+    steps = {0: ((0, 0, 0), (0.9, 0.9, 0.9)), 4: ((0, 0, 1), (0.9, 0.3, 0.5)), 7: ((1,), (0.2, 0.9, 0.9))}
+    steps[9] = ((0, 5), (0.6, 0.4, 0.1))
+    skipped = ((2,), (0.1, 0.1, 0.1))  # a position no step roots at: were it counted, tau would fall
+    vectors, tops = zip(*(steps.get(i, skipped) for i in range(11)))
     paths = [[0], [1], [0, 0], [0, 0, 0]]
     target_s = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}
     draft_s = {1: 0.1, 2: 0.2, 3: 0.3}
-    ungated, gated = gate_choice(vectors, tops, paths, target_s, draft_s, gates=(0.0, 0.5))
-    # no gate: every step drafts 3 deep (5 tokens verified), accepting 3, 2, 1 and 1 drafts
+    ungated, gated = gate_choice(vectors, tops, paths, target_s, draft_s, gates=(0.0, 0.5), lengths=[11])
+    # no gate: every step drafts 3 deep (5 tokens verified), accepting 3, 2, 1 and 1 drafts: 11 tokens
     assert ungated["tau"] == pytest.approx((4 + 3 + 2 + 2) / 4)
     assert ungated["tokens_per_s"] == pytest.approx(11 / (4 * (1.4 + 0.3)))
     # gate 0.5: depths 3 (0.9, 0.81), 2 (0.9, then 0.27 < 0.5), 1 (0.2 < 0.5), 2 (0.6, then 0.24)
-    assert [gated_depth(t, 3, 0.5) for t in tops] == [3, 2, 1, 2]
+    assert [gated_depth(steps[i][1], 3, 0.5) for i in steps] == [3, 2, 1, 2]
     assert gated["tau"] == pytest.approx((4 + 3 + 2 + 2) / 4)  # nothing lost: the cut drafts were wrong
     assert gated["tokens_per_s"] == pytest.approx(11 / ((1.4 + 0.3) + 2 * (1.3 + 0.2) + (1.2 + 0.1)))
+    # the same positions as 11 answers of one position each: every position a step of one token
+    (alone,) = gate_choice(vectors, tops, paths, target_s, draft_s, gates=(0.0,), lengths=[1] * 11)
+    assert alone["tau"] == 1.0 and alone["tokens_per_s"] == pytest.approx(1 / (1.4 + 0.3))
 
 
 @pytest.mark.parametrize("family", ["eagle3", "medusa"])
@@ -194,30 +205,46 @@ def test_the_text_alone_model_predicts_what_the_loop_accepts(trigger, source, ti
     assert checked[True] >= 2 and checked[False] >= 1, checked
 
 
-def plain_hybrid_score(vectors, text, alone, head, g, rule, target_s, lookup_s, tops=None):
-    """One hybrid setting scored step by step: (tau, tokens per second). With tops (the head's
-    top-1 chain at each position) and a gate in the head row, the head's part is the tree cut to
-    the depth the gate drafts there, verified and drafted (draft_s by depth) at that size."""
+def plain_hybrid_score(
+    vectors, text, alone, head, g, rule, target_s, lookup_s, tops=None, lengths=None, walked=True, alone_extra_s=0.0
+):
+    """One hybrid setting scored step by step as the loop steps along the answers (`lengths`
+    positions each; None: one answer): (tau, tokens per second). At a step the text-alone rule
+    fires or the merged tree is verified; the step emits what it accepts and the target's token,
+    nothing past its answer's end, and the next step is rooted at the last token it emitted.
+    With tops (the head's top-1 chain at each position) and a gate in the head row, the head's
+    part is the tree cut to the depth the gate drafts there, verified and drafted (draft_s by
+    depth) at that size. walked=False: every position a step (the scoring before);
+    alone_extra_s: seconds a text-alone step pays besides its verification and lookup."""
     size, m = rule
     gate = head.get("min_path_prob", 0.0)
-    tokens = seconds = 0.0
-    for i, v in enumerate(vectors):
+
+    def step(i):  # (drafts accepted, seconds) of a step rooted at position i
         if size and len(alone[m][i]) > 1:  # a text-alone step
             used = min(size, len(alone[m][i]) - 1)
-            tokens += 1 + alone[m][i][used]
-            seconds += interpolate(target_s, 1 + used) + lookup_s
-            continue
+            return alone[m][i][used], interpolate(target_s, 1 + used) + lookup_s + alone_extra_s
         deepest = max((len(p) for p in head["paths"]), default=0)
         depth = gated_depth(tops[i], deepest, gate) if head["paths"] and gate and tops is not None else deepest
         kept = [p for p in head["paths"] if len(p) <= depth]
         drafting = head["draft_s"][depth] if "draft_s" in head and kept else head["draft_ms"] / 1e3
         tree = {tuple(p) for p in kept}
-        a_h = max([k for k in range(1, len(v) + 1) if v[:k] in tree], default=0)
+        a_h = max([k for k in range(1, len(vectors[i]) + 1) if vectors[i][:k] in tree], default=0)
         used = min(g, len(text[i]) - 1)
-        tokens += 1 + max(a_h, text[i][used])
         looked_up = g > 0 or size > 0
-        seconds += interpolate(target_s, 1 + len(kept) + used) + drafting + lookup_s * looked_up
-    return tokens / len(vectors), tokens / seconds
+        return max(a_h, text[i][used]), interpolate(target_s, 1 + len(kept) + used) + drafting + lookup_s * looked_up
+
+    tokens = seconds = steps = 0
+    start = 0
+    for n in lengths if lengths is not None else [len(vectors)]:
+        i = 0
+        while i < n:
+            accepted, cost = step(start + i)
+            steps += 1
+            tokens += min(1 + accepted, n - i) if walked else 1 + accepted
+            seconds += cost
+            i += 1 + accepted if walked else 1
+        start += n
+    return tokens / steps, tokens / seconds
 
 
 def random_acceptance(rng, n, nodes):
@@ -232,9 +259,16 @@ def random_acceptance(rng, n, nodes):
     return rows
 
 
+def random_lengths(rng, n):
+    """n positions cut into answers of random lengths (some of 0 or 1 position)."""
+    cuts = sorted(rng.sample(range(n + 1), rng.randint(0, 4)))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+
+
 def check_hybrid_choice(score, seed, gated=False):
     rng = random.Random(seed)
     n = 40
+    lengths = random_lengths(rng, n)
     vectors = [tuple(rng.choice([0, 0, 1, 2]) for _ in range(rng.randint(1, 3))) for _ in range(n)]
     tops = [tuple(rng.choice([0.2, 0.5, 0.9]) for _ in range(3)) for _ in range(n)]
     text = random_acceptance(rng, n, max(TEXT_NODES))
@@ -250,7 +284,9 @@ def check_hybrid_choice(score, seed, gated=False):
         rows.append({"nodes": 5, "paths": [[0], [0, 0], [1], [0, 0, 0], [0, 1]], "draft_ms": 4.0})
         rows[2].update(min_path_prob=0.4, draft_s={1: 1e-3, 2: 2.5e-3, 3: 4e-3})
         rows[1].update(min_path_prob=0.15, draft_s={1: 1e-3, 2: 3e-3})
-    scored = hybrid_choice(vectors, text, rows, target_s, 1e-4, alone, [4, 8, 16], tops if gated else None)
+    scored = hybrid_choice(
+        vectors, text, rows, target_s, 1e-4, alone, [4, 8, 16], tops if gated else None, lengths=lengths
+    )
     by_head = {r["nodes"]: r for r in [{"nodes": 0, "paths": [], "draft_ms": 0.0}, *rows]}
     rules = {(r["head_nodes"], r["ngram_nodes"], r["text_alone"], r["text_alone_ngram"]) for r in scored}
     assert (0, 4, 4, 1) not in rules and (2, 4, 4, 1) in rules and (2, 0, 0, 0) in rules  # no head: nothing to skip
@@ -258,7 +294,9 @@ def check_hybrid_choice(score, seed, gated=False):
         head = by_head[r["head_nodes"]]
         assert r["min_path_prob"] == (head.get("min_path_prob", 0.0) if head["nodes"] else 0.0)
         rule = (r["text_alone"], r["text_alone_ngram"])
-        tau, speed = score(vectors, text, alone, head, r["ngram_nodes"], rule, target_s, 1e-4, tops=tops)
+        tau, speed = score(
+            vectors, text, alone, head, r["ngram_nodes"], rule, target_s, 1e-4, tops=tops, lengths=lengths
+        )
         assert r["tau"] == pytest.approx(tau) and r["tokens_per_s"] == pytest.approx(speed), r
 
 
@@ -276,21 +314,28 @@ def test_hybrid_choice_scores_a_gated_head_part_as_a_plain_step_by_step_count(se
 
 
 def test_the_gated_hybrid_check_fails_when_the_head_part_is_scored_ungated():
-    def ungated(*args, tops=None):
-        return plain_hybrid_score(*args, tops=None)
+    def ungated(*args, tops=None, lengths=None):
+        return plain_hybrid_score(*args, tops=None, lengths=lengths)
 
     assert fails_for_some_seed(lambda score, seed: check_hybrid_choice(score, seed, gated=True), ungated, range(5))
 
 
 def test_the_hybrid_choice_check_fails_when_alone_steps_still_pay_the_head():
-    def head_always(vectors, text, alone, head, g, rule, target_s, lookup_s, tops=None):
-        tau, speed = plain_hybrid_score(vectors, text, alone, head, g, rule, target_s, lookup_s)
-        fired = sum(len(a) > 1 for a in alone[rule[1]]) if rule[0] else 0
-        seconds = tau * len(vectors) / speed + fired * head["draft_ms"] / 1e3
-        return tau, tau * len(vectors) / seconds
+    def head_always(*args, **kwargs):
+        return plain_hybrid_score(*args, **kwargs, alone_extra_s=args[3]["draft_ms"] / 1e3)
 
     with pytest.raises(AssertionError):
         check_hybrid_choice(head_always, 0)
+
+
+def test_the_hybrid_choice_check_fails_when_every_position_is_a_step():
+    """The check can fail: the scoring before, every position counted as a step (a long accepted
+    run counted once per token of it), is caught."""
+
+    def every_position(*args, **kwargs):
+        return plain_hybrid_score(*args, **kwargs, walked=False)
+
+    assert fails_for_some_seed(check_hybrid_choice, every_position, range(5))
 
 
 def random_requests(seed):
@@ -764,7 +809,7 @@ def test_a_recalibration_expected_slower_keeps_the_calibration_before(tmp_path, 
     record = json.loads(stored)["calibration"]
     assert record["nodes"] > 1  # what the second search below cannot reach
     chosen, out, head = recalibrate(head_dir, tiny_target, max_nodes=1, dynamic="off", save="head")
-    (line,) = lines_with(out, "is kept")
+    (line,) = lines_with(out, "is kept, expected")
     assert "tree " in line and "hybrid " in line and line.count("x against") == 2 and "nothing stored" in line
     assert (head_dir / "config.json").read_bytes() == stored and not (tmp_path / "cache").exists()
     assert chosen.paths == first.paths and head.calibration == record and head.default_tree == first.paths
@@ -787,7 +832,7 @@ def test_a_recalibration_expected_faster_replaces_the_calibration_before_part_by
     chosen, out, _ = recalibrate(head_dir, tiny_target, max_nodes=8, dynamic="off", save="head")
     config = json.loads((head_dir / "config.json").read_text())
     assert config["default_tree"] == chosen.paths == first.paths and "kept" not in config["calibration"]
-    assert config["calibration"]["hybrid"]["paths"] == first.hybrid_paths and not lines_with(out, "is kept")
+    assert config["calibration"]["hybrid"]["paths"] == first.hybrid_paths and not lines_with(out, "is kept, expected")
     assert len(lines_with(out, "the new calibration replaces")) == 1
     # the best tree before, with a split that never accepts: only the split is replaced
     with_calibration(head_dir, first.paths, {**best, "calibrated_at": "2020-01-01T00:00:00+00:00", "hybrid": never})
@@ -827,10 +872,12 @@ SCRIPTED = {4: [0.001, 0.625, 0.75], 1: [9.0, 0.5, 0.25], 8: [9.0, 0.375, 0.5], 
 
 def plain_time_target(scripted: dict[int, list[float]]) -> dict[int, float]:
     """What time_target must report, written plainly: the warm-up dropped, the mean of the repeats
-    (what the loop pays), then for each n the largest mean at or below it (more tokens never cost
-    less)."""
+    (what the loop pays), then the least-squares non-decreasing fit over n (more tokens never cost
+    less), by brute force."""
+    from test_timing import brute_force_isotonic
+
     means = {n: sum(runs[1:]) / len(runs[1:]) for n, runs in scripted.items()}
-    return {n: max(m for k, m in means.items() if k <= n) for n in means}
+    return dict(zip(sorted(means), brute_force_isotonic([means[n] for n in sorted(means)])))
 
 
 def scripted_time_target(monkeypatch, target) -> dict[int, float]:
@@ -855,7 +902,8 @@ def scripted_time_target(monkeypatch, target) -> dict[int, float]:
 
 def test_time_target_keeps_the_mean_repeat_and_never_lets_more_tokens_cost_less(monkeypatch, tiny_target):
     expected = plain_time_target(SCRIPTED)
-    assert expected == {1: 0.375, 2: 0.375, 4: 0.6875, 8: 0.6875}  # the script does exercise the forcing
+    # the script does exercise the fit: means 0.375, 0.15625, 0.6875, 0.4375 pooled in pairs
+    assert expected == pytest.approx({1: 0.265625, 2: 0.265625, 4: 0.5625, 8: 0.5625})
     assert scripted_time_target(monkeypatch, tiny_target) == pytest.approx(expected)
 
 
@@ -886,11 +934,13 @@ def test_time_target_times_every_size_in_each_round_after_a_small_forward(monkey
 @pytest.mark.parametrize(
     "module, name, broken",
     [
-        ("calibrate", "max", lambda measured, running: measured),  # no forcing: raw means reported as they are
+        ("calibrate", "isotonic", list),  # no forcing: raw means reported as they are
+        # the running maximum before: one size's noise copied onto every larger size
+        ("calibrate", "isotonic", lambda xs: [max(xs[: i + 1]) for i in range(len(xs))]),
         ("timing", "fmean", min),  # the least disturbed repeat, which the loop does not get
         ("timing", "fmean", lambda times: times[-1]),  # the last repeat
     ],
-    ids=["unforced", "min-repeat", "last-repeat"],
+    ids=["unforced", "running-max", "min-repeat", "last-repeat"],
 )
 def test_the_time_target_check_fails_on_a_broken_timer(monkeypatch, tiny_target, module, name, broken):
     """The check can fail: time_target with one of its two reductions broken is caught."""
@@ -1065,3 +1115,127 @@ def test_the_same_tree_check_fails_for_a_static_rule_tree(tmp_path_factory, monk
     rule.update(paths=head.default_tree, min_path_prob=head.calibration["min_path_prob"])
     with pytest.raises(AssertionError):
         check_hybrid_drafts_the_spec_tree(head, tiny_target, sequences[2:3, :8])
+
+
+def test_verification_is_timed_after_the_mean_context_of_the_loops_steps():
+    """step_context: the longest context cut to the mean length the loop verifies after, over every
+    answer position (the prompt and the answer tokens before the step's root)."""
+    prompts = [[1] * 10, [2] * 4, [3] * 6]
+    contexts = [prompts[0] + [5] * 5, prompts[1] + [6] * 21, prompts[2]]  # answers of 5, 21 and 0 tokens
+    before = [len(ids) + i for ids, full in zip(prompts, contexts) for i in range(len(full) - len(ids) - 1)]
+    assert len(before) == 4 + 20 and sum(before) / len(before) == pytest.approx(316 / 24)
+    assert step_context(prompts, contexts) == contexts[1][:13]
+    assert step_context([[1, 2]], [[1, 2, 3]]) == [1, 2, 3]  # no position: the longest context
+
+
+def test_with_sizes_times_every_size_in_one_run(monkeypatch):
+    """The sizes target_s lacks are not timed in a second run merged with the first: all of them,
+    the ones it had included, are timed together (the same machine state, one monotone fit)."""
+    import specheads.bench.calibrate as calibrate_module
+
+    runs = []
+
+    def time_target(target, context, sizes, repeats=5):
+        runs.append(sorted(sizes))
+        return {n: 0.5 + n for n in sizes}
+
+    monkeypatch.setattr(calibrate_module, "time_target", time_target)
+    first = {1: 1.0, 2: 2.0, 4: 4.0}
+    assert with_sizes(None, [1, 2], first, {2, 4}) is first and runs == []
+    assert with_sizes(None, [1, 2], first, {3, 4, 8}) == {n: 0.5 + n for n in (1, 2, 3, 4, 8)}
+    assert runs == [[1, 2, 3, 4, 8]]
+
+
+def test_expected_tau_is_what_the_loop_measures_on_the_calibration_prompts(monkeypatch, tiny_target, sequences):
+    """tree=auto's expected tau against decoding its own calibration prompts through the loop
+    (speculative_generate, as the benchmark runs it) with what it chose, to calibration_tokens
+    tokens: the static tree (spec; no depth gate, no dynamic tree), the fixed hybrid split and the
+    adaptive rule (one drafter for the prompts in turn, as a serving process keeps its text
+    history). The prompts ask twice each, so that the second answers copy the first ones from the
+    history in long runs. The answers are the same greedy ones and the walk takes the loop's
+    steps, so they agree to the record's rounding (4 decimals), EOS and the token limit included
+    (a step's drafts reaching past the answer's end are cut there in both); the per-position
+    average the scorers took before does not. Verification is timed once, every size together,
+    after the mean context of the steps. The loop hands the drafter each answer's last committed
+    tokens (finish), so its text history holds the whole answer, as calibration's text walk
+    (hybrid_fit.walk_text) counts it; without that the copying answers accept less near their end."""
+    import specheads.bench.calibrate as calibrate_module
+
+    fixed_costs(monkeypatch)
+    fixed_time, timed = calibrate_module.time_target, []
+
+    def time_target(target, context, sizes, repeats=5):
+        timed.append((list(context), sorted(sizes)))
+        return fixed_time(target, context, sizes, repeats)
+
+    monkeypatch.setattr(calibrate_module, "time_target", time_target)
+    # the adaptive rule kept whatever the fixed split is expected to do, so that both are measured
+    real_split, real_choice, scored = calibrate_module.calibrate_hybrid, calibrate_module.hybrid_choice, []
+    monkeypatch.setattr(
+        calibrate_module, "calibrate_hybrid", lambda *a, **k: {**real_split(*a, **k), "expected_speedup": 0.0}
+    )
+    monkeypatch.setattr(
+        calibrate_module, "hybrid_choice", lambda *a, **k: scored.append((a, k)) or real_choice(*a, **k)
+    )
+    prompts = [row[:8].tolist() for row in sequences[[0, 1, 0, 1]]]
+    texts = [str(ids) for ids in prompts]
+    monkeypatch.setattr(calibrate_module, "calibration_prompts", lambda *a: ("sequences", texts, prompts))
+    head = quick_head(tiny_target, "eagle3", sequences, steps=25)
+    tokens = 32
+    tree = TreeConfig(
+        kind="auto", depth=3, top_k=3, calibration_prompts=4, calibration_tokens=tokens, max_nodes=8,
+        dynamic="off", min_path_prob=0.0, save="none",
+    )  # fmt: skip
+    chosen = calibrate_tree(InferJobConfig(tree=tree), Session(tiny_target, head, None, {}), out=io.StringIO())
+    record = head.calibration
+    assert record["policy"] == "static" and record["min_path_prob"] == 0.0
+    cfg = SamplingConfig(max_new_tokens=tokens, eos_token_ids=eos_token_ids(tiny_target))
+
+    def measured(drafter, finish=True) -> float:
+        if not finish:  # the loop as it was: no finish() after an answer's last step
+            drafter.finish = lambda tokens: None
+        made = forwards = 0
+        for ids in prompts:
+            res = speculative_generate(tiny_target, drafter, torch.tensor([ids]), cfg)
+            made, forwards = made + res.new_tokens - 1, forwards + res.target_forwards
+        return made / forwards
+
+    spec = measured(make_drafter(head, static_tree(chosen.paths)))
+    assert spec == pytest.approx(record["tau"], abs=1e-4) and spec > 1.5
+    split = hybrid_policy_for(head, dataclasses.replace(chosen, hybrid_rule="fixed"))
+    adaptive = hybrid_policy_for(head, chosen)
+    assert split.rule is None and adaptive.rule is not None
+    hybrid = record["hybrid"]
+    assert hybrid["tau"] > spec + 0.5 and (split.text_alone or split.ngram_nodes)  # the text is drafted
+    assert measured(make_hybrid_drafter(head, split)) == pytest.approx(hybrid["tau"], abs=1e-4)
+    assert measured(make_hybrid_drafter(head, adaptive)) == pytest.approx(hybrid["rule"]["tau"], abs=1e-4)
+    # without finish() the history lacks each answer's last run: less than expected
+    assert measured(make_hybrid_drafter(head, split), finish=False) < hybrid["tau"] - 1e-3
+    # the per-position average the scorers took before is off: these checks tell it apart
+    ((args, kwargs),) = scored  # the split's search: every position's acceptance, as scored
+    vectors, text, rows, target_s, lookup_s, alone, _, tops = args
+    head_row = next((r for r in rows if r["paths"] == hybrid["paths"]), {"nodes": 0, "paths": [], "draft_ms": 0.0})
+    split_of = (vectors, text, alone, head_row, hybrid["ngram_nodes"], (hybrid["text_alone"], split.alone_ngram))
+    walked, _ = plain_hybrid_score(*split_of, target_s, lookup_s, tops, kwargs["lengths"])
+    every_position, _ = plain_hybrid_score(*split_of, target_s, lookup_s, tops, kwargs["lengths"], walked=False)
+    assert walked == pytest.approx(hybrid["tau"], abs=1e-4) and every_position - walked > 1.0
+    paths = frozenset(tuple(p) for p in chosen.paths)
+    depth = max(map(len, paths))
+    contexts = [ids + hf_answer(tiny_target, ids, cfg) for ids in prompts]
+    per_position = [
+        1 + accepted_length(v, paths, depth)
+        for ids, full in zip(prompts, contexts)
+        for v in rank_vectors(tiny_target, head, full, len(ids), depth)
+    ]
+    assert sum(per_position) / len(per_position) != pytest.approx(spec, abs=1e-2)
+    # verification timed once, every size the trees and the hybrid price, after the steps' mean context
+    ((context, sizes),) = timed
+    assert context == step_context(prompts, contexts)
+    assert {r["nodes"] + 1 for r in rows} | hybrid_sizes(max(r["nodes"] for r in rows)) <= set(sizes)
+
+
+def hf_answer(target, ids, cfg) -> list[int]:
+    """The target's greedy answer to `ids`, as calibration takes it (decode.baselines.hf_generate)."""
+    from specheads.decode.baselines import hf_generate
+
+    return hf_generate(target, torch.tensor([ids]), dataclasses.replace(cfg))["output_ids"]

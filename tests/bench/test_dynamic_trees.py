@@ -80,20 +80,29 @@ def test_accepted_within_stops_at_the_first_rank_outside_the_cut():
     assert [accepted_within((0, 2, 1), n) for n in (0, 1, 2, 3)] == [0, 1, 1, 3]
 
 
-def test_dynamic_choice_prices_each_setting_by_its_nodes_and_levels():
-    # two positions of one top_k: nodes in rank order with their depths and path log-probs
+def test_dynamic_choice_prices_each_setting_by_its_nodes_and_levels_along_the_loops_steps():
+    # positions of one top_k: nodes in rank order with their depths and path log-probs; two answers,
+    # [a, e, e] and [b, e], e a position where the head drafted nothing (a step there accepts none
+    # and verifies the root alone)
     a = Growth(depths=(1, 2, 1), scores=(math.log(0.8), math.log(0.5), math.log(0.1)), truth=(0, 1))
     b = Growth(depths=(1, 1, 2), scores=(math.log(0.4), math.log(0.3), math.log(0.1)), truth=(1,))
+    e = Growth(depths=(), scores=(), truth=())
     verify_s = [0.0, 1.0, 1.1, 1.2, 1.3]
     draft_s = {2: {1: 0.1, 2: 0.2}}
-    rows = dynamic_choice({2: [a, b]}, verify_s, draft_s, max_depth=2, nodes=(1, 3), gates=(0.0, 0.35))
+    rows = dynamic_choice(
+        {2: [a, e, e, b, e]}, verify_s, draft_s, max_depth=2, nodes=(1, 3), gates=(0.0, 0.35), lengths=[3, 2]
+    )
     row = {(r["depth"], r["nodes"], r["min_path_prob"]): r for r in rows}
-    # depth 2, 3 nodes, no floor: a accepts 2 (ranks 0, 1), b accepts 1 (rank 1); both draft 2 levels
-    assert row[2, 3, 0.0]["tau"] == pytest.approx((3 + 2) / 2)
+    # depth 2, 3 nodes, no floor: a accepts 2 (ranks 0, 1), the whole of its answer; b accepts 1,
+    # the whole of its own; both draft 2 levels: 5 tokens in 2 steps
+    assert row[2, 3, 0.0]["tau"] == pytest.approx(5 / 2)
     assert row[2, 3, 0.0]["tokens_per_s"] == pytest.approx(5 / (2 * (1.3 + 0.2)))
     # floor 0.35: a keeps 0.8 and 0.5 (accepts 2, drafts 2 levels); b keeps 0.4 only, so its true
-    # node (0.3) is gone, yet its 0.4 reaches the floor, so level 2 is still drafted
-    assert row[2, 3, 0.35]["tau"] == pytest.approx((3 + 1) / 2)
-    assert row[2, 3, 0.35]["tokens_per_s"] == pytest.approx(4 / ((1.2 + 0.2) + (1.1 + 0.2)))
-    # depth 1, 1 node: a accepts 1, b none (its true node ranks second); one level each
-    assert row[1, 1, 0.0]["tokens_per_s"] == pytest.approx(3 / (2 * (1.1 + 0.1)))
+    # node (0.3) is gone, yet its 0.4 reaches the floor, so level 2 is still drafted; b accepting
+    # nothing, the loop steps at the e after it too
+    assert row[2, 3, 0.35]["tau"] == pytest.approx(5 / 3)
+    assert row[2, 3, 0.35]["tokens_per_s"] == pytest.approx(5 / ((1.2 + 0.2) + (1.1 + 0.2) + (1.0 + 0.1)))
+    # depth 1, 1 node: a accepts 1 (then a step at the second e), b none (its true node ranks
+    # second; then a step at its e); one level each: 4 steps (per position it was 5 positions)
+    assert row[1, 1, 0.0]["tau"] == pytest.approx(5 / 4)
+    assert row[1, 1, 0.0]["tokens_per_s"] == pytest.approx(5 / (2 * (1.1 + 0.1) + 2 * (1.0 + 0.1)))

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from specheads.bench.hybrid_fit import MAX_TEXT, MIN_EXPECTED, fit_rule, per_answer, simulate, text_positions
-from specheads.decode.hybrid_rule import TEXT_BUDGETS
+from specheads.decode.hybrid_rule import TEXT_BUDGETS, AdaptiveRule, RuleParams
 from specheads.decode.policy import HybridPolicy
-from specheads.decode.suffix import SuffixIndex
+from specheads.decode.suffix import SuffixIndex, TextDraft
 from specheads.decode.tree import TreeLayout, merge_chains
 
 SUFFIX = HybridPolicy(None, source="suffix", suffix_match=4, suffix_history=100)  # the text drafter walked
@@ -77,7 +77,7 @@ def test_the_priors_follow_their_plain_formulas(seed):
     slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs) if any(xs) else 0.0
     assert params.overlap == pytest.approx(min(max(slope, 0.0), 1.0))
     sim = simulate(params, drafts, accepted, heads)
-    assert sum(sim["choices"].values()) == len(flat) and sim["tau"] >= 1.0
+    assert same(sim, plain_simulation(params, drafts, accepted, heads)) and sim["tau"] >= 1.0
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -111,3 +111,91 @@ def test_the_ratio_table_counts_each_cell_plainly(seed):
             prior = sum(o for o, _ in pool) / pool_exp if pool_exp else params.text_ratio
             shrink = max(MIN_EXPECTED - exp, 0.0)
             assert row[col] == pytest.approx((obs + shrink * prior) / (exp + shrink)), (m, budget)
+
+
+def same(sim, expected) -> bool:
+    """Two simulations agree: the same choices, tau and tokens per second (up to rounding)."""
+    return (
+        sim["choices"] == expected["choices"]
+        and sim["tau"] == pytest.approx(expected["tau"])
+        and sim["tokens_per_s"] == pytest.approx(expected["tokens_per_s"])
+    )
+
+
+def plain_simulation(params, drafts, text_accepted, head_accepted, has_head=True, walked=True):
+    """The rule run as the loop runs it, written plainly: per answer a fresh rule; at the step's
+    position it chooses, the step accepts the longer of what its drafted sources accept, the rule
+    observes it, and the next step is that many positions on plus one (walked=False: every
+    position a step, the scoring before)."""
+    rule = AdaptiveRule(params, has_head)
+    tokens = steps = 0
+    cost_ms = 0.0
+    kinds = {}
+    for answer in zip(drafts, text_accepted, head_accepted):
+        rule.start()
+        n, i = len(answer[0]), 0
+        while i < n:
+            draft, acc, a_head = (x[i] for x in answer)
+            choice = rule.choose(draft)
+            a_text = acc[choice.text_nodes]
+            got = max(a_head, a_text) if choice.head else a_text
+            steps += 1
+            tokens += min(1 + got, n - i) if walked else 1 + got  # nothing past the answer's end
+            nodes = 1 + choice.text_nodes + (params.head_nodes if choice.head else 0)
+            cost_ms += params.verify(nodes) + (params.draft_ms if choice.head else 0.0)
+            cost_ms += params.lookup_ms if choice.text_nodes else 0.0
+            kind = ("head+text" if choice.text_nodes else "head") if choice.head else "text"
+            kind = kind if choice.head or choice.text_nodes else "plain"
+            kinds[kind] = kinds.get(kind, 0) + 1
+            rule.observe(choice, params.text_expected(draft, choice.text_nodes), a_head, a_text)
+            i += 1 + got if walked else 1
+    return {"tau": tokens / steps if steps else 1.0, "tokens_per_s": 1e3 * tokens / cost_ms, "choices": kinds}
+
+
+def copied_run():
+    """Two answers without text repeats whose head accepts long runs (an answer copying its prompt):
+    a rule that always drafts the head's tree (verification costs the same for every size)."""
+    params = RuleParams((10.0,) * 8, draft_ms=0.0, head_nodes=2, head_accept=1.0, lookup_ms=0.0)
+    head = [[5, 5, 5, 5, 5, 5, 0, 0], [2, 0, 9, 1]]
+    drafts = [[TextDraft()] * len(h) for h in head]
+    text = [[(0,) * (MAX_TEXT + 1)] * len(h) for h in head]
+    return params, drafts, text, head
+
+
+def test_simulate_walks_each_answer_as_the_loop_steps():
+    """Answer 1 (8 positions): a step at 0 accepts 5, then 6 and 7 accept none: 3 steps for 8
+    tokens; answer 2 (4 positions): 0 accepts 2, 3 accepts what is left: 2 steps for 4 tokens.
+    Per position it was (6 * 6 + 1 + 1 + 3 + 1 + 10 + 2) / 12 = 4.5 tokens a step."""
+    params, drafts, text, head = copied_run()
+    sim = simulate(params, drafts, text, head)
+    assert sim["choices"] == {"head": 5}
+    assert sim["tau"] == pytest.approx(12 / 5) and sim["tokens_per_s"] == pytest.approx(1e3 * 12 / (5 * 10.0))
+    assert same(sim, plain_simulation(params, drafts, text, head))
+    every_position = plain_simulation(params, drafts, text, head, walked=False)
+    assert every_position["tau"] == pytest.approx(54 / 12) != sim["tau"]  # the scoring before: not what runs
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_simulate_is_the_plain_walked_loop_on_random_answers(seed):
+    """Random head acceptance (long runs included) with the text's real drafts: the rule, choosing
+    and observing only at the steps it takes, as the plain loop runs it; the per-position count
+    differs on some answers."""
+    rng, prompts, contexts = random_answers(seed)
+    drafts, accepted = text_positions(SUFFIX, prompts, contexts)
+    heads = [[rng.choice([0, 1, 2, 6]) for _ in d] for d in drafts]
+    params = fit_rule(drafts, accepted, heads, (10.0, 11.0, 12.0, 13.0), draft_ms=1.0, head_nodes=3, lookup_ms=0.1)
+    sim = simulate(params, drafts, accepted, heads)
+    assert same(sim, plain_simulation(params, drafts, accepted, heads))
+
+
+def test_the_simulate_check_tells_the_per_position_count_apart():
+    differs = 0
+    for seed in range(10):
+        rng, prompts, contexts = random_answers(seed)
+        drafts, accepted = text_positions(SUFFIX, prompts, contexts)
+        heads = [[rng.choice([0, 1, 2, 6]) for _ in d] for d in drafts]
+        params = fit_rule(drafts, accepted, heads, (10.0, 11.0, 12.0, 13.0), 1.0, 3, 0.1)
+        differs += not same(
+            simulate(params, drafts, accepted, heads), plain_simulation(params, drafts, accepted, heads, walked=False)
+        )
+    assert differs

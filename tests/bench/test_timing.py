@@ -1,6 +1,7 @@
 """Calibration timing (bench/timing.py): the mean of the repeats after a warm-up round, what the
 decoding loop pays, with the untimed work around each step left out."""
 
+import random
 import statistics
 import types
 
@@ -79,3 +80,47 @@ def test_the_time_steps_check_fails_when_the_warm_up_counts_or_the_hooks_are_tim
 
     for variant in (with_warm_up, hooks_timed):
         assert fails_for_some_seed(check_time_steps, variant, range(1))
+
+
+def brute_force_isotonic(values):
+    """The least-squares non-decreasing fit by brute force: every split of the values into runs of
+    neighbours, each run at its mean (the fit is one of these), the monotone one of least squares."""
+    n, best = len(values), None
+    for cuts in range(1 << max(n - 1, 0)):
+        fit, start = [], 0
+        for end in range(1, n + 1):
+            if end == n or cuts >> (end - 1) & 1:
+                run = values[start:end]
+                fit += [sum(run) / len(run)] * len(run)
+                start = end
+        if all(a <= b for a, b in zip(fit, fit[1:])):
+            sse = sum((f - v) ** 2 for f, v in zip(fit, values))
+            if best is None or sse < best[0] - 1e-12:
+                best = (sse, fit)
+    return best[1] if best else []
+
+
+def check_isotonic(fit, seed):
+    rng = random.Random(seed)
+    values = [rng.choice([rng.uniform(0, 10), float(rng.randint(0, 4))]) for _ in range(rng.randint(0, 8))]
+    got = fit(values)
+    assert all(a <= b for a, b in zip(got, got[1:]))
+    assert got == pytest.approx(brute_force_isotonic(values))
+    ordered = sorted(values)
+    assert fit(ordered) == ordered  # a monotone ladder is left as it is
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_isotonic_is_the_least_squares_monotone_fit(seed):
+    check_isotonic(timing.isotonic, seed)
+
+
+def test_the_isotonic_check_fails_for_a_running_maximum():
+    """The check can fail: the running maximum time_target made the ladder monotone with before."""
+
+    def running_max(values):
+        return [max(values[: i + 1]) for i in range(len(values))]
+
+    assert fails_for_some_seed(check_isotonic, running_max, range(100))
+    # the issue's shape: one noisy small size lifted every larger one to its time
+    assert timing.isotonic([60.0, 95.9, 73.5, 74.0, 76.0]) == pytest.approx([60.0, 79.85, 79.85, 79.85, 79.85])
