@@ -243,6 +243,19 @@ def quick_head(target, family, sequences=None, steps=0):
     return head.eval()
 
 
+def random_requests(seed, vocab_max=6, prompt_max=12, answer_max=20):
+    """1-3 requests over a small vocabulary (so that the text repeats), for the text drafter and the
+    calibration's walks: (rng, prompts, prompt + answer contexts), answers of 2 tokens or more."""
+    rng = random.Random(seed)
+    vocab = rng.randint(2, vocab_max)
+    prompts, contexts = [], []
+    for _ in range(rng.randint(1, 3)):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, prompt_max))]
+        prompts.append(ids)
+        contexts.append(ids + [rng.randrange(vocab) for _ in range(rng.randint(2, answer_max))])
+    return rng, prompts, contexts
+
+
 def write_jsonl(path, rows):
     """`rows` as JSON lines at `path`; returns path."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PlantedText, fails_for_some_seed, quick_head  # noqa: E402  (the quick overfitting helper)
+from conftest import PlantedText, fails_for_some_seed, quick_head, random_requests  # noqa: E402  (the quick overfitting helper)
 
 from specheads.bench.calibrate import (
     BUILTIN_COPY_HEAVY,
@@ -336,18 +336,6 @@ def test_the_hybrid_choice_check_fails_when_every_position_is_a_step():
         return plain_hybrid_score(*args, **kwargs, walked=False)
 
     assert fails_for_some_seed(check_hybrid_choice, every_position, range(5))
-
-
-def random_requests(seed):
-    """1-3 requests over a small vocabulary (so that the text repeats): (rng, prompts, prompt + answer)."""
-    rng = random.Random(seed)
-    vocab = rng.randint(2, 5)
-    prompts, contexts = [], []
-    for _ in range(rng.randint(1, 3)):
-        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
-        prompts.append(ids)
-        contexts.append(ids + [rng.randrange(vocab) for _ in range(rng.randint(2, 20))])
-    return rng, prompts, contexts
 
 
 def tree_accepts(tokens, layout, truth):

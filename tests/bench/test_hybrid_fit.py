@@ -1,9 +1,8 @@
 """tree=auto's fit of the adaptive hybrid rule: the text positions against the loop's own trees,
 the priors against their plain formulas."""
 
-import random
-
 import pytest
+from conftest import random_requests
 
 from specheads.bench.hybrid_fit import MAX_TEXT, MIN_EXPECTED, fit_rule, per_answer, simulate, text_positions
 from specheads.decode.hybrid_rule import TEXT_BUDGETS, AdaptiveRule, RuleParams
@@ -26,23 +25,11 @@ def greedy_walk(tokens, layout, truth):
     return k
 
 
-def random_answers(seed):
-    rng = random.Random(seed)
-    vocab = rng.randint(2, 6)
-    prompts, contexts = [], []
-    for _ in range(rng.randint(1, 3)):
-        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-        answer = [rng.randrange(vocab) for _ in range(rng.randint(2, 16))]
-        prompts.append(ids)
-        contexts.append(ids + answer)
-    return rng, prompts, contexts
-
-
 @pytest.mark.parametrize("seed", range(10))
 def test_text_positions_are_what_the_loop_would_draft_and_accept(seed):
     """At each position: the draft equals a fresh index over the answers before and the text so
     far, and its accepted length for each budget is what verifying the merged tree accepts."""
-    _, prompts, contexts = random_answers(seed)
+    _, prompts, contexts = random_requests(seed)
     drafts, accepted = text_positions(SUFFIX, prompts, contexts)
     for a, (ids, full) in enumerate(zip(prompts, contexts)):
         assert len(drafts[a]) == len(full) - len(ids) - 1
@@ -61,7 +48,7 @@ def test_text_positions_are_what_the_loop_would_draft_and_accept(seed):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_the_priors_follow_their_plain_formulas(seed):
-    rng, prompts, contexts = random_answers(seed)
+    rng, prompts, contexts = random_requests(seed)
     drafts, accepted = text_positions(SUFFIX, prompts, contexts)
     heads = per_answer([rng.randint(0, 3) for _ in range(sum(len(d) for d in drafts))], contexts, prompts)
     params = fit_rule(drafts, accepted, heads, (10.0, 12.0, 14.0), draft_ms=2.0, head_nodes=3, lookup_ms=0.1)
@@ -84,7 +71,7 @@ def test_the_priors_follow_their_plain_formulas(seed):
 def test_the_ratio_table_counts_each_cell_plainly(seed):
     """Each cell: accepted over expected text tokens of the positions with that matched length
     whose nodes that budget's column holds, shrunk toward the column's pool where it is thin."""
-    rng, prompts, contexts = random_answers(seed)
+    rng, prompts, contexts = random_requests(seed)
     drafts, accepted = text_positions(SUFFIX, prompts, contexts)
     heads = [[0] * len(d) for d in drafts]
     params = fit_rule(drafts, accepted, heads, (10.0,), 1.0, 1, 0.0)
@@ -176,11 +163,11 @@ def test_simulate_walks_each_answer_as_the_loop_steps():
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_simulate_is_the_plain_walked_loop_on_random_answers(seed):
+def test_simulate_is_the_plain_walked_loop_on_random_requests(seed):
     """Random head acceptance (long runs included) with the text's real drafts: the rule, choosing
     and observing only at the steps it takes, as the plain loop runs it; the per-position count
     differs on some answers."""
-    rng, prompts, contexts = random_answers(seed)
+    rng, prompts, contexts = random_requests(seed)
     drafts, accepted = text_positions(SUFFIX, prompts, contexts)
     heads = [[rng.choice([0, 1, 2, 6]) for _ in d] for d in drafts]
     params = fit_rule(drafts, accepted, heads, (10.0, 11.0, 12.0, 13.0), draft_ms=1.0, head_nodes=3, lookup_ms=0.1)
@@ -191,7 +178,7 @@ def test_simulate_is_the_plain_walked_loop_on_random_answers(seed):
 def test_the_simulate_check_tells_the_per_position_count_apart():
     differs = 0
     for seed in range(10):
-        rng, prompts, contexts = random_answers(seed)
+        rng, prompts, contexts = random_requests(seed)
         drafts, accepted = text_positions(SUFFIX, prompts, contexts)
         heads = [[rng.choice([0, 1, 2, 6]) for _ in d] for d in drafts]
         params = fit_rule(drafts, accepted, heads, (10.0, 11.0, 12.0, 13.0), 1.0, 3, 0.1)
