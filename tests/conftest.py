@@ -256,6 +256,33 @@ def random_requests(seed, vocab_max=6, prompt_max=12, answer_max=20):
     return rng, prompts, contexts
 
 
+def tree_accepts(tokens, layout, truth):
+    """Drafts a tree accepts along `truth` under greedy verification: walk down while a child
+    carries the next true token."""
+    node, k = 0, 0
+    while k < len(truth):
+        node = next((c for c in layout.children[node] if tokens[c] == truth[k]), None)
+        if node is None:
+            break
+        k += 1
+    return k
+
+
+def along_answer(drafter, target, full, start, step):
+    """step(drafter, r) at each answer position r of `full` (the answer from `start`), the drafter
+    fed one true token at a time as in decoding, with the target's states of one forward."""
+    seq = torch.tensor([full])
+    with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
+        target.model(seq)
+    states = dict(store)
+    drafter.start(seq[:, :start], {k: v[:, :start] for k, v in states.items()}, full[start])
+    out = []
+    for r in range(start, len(full) - 1):
+        out.append(step(drafter, r))
+        drafter.advance({k: v[:, r : r + 1] for k, v in states.items()}, [full[r]], full[r + 1])
+    return out
+
+
 def write_jsonl(path, rows):
     """`rows` as JSON lines at `path`; returns path."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

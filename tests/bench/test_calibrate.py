@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PlantedText, fails_for_some_seed, quick_head, random_requests  # noqa: E402  (the quick overfitting helper)
+from conftest import PlantedText, along_answer, fails_for_some_seed, quick_head, random_requests, tree_accepts  # noqa: E402  (the quick overfitting helper)
 
 from specheads.bench.calibrate import (
     BUILTIN_COPY_HEAVY,
@@ -336,17 +336,6 @@ def test_the_hybrid_choice_check_fails_when_every_position_is_a_step():
         return plain_hybrid_score(*args, **kwargs, walked=False)
 
     assert fails_for_some_seed(check_hybrid_choice, every_position, range(5))
-
-
-def tree_accepts(tokens, layout, truth):
-    """Drafts a tree accepts along `truth` under greedy verification."""
-    node, k = 0, 0
-    while k < len(truth):
-        node = next((c for c in layout.children[node] if tokens[c] == truth[k]), None)
-        if node is None:
-            break
-        k += 1
-    return k
 
 
 def loop_steps(policy, prompts, contexts):
@@ -1055,17 +1044,12 @@ def test_the_adaptive_rule_weighs_the_calibrated_dynamic_tree_by_what_it_accepts
 def head_trees(drafter, head_part, target, full: list[int], start: int, depth: int) -> list[tuple]:
     """(tokens, parents) of the head's tree that head_part(drafter) drafts at each answer position
     of `full` (the answer from `start`), the drafter fed one true token at a time as in decoding."""
-    seq = torch.tensor([full])
-    with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
-        target.model(seq)
-    states = dict(store)
-    drafter.start(seq[:, :start], {k: v[:, :start] for k, v in states.items()}, full[start])
-    trees = []
-    for r in range(start, len(full) - 1):
+
+    def tree(drafter, r):
         tokens, layout = head_part(drafter).draft(full[r], r, depth)
-        trees.append((list(tokens), layout.parents))
-        drafter.advance({k: v[:, r : r + 1] for k, v in states.items()}, [full[r]], full[r + 1])
-    return trees
+        return list(tokens), layout.parents
+
+    return along_answer(drafter, target, full, start, tree)
 
 
 def check_hybrid_drafts_the_spec_tree(head, target, prompt) -> None:

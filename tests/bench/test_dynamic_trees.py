@@ -5,8 +5,7 @@ import dataclasses
 import math
 
 import pytest
-import torch
-from conftest import quick_head  # noqa: E402  (the quick overfitting helper)
+from conftest import along_answer, quick_head, tree_accepts  # noqa: E402  (the quick overfitting helper)
 
 from specheads.bench.dynamic_trees import Growth, accepted_within, dynamic_choice, grow_along
 from specheads.decode.baselines import PlainDrafter
@@ -20,24 +19,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def drafted_at_each_position(target, head, full, start, spec):
     """(accepted, tree size, levels drafted) of the real drafter at each answer position, fed one
     true token at a time as grow_along feeds its own: the plain walk down the drafted tree."""
-    drafter = make_drafter(head, spec)
-    seq = torch.tensor([full])
-    with target.capture(drafter.layer_ids, final=drafter.reads_final) as store:
-        target.model(seq)
-    states = dict(store)
-    drafter.start(seq[:, :start], {k: v[:, :start] for k, v in states.items()}, full[start])
-    out = []
-    for r in range(start, len(full) - 1):
+
+    def drafted(drafter, r):
         tokens, layout = drafter.draft(full[r], r, spec.depth)
-        node, accepted = 0, 0
-        for truth in full[r + 1 : r + 1 + spec.depth]:
-            child = next((j for j in range(layout.size) if layout.parents[j] == node and tokens[j] == truth), None)
-            if child is None:
-                break
-            node, accepted = child, accepted + 1
-        out.append((accepted, layout.size, max(drafter.table.depths)))
-        drafter.advance({k: v[:, r : r + 1] for k, v in states.items()}, [full[r]], full[r + 1])
-    return out
+        accepted = tree_accepts(tokens, layout, full[r + 1 : r + 1 + spec.depth])
+        return accepted, layout.size, max(drafter.table.depths)
+
+    return along_answer(make_drafter(head, spec), target, full, start, drafted)
 
 
 def ignoring_depth(g: Growth) -> Growth:

@@ -2,7 +2,7 @@
 the priors against their plain formulas."""
 
 import pytest
-from conftest import random_requests
+from conftest import random_requests, tree_accepts
 
 from specheads.bench.hybrid_fit import MAX_TEXT, MIN_EXPECTED, fit_rule, per_answer, simulate, text_positions
 from specheads.decode.hybrid_rule import TEXT_BUDGETS, AdaptiveRule, RuleParams
@@ -11,18 +11,6 @@ from specheads.decode.suffix import SuffixIndex, TextDraft
 from specheads.decode.tree import TreeLayout, merge_chains
 
 SUFFIX = HybridPolicy(None, source="suffix", suffix_match=4, suffix_history=100)  # the text drafter walked
-
-
-def greedy_walk(tokens, layout, truth):
-    """Drafts a tree accepts along `truth` under greedy verification: walk down while a child
-    carries the next true token."""
-    node, k = 0, 0
-    while k < len(truth):
-        node = next((c for c in layout.children[node] if tokens[c] == truth[k]), None)
-        if node is None:
-            break
-        k += 1
-    return k
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -43,7 +31,7 @@ def test_text_positions_are_what_the_loop_would_draft_and_accept(seed):
             assert drafts[a][i] == fresh.draft(MAX_TEXT, MAX_TEXT)
             for g in range(MAX_TEXT + 1):
                 tokens, layout, _ = merge_chains([full[t + 1]], TreeLayout((-1,)), drafts[a][i].chains(g))
-                assert accepted[a][i][g] == greedy_walk(tokens, layout, full[t + 2 :])
+                assert accepted[a][i][g] == tree_accepts(tokens, layout, full[t + 2 :])
 
 
 @pytest.mark.parametrize("seed", range(5))
