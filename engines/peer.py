@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specheads.atomic import atomic_path, save_figure, write_json, write_text
@@ -51,15 +53,30 @@ DATA = [
     "data.pack=true",
     "data.features=null",
 ]
+# What differs between the two trainers: (ours' train.py override that matches it, or None, why)
 UNMATCHED = [
-    "loss: the peer's KL on every masked position; ours drops positions whose target top token lies "
-    "outside the draft vocabulary",
-    "LM head: the peer freezes the draft LM head at the target's rows and starts its final norm at 1; "
-    "ours trains the LM head from those rows and starts from the target's final norm",
-    "schedule: the peer's first step runs at learning rate 0 (its warm-up counts from 0); ours at lr/warmup",
-    "packing: the same conversations every step; the peer packs them into one row of batch_size x "
-    "max_length tokens, ours into batch_size rows of max_length",
+    (
+        "head.loss_positions=all",
+        "loss: the peer's KL on every masked position; ours drops positions whose target top token lies "
+        "outside the draft vocabulary",
+    ),
+    (
+        "head.freeze_lm_head=true",
+        "LM head: the peer freezes the draft LM head at the target's rows; ours trains it from those rows",
+    ),
+    (None, "final norm: the peer starts it at 1; ours starts from the target's final norm"),
+    (None, "schedule: the peer's first step runs at learning rate 0 (its warm-up counts from 0); ours at lr/warmup"),
+    (
+        None,
+        "packing: the same conversations every step; the peer packs them into one row of batch_size x "
+        "max_length tokens, ours into batch_size rows of max_length",
+    ),
 ]
+
+
+def unmatched(overrides: list[str]) -> list[str]:
+    """The differences left between the two trainers, given ours' train.py overrides."""
+    return [why for match, why in UNMATCHED if match is None or match not in overrides]
 
 
 def our_overrides(args, seed: int) -> list[str]:
@@ -234,15 +251,34 @@ def replay(heads: dict[str, Path], questions: Path, out: Path, max_new_tokens: i
     names = list(heads)
     first, others = heads[names[0]], [str(heads[n]) for n in names[1:]]
     stem = out / f"replay-{questions.stem}"
+    kept = replayed(Path(f"{stem}.replay.json"), heads, max_new_tokens)
+    if kept is not None:  # a resumed comparison: these heads were replayed on this set already
+        return kept
     cmd = [
         sys.executable, "infer.py", "model=smollm2-135m", f"head={first}", "bench.mode=replay",
         f"bench.heads=[{','.join(others)}]", f"bench.questions={questions}",
         f"bench.max_new_tokens={max_new_tokens}", f"bench.output={stem}.jsonl",
     ]  # fmt: skip
     run_logged("replay", cmd, out / f"replay-{questions.stem}.log")
-    report = json.loads(Path(f"{stem}.replay.json").read_text())
+    return replayed(Path(f"{stem}.replay.json"), heads, max_new_tokens, fresh=True)
+
+
+def replayed(path: Path, heads: dict[str, Path], max_new_tokens: int, fresh: bool = False) -> dict | None:
+    """{name: its report} from a replay report of these very heads, written after their weights and
+    at this answer length; None when there is none such (unless `fresh`: then it must be)."""
+    if not fresh and not path.is_file():
+        return None
+    report = json.loads(path.read_text())
     by_dir = {str(Path(h["head"]).resolve()): h for h in report["heads"].values()}
-    return {name: by_dir[str(Path(heads[name]).resolve())] for name in names}
+    wanted = {name: str(Path(head).resolve()) for name, head in heads.items()}
+    newest = max(f.stat().st_mtime for head in heads.values() for f in Path(head).iterdir())
+    if fresh or (
+        report.get("max_new_tokens") == max_new_tokens
+        and all(d in by_dir for d in wanted.values())
+        and path.stat().st_mtime > newest
+    ):
+        return {name: by_dir[d] for name, d in wanted.items()}
+    return None
 
 
 @one_line_errors
@@ -257,32 +293,48 @@ def main(argv=None) -> int:
     p.add_argument("--questions", type=Path, nargs="*", default=[], help="question sets to replay on")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "peer")
+    p.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="train ours while the peer's hidden states are written and the peer trains, each on half "
+        "the cores (the two trainers share nothing; acceptance is compared, not speed)",
+    )
     p.add_argument("overrides", nargs="*", help="train.py overrides for both (data.*, ...)")
     args = p.parse_args(argv)
     if not VLLM_PYTHON.is_file():
         raise SpecHeadsError(f"{VLLM_PYTHON} is missing: make peer builds it (vLLM's CPU build and speculators)")
-    results = {"unmatched": UNMATCHED, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "runs": {}}
+    results = {
+        "unmatched": unmatched(args.overrides),
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "runs": {},
+    }
     env = {"PYTHONPATH": str(ROOT)}  # beside this process's environment (run_logged)
     peer_env = {**env, "WANDB_MODE": "disabled"}
+    if args.concurrent:  # two halves of the cores: this process (states, the peer), and ours' train.py
+        import torch
+
+        half = max(1, (os.cpu_count() or 2) // 2)
+        torch.set_num_threads(half)
+        env, peer_env = ({**e, "OMP_NUM_THREADS": str(half)} for e in (env, peer_env))
     for seed in args.seeds:
         out = args.out / f"seed-{seed}"
         out.mkdir(parents=True, exist_ok=True)
-        # each step is kept and skipped when run again with the same settings (a resumed comparison)
-        settings = {"overrides": our_overrides(args, seed), "eval_rows": args.eval_rows}
-        done = out / "data" / "summary.json"
-        if done.is_file() and json.loads(done.read_text())["settings"] == settings:
-            data = json.loads(done.read_text())["data"]
-        else:
-            print(f"peer: seed {seed}: rows, order and hidden states", file=sys.stderr)
-            data = prepare(args, seed, out)
-            write_json(done, {"settings": settings, "data": data})
-        if peer_head(out) is None:
-            print(f"peer: seed {seed}: the peer trains {args.steps} steps", file=sys.stderr)
-            run_logged("the peer's training", peer_command(args, seed, out, data), out / "peer.log", peer_env)
-        if not (out / "ours" / "head" / "config.json").is_file():
-            print(f"peer: seed {seed}: ours trains {args.steps} steps", file=sys.stderr)
-            ours = [sys.executable, "train.py", f"output_dir={out / 'ours'}", *our_overrides(args, seed)]
-            run_logged("train.py", ours, out / "ours.log", env)
+        ours_trained = None
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            if not (out / "ours" / "head" / "config.json").is_file():
+                print(f"peer: seed {seed}: ours trains {args.steps} steps", file=sys.stderr)
+                ours = [sys.executable, "train.py", f"output_dir={out / 'ours'}", *our_overrides(args, seed)]
+                ours_trained = pool.submit(run_logged, "train.py", ours, out / "ours.log", env)
+                if not args.concurrent:
+                    ours_trained.result()
+            data = peer_data(args, seed, out)
+            if peer_head(out) is None:
+                print(f"peer: seed {seed}: the peer trains {args.steps} steps", file=sys.stderr)
+                run_logged("the peer's training", peer_command(args, seed, out, data), out / "peer.log", peer_env)
+            if ours_trained is not None:
+                ours_trained.result()  # its failure is raised here, as one line
         heads = {"ours": out / "ours" / "head", "peer": peer_head(out)}
         if heads["peer"] is None:
             raise SpecHeadsError(f"the peer wrote no head under {out / 'peer'}; its output: {out / 'peer.log'}")
@@ -292,6 +344,18 @@ def main(argv=None) -> int:
             results["runs"][str(seed)]["replay"][questions.stem] = replay(heads, questions, out, args.max_new_tokens)
         write_report(results, args.out)  # after every seed: a long comparison shows what it has
     return 0
+
+
+def peer_data(args, seed: int, out: Path) -> dict:
+    """The peer's data for one seed, kept and reused when run again with the same settings."""
+    settings = {"overrides": our_overrides(args, seed), "eval_rows": args.eval_rows}
+    done = out / "data" / "summary.json"
+    if done.is_file() and json.loads(done.read_text())["settings"] == settings:
+        return json.loads(done.read_text())["data"]
+    print(f"peer: seed {seed}: rows, order and hidden states", file=sys.stderr)
+    data = prepare(args, seed, out)
+    write_json(done, {"settings": settings, "data": data})
+    return data
 
 
 def write_report(results: dict, out: Path) -> None:

@@ -40,6 +40,13 @@ class HeadConfig:
     draft_vocab_size: int = 8192
     ttt_steps: int = 7  # eagle3: draft steps unrolled in training on the head's own outputs (training-time test)
     ttt_decay: float = 0.8  # eagle3: unrolled step j's loss is weighted decay^j
+    # eagle3: the positions the loss counts: in_vocab drops those whose target top token lies outside
+    # the draft vocabulary (the draft can never propose it); all counts every answer position against
+    # the target's distribution renormalized over the draft vocabulary (speculators' trainer)
+    loss_positions: str = "in_vocab"
+    # eagle3: keep the draft LM head at the target's rows for the draft vocabulary (speculators'
+    # trainer); false trains it from them
+    freeze_lm_head: bool = False
     # eagle3, peagle: the variants of vLLM's speculators format (its trainer turns all three on by
     # default; false is the EAGLE-3 paper's draft): an RMSNorm over the fused target states before fc
     norm_before_fc: bool = False
@@ -134,7 +141,7 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
         "merge_lora",
     ),
     "eagle": (*_EAGLE_LAYER, "feature_loss_weight", "token_loss_weight", "noise", "noise_std"),
-    "eagle3": (*_EAGLE_LAYER, *_EAGLE3_NORMS, "ttt_steps", "ttt_decay"),
+    "eagle3": (*_EAGLE_LAYER, *_EAGLE3_NORMS, "ttt_steps", "ttt_decay", "loss_positions", "freeze_lm_head"),
     "peagle": (
         *_EAGLE_LAYER,
         *_EAGLE3_NORMS,

@@ -28,6 +28,7 @@ class Eagle3Head(DraftVocabulary, AutoregressiveHead):
         self.hidden_norm = LlamaRMSNorm(h, eps=eps)
         self.norm = LlamaRMSNorm(h, eps=eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(not spec.freeze_lm_head)  # the optimizer takes trainable ones only
         self.register_vocab(spec.draft_vocab_size, info.vocab_size)
 
     @classmethod
@@ -90,12 +91,13 @@ class Eagle3Head(DraftVocabulary, AutoregressiveHead):
         target_logits = self.target_logits(states["final"][needed])  # [N, V]
         in_vocab_logits = target_logits[:, self.t2d]
         in_vocab_top = self.t2d[target_logits.argmax(-1)]
+        every = self.spec.loss_positions == "all"
         outs = self.unrolled_batch(batch, self.input_features(states), steps)
         total = target_logits.new_zeros(())
         metrics = {}
         for j, (h, m, (b, t)) in enumerate(zip(outs, counted, where)):
             r = row[b, t]
-            keep = in_vocab_top[r]  # a target token outside the draft vocabulary teaches nothing
+            keep = in_vocab_top[r] | every  # a top token outside the draft vocabulary can't be drafted
             n = keep.sum().clamp(min=1)
             p = torch.softmax(in_vocab_logits[r], dim=-1)
             logq = torch.log_softmax(self.draft_logits(h[m]), dim=-1)

@@ -87,6 +87,8 @@ class HeadSpec(HeadConfig):
         for name in ("num_heads", "num_layers", "num_decoder_layers", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
+        if self.loss_positions not in ("in_vocab", "all"):
+            raise SpecHeadsError(f"head.loss_positions must be in_vocab or all, got {self.loss_positions!r}")
         if self.noise not in ("uniform", "gaussian", "none"):
             raise SpecHeadsError(f"head.noise must be uniform, gaussian or none, got {self.noise!r}")
         if self.merge_lora and self.family != "medusa2":

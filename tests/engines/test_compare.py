@@ -164,6 +164,33 @@ def test_vllm_serves_every_export(tmp_path):
             assert r["agree"], f"{name}: vLLM {r['vllm_acceptance']} vs infer.py {r['infer_acceptance']}"
 
 
+@pytest.mark.engines
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM's virtualenv .venv-vllm is absent (make engines builds it)")
+def test_a_head_with_the_speculators_trainers_norms_drafts_in_infer_what_it_drafts_in_vllm(tmp_path):
+    """speculators' trainer writes norm_before_residual and norm_output on by default: such a head,
+    in its speculators directory, is drafted by vLLM as it is and by our reader read back onto the
+    target (--given), with the same acceptance and greedy outputs identical to vLLM's plain."""
+    trained = ROOT / "runs" / "engines" / "heads" / "eagle3-speculators-norms"
+    if not (trained / "head" / "config.json").is_file():
+        cmd = [sys.executable, "train.py", "head=eagle3", "head.norm_before_residual=true", "head.norm_output=true"]
+        cmd += ["train.max_steps=20", "train.eval_every=0", "wandb.mode=disabled", f"output_dir={trained}"]
+        run_logged("train.py", cmd, tmp_path / "train.log")
+    exported = compare.export(trained / "head", "speculators", tmp_path / "given", 3, tmp_path)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["norm_before_residual"] is True and config["norm_output"] is True
+    cmd = [sys.executable, str(TOOL), "--num-questions", "4", "--max-new-tokens", "48", "--k", "3", "--formats"]
+    cmd += ["--given", f"norms={exported}", "--out", str(tmp_path / "out")]
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    rows = {r["run"]: r for r in json.loads((tmp_path / "out" / "engines.json").read_text())["rows"]}
+    assert set(rows) == {"plain", "norms"}
+    norms = rows["norms"]
+    assert norms["loaded"], norms["error"]
+    assert norms["identical"][0] == norms["identical"][1] == 4
+    vllm, ours = (norms[k]["mean_acceptance_length"] for k in ("vllm_acceptance", "infer_acceptance"))
+    assert vllm > 1.0, "no draft accepted: the check would not tell the readers apart"
+    assert norms["agree"], f"vLLM {vllm} vs infer.py {ours}"
+
+
 def test_runs_per_chain_length_name_each_k_and_keep_medusa_at_its_head_count(tmp_path):
     exports = {"eagle3": tmp_path / "e3", "vllm-medusa": tmp_path / "m"}
     runs = {r["name"]: r for r in compare.vllm_runs(exports, ["ngram", "suffix"], [2, 3])}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -154,7 +156,7 @@ def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
         }
 
     results = {
-        "unmatched": peer.UNMATCHED,
+        "unmatched": peer.unmatched([]),
         "steps": 10,
         "runs": {str(seed): {"replay": {"mt": {"ours": head(1.2 + seed / 10), "peer": head(1.1)}}} for seed in (0, 1)},
     }
@@ -162,6 +164,93 @@ def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
     table = (tmp_path / "peer.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| mt |")]
     assert len(rows) == 4 and "| mt | 1 | ours | 1.310 |" in table and "| 1.400 | 1.500 |" in table
-    assert all(u in table for u in peer.UNMATCHED)
+    assert all(why in table for _, why in peer.UNMATCHED)
     assert json.loads((tmp_path / "peer.json").read_text()) == results
     assert (tmp_path / "peer.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_ours_trains_beside_the_peer_only_when_asked_and_its_failure_is_one_line(
+    tmp_path, monkeypatch, capsys, concurrent
+):
+    """--concurrent: train.py runs while the peer's data is written and the peer trains (each on half
+    the cores), and the comparison waits for it; without it, ours has finished before the peer starts."""
+    import threading
+
+    from specheads.errors import SpecHeadsError
+
+    events, peer_started = [], threading.Event()
+    python = tmp_path / "python"
+    python.touch()
+    monkeypatch.setattr(peer, "VLLM_PYTHON", python)
+    monkeypatch.setattr(
+        peer, "peer_data", lambda args, seed, out: events.append("data") or {"rows": 1, "train_rows": 1}
+    )
+    monkeypatch.setattr(peer, "peer_command", lambda *a: ["peer"])
+
+    def fake_run(what, cmd, log, env=None):
+        if what == "train.py":
+            if concurrent:  # still running when the peer starts: both at once
+                assert peer_started.wait(timeout=30)
+            assert env.get("OMP_NUM_THREADS") == (str(max(1, os.cpu_count() // 2)) if concurrent else None)
+            if fail:
+                raise SpecHeadsError("train.py failed (boom); log: x")
+            (log.parent / "ours" / "head").mkdir(parents=True)
+            (log.parent / "ours" / "head" / "config.json").write_text("{}")
+            events.append("ours")
+        else:
+            peer_started.set()
+            events.append("peer")
+            (log.parent / "peer" / "0").mkdir(parents=True)
+            (log.parent / "peer" / "0" / "config.json").write_text("{}")
+
+    monkeypatch.setattr(peer, "run_logged", fake_run)
+    threads = torch.get_num_threads()
+    try:
+        fail = False
+        argv = [
+            "--steps",
+            "2",
+            "--seeds",
+            "0",
+            "--out",
+            str(tmp_path / "ok"),
+            *(["--concurrent"] if concurrent else []),
+        ]
+        assert peer.main(argv) == 0
+        assert events == (["data", "peer", "ours"] if concurrent else ["ours", "data", "peer"])
+        assert json.loads((tmp_path / "ok" / "peer.json").read_text())["runs"]["0"]["heads"]["peer"].endswith("0")
+        fail, events[:] = True, []
+        peer_started.clear()
+        argv[argv.index("--out") + 1] = str(tmp_path / "bad")
+        with pytest.raises(SystemExit) as exited:
+            peer.main(argv)
+        assert exited.value.code == 2 and ("peer" in events) == concurrent
+        assert capsys.readouterr().err.strip().splitlines()[-1] == "error: train.py failed (boom); log: x"
+        assert not (tmp_path / "bad" / "peer.json").exists()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_replay_is_reused_only_for_the_same_heads_answer_length_and_newer_weights(tmp_path):
+    heads = {}
+    for name in ("ours", "peer"):
+        heads[name] = tmp_path / name
+        heads[name].mkdir()
+        (heads[name] / "model.safetensors").write_bytes(b"x")
+    report = tmp_path / "replay-mt.replay.json"
+    entry = {n: {"head": str(h), "chain_tau": {"3": 1.5}} for n, h in heads.items()}
+    report.write_text(json.dumps({"max_new_tokens": 64, "heads": entry}))
+    os.utime(report, (time.time() + 5, time.time() + 5))
+    assert peer.replayed(report, heads, 64) == entry
+    assert peer.replayed(report, heads, 128) is None
+    assert peer.replayed(report, {**heads, "other": tmp_path}, 64) is None
+    os.utime(heads["peer"] / "model.safetensors", (time.time() + 10, time.time() + 10))  # retrained since
+    assert peer.replayed(report, heads, 64) is None
+    assert peer.replayed(tmp_path / "none.json", heads, 64) is None
+
+
+def test_a_difference_is_listed_until_ours_is_given_the_peers_choice():
+    assert peer.unmatched([]) == [why for _, why in peer.UNMATCHED]
+    left = peer.unmatched(["head.loss_positions=all", "head.freeze_lm_head=true", "data.max_length=256"])
+    assert len(left) == 3 and not any(u.startswith(("loss:", "LM head:")) for u in left)

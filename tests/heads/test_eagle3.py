@@ -5,20 +5,22 @@ import torch
 from conftest import assert_same_numbers, batch_rows, head_states, loss_and_lm_head_rows
 
 from specheads.config.train import HeadConfig
+from specheads.errors import SpecHeadsError
 from specheads.heads import build_head
 from specheads.heads.base import shifted
 
 
-def every_position_loss(head, batch, states, offset=1):
+def every_position_loss(head, batch, states, offset=1, out_of_vocab=False):
     """The loss written plainly: the target's logits and the draft's at every position, masked.
-    offset: where step j's target distribution sits, from t + j (1 is right)."""
+    offset: where step j's target distribution sits, from t + j (1 is right); out_of_vocab: also
+    count positions whose target top token is outside the draft vocabulary."""
     target_logits = head.target_logits(states["final"])
     in_vocab_logits = target_logits[..., head.t2d]
     in_vocab_top = head.t2d[target_logits.argmax(-1)]
     total = target_logits.new_zeros(())
     for j, h in enumerate(head.unrolled_batch(batch, head.input_features(states), head.spec.ttt_steps)):
         p = torch.softmax(shifted(in_vocab_logits, offset + j), dim=-1)
-        mask = head._counted(batch, j) & shifted(in_vocab_top, offset + j, False)
+        mask = head._counted(batch, j) & (shifted(in_vocab_top, offset + j, False) | out_of_vocab)
         logq = torch.log_softmax(head.draft_logits(h), dim=-1)
         total = total + head.spec.ttt_decay**j * -((p * logq).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
     return total
@@ -59,3 +61,42 @@ def test_the_loss_reads_the_target_lm_head_at_needed_positions_only(tiny_target,
         assert_same_numbers(ours, theirs)
     with pytest.raises(AssertionError):  # the check above tells the wrong variant apart
         assert_same_numbers(every_position_loss(head, toy_batch, states, offset=2), loss)
+
+
+def test_the_loss_counts_positions_outside_the_draft_vocabulary_only_when_asked(tiny_target, toy_batch):
+    """loss_positions=all (speculators' choice) equals the plain loss over every counted position,
+    in_vocab the plain loss without those whose target top token the draft cannot propose; on a
+    draft vocabulary too small to hold every top token, the two differ."""
+    rows = batch_rows(toy_batch)
+    losses = {}
+    for positions in ("in_vocab", "all"):
+        torch.manual_seed(0)
+        cfg = HeadConfig(family="eagle3", draft_vocab_size=16, ttt_steps=2, loss_positions=positions)
+        head = build_head(cfg, tiny_target, train_rows=rows).train()
+        states = head_states(tiny_target, head, toy_batch)
+        top = head.t2d[head.target_logits(states["final"]).argmax(-1)]
+        assert not top[toy_batch["loss_mask"].bool()].all(), "every top token in the vocabulary: nothing to tell apart"
+        losses[positions], _ = head.loss(toy_batch, states)
+        assert_same_numbers(
+            losses[positions], every_position_loss(head, toy_batch, states, out_of_vocab=positions == "all")
+        )
+    with pytest.raises(AssertionError):
+        assert_same_numbers(losses["in_vocab"], losses["all"])
+
+
+def test_a_frozen_draft_lm_head_stays_at_the_targets_rows(tiny_target, toy_batch):
+    """freeze_lm_head: the LM head starts at the target's rows for the draft vocabulary, gets no
+    gradient and is left out of the trainable parameters; the rest of the head trains."""
+    cfg = HeadConfig(family="eagle3", draft_vocab_size=96, ttt_steps=2, freeze_lm_head=True)
+    head = build_head(cfg, tiny_target, train_rows=batch_rows(toy_batch)).train()
+    ids = head.draft_to_target(torch.arange(96))
+    assert torch.equal(head.lm_head.weight, tiny_target.lm_head.weight[ids].to(head.lm_head.weight.dtype))
+    loss, _ = head.loss(toy_batch, head_states(tiny_target, head, toy_batch))
+    loss.backward()
+    assert head.lm_head.weight.grad is None and head.fc.weight.grad is not None
+    assert all(p is not head.lm_head.weight for p in head.parameters() if p.requires_grad)
+    for bad in ({"loss_positions": "every"},):
+        with pytest.raises(SpecHeadsError, match="loss_positions"):
+            build_head(
+                HeadConfig(family="eagle3", draft_vocab_size=96, **bad), tiny_target, train_rows=batch_rows(toy_batch)
+            )
