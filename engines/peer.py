@@ -18,7 +18,9 @@ A development tool of the repository, beside compare.py. For each seed:
    vocabulary 8192, TTT 3 with decay 0.8), tokens a step, steps, AdamW (0.9, 0.999), clip 1.0,
    learning rate and cosine schedule to 0, fp32 states;
 4. both heads are replayed exactly (`infer.py bench.mode=replay`: chains of 1-8 and the best trees
-   of 1-16 nodes) on each question set given.
+   of 1-16 nodes) on each question set given;
+5. both run in vLLM's CPU build at a chain of --vllm-k (engines/compare.py: ours exported, the
+   peer's as its trainer wrote it), for vLLM's acceptance counters beside infer.py's.
 
 It writes OUT/peer.json (every figure), OUT/peer.md (the table) and OUT/peer.png (acceptance
 against K for both heads, each seed). What cannot be matched is listed in the output (UNMATCHED).
@@ -263,6 +265,22 @@ def replay(heads: dict[str, Path], questions: Path, out: Path, max_new_tokens: i
     return replayed(Path(f"{stem}.replay.json"), heads, max_new_tokens, fresh=True)
 
 
+def vllm_acceptance(heads: dict[str, Path], out: Path, k: int) -> dict:
+    """vLLM's acceptance counters for both heads at a chain of K (`make engines`' questions, 128 new
+    tokens): ours exported as eagle3, the peer's directory as its trainer wrote it (compare.py
+    --given), each beside infer.py's reading of the same head. {name: its row of compare.py's report}."""
+    report = out / "engines.json"
+    newest = max(f.stat().st_mtime for head in heads.values() for f in Path(head).iterdir())
+    if not report.is_file() or report.stat().st_mtime < newest:
+        cmd = [sys.executable, str(ROOT / "engines" / "compare.py"), "--k", str(k), "--formats", "eagle3"]
+        cmd += ["--peers", "--eagle3-head", str(heads["ours"]), "--given", f"peer={heads['peer']}"]
+        cmd += ["--max-new-tokens", "128", "--out", str(out)]
+        run_logged("engines/compare.py", cmd, out / "compare.log")
+    rows = {r["run"]: r for r in json.loads(report.read_text())["rows"]}
+    keep = ("identical", "vllm_acceptance", "infer_acceptance", "agree")
+    return {name: {f: rows[run].get(f) for f in keep} for name, run in (("ours", "eagle3"), ("peer", "peer"))}
+
+
 def replayed(path: Path, heads: dict[str, Path], max_new_tokens: int, fresh: bool = False) -> dict | None:
     """{name: its report} from a replay report of these very heads, written after their weights and
     at this answer length; None when there is none such (unless `fresh`: then it must be)."""
@@ -293,6 +311,12 @@ def main(argv=None) -> int:
     p.add_argument("--questions", type=Path, nargs="*", default=[], help="question sets to replay on")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "peer")
+    p.add_argument(
+        "--vllm-k",
+        type=int,
+        default=3,
+        help="also run both heads in vLLM's CPU build at this chain length (its acceptance counters); 0: not",
+    )
     p.add_argument(
         "--concurrent",
         action="store_true",
@@ -342,6 +366,9 @@ def main(argv=None) -> int:
         for questions in args.questions:
             print(f"peer: seed {seed}: replay on {questions.name}", file=sys.stderr)
             results["runs"][str(seed)]["replay"][questions.stem] = replay(heads, questions, out, args.max_new_tokens)
+        if args.vllm_k:
+            print(f"peer: seed {seed}: both heads in vLLM at K={args.vllm_k}", file=sys.stderr)
+            results["runs"][str(seed)]["vllm"] = vllm_acceptance(heads, out / "vllm", args.vllm_k)
         write_report(results, args.out)  # after every seed: a long comparison shows what it has
     return 0
 
@@ -373,8 +400,23 @@ def write_report(results: dict, out: Path) -> None:
                 )
     ks = "| ".join(f"K={k} " for k in range(1, 9))
     header = f"| questions | seed | head | {ks}| best 5-node | best 16-node |\n|" + "---|" * 13
+    body = f"{header}\n" + "\n".join(lines)
+    vllm = [
+        f"| {seed} | {name} | {row['vllm_acceptance']['mean_acceptance_length']:.2f} | "
+        + " ".join(f"{p:.2f}" for p in row["vllm_acceptance"]["per_position"])
+        + f" | {row['infer_acceptance']['mean_acceptance_length']:.2f} | {row['identical'][0]}/{row['identical'][1]} |"
+        for seed, run_ in results["runs"].items()
+        for name, row in (run_.get("vllm") or {}).items()
+        if row["vllm_acceptance"] and row["infer_acceptance"] and row["identical"]
+    ]
+    if vllm:
+        body += (
+            "\n\nvLLM's CPU build, the questions of `make engines`, 128 new tokens:\n\n"
+            "| seed | head | vLLM acceptance length | per position | infer.py | = vLLM plain |\n"
+            "|---|---|---|---|---|---|\n" + "\n".join(vllm)
+        )
     notes = "\n".join(f"- {u}" for u in results["unmatched"])
-    write_text(out / "peer.md", f"{header}\n" + "\n".join(lines) + f"\n\nNot matched:\n{notes}\n")
+    write_text(out / "peer.md", f"{body}\n\nNot matched:\n{notes}\n")
     plot(results, out / "peer.png")
     print((out / "peer.md").read_text())
 

@@ -160,11 +160,19 @@ def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
         "steps": 10,
         "runs": {str(seed): {"replay": {"mt": {"ours": head(1.2 + seed / 10), "peer": head(1.1)}}} for seed in (0, 1)},
     }
+    row = {
+        "identical": [8, 8],
+        "vllm_acceptance": {"mean_acceptance_length": 1.98, "per_position": [0.58, 0.26, 0.14]},
+        "infer_acceptance": {"mean_acceptance_length": 1.95, "per_position": [0.57, 0.25, 0.13]},
+        "agree": True,
+    }
+    results["runs"]["1"]["vllm"] = {"ours": row, "peer": row}
     peer.write_report(results, tmp_path)
     table = (tmp_path / "peer.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| mt |")]
     assert len(rows) == 4 and "| mt | 1 | ours | 1.310 |" in table and "| 1.400 | 1.500 |" in table
     assert all(why in table for _, why in peer.UNMATCHED)
+    assert "| 1 | peer | 1.98 | 0.58 0.26 0.14 | 1.95 | 8/8 |" in table and "| 0 | ours | 1.98" not in table
     assert json.loads((tmp_path / "peer.json").read_text()) == results
     assert (tmp_path / "peer.png").stat().st_size > 0
 
@@ -208,15 +216,8 @@ def test_ours_trains_beside_the_peer_only_when_asked_and_its_failure_is_one_line
     threads = torch.get_num_threads()
     try:
         fail = False
-        argv = [
-            "--steps",
-            "2",
-            "--seeds",
-            "0",
-            "--out",
-            str(tmp_path / "ok"),
-            *(["--concurrent"] if concurrent else []),
-        ]
+        argv = ["--steps", "2", "--seeds", "0", "--vllm-k", "0", "--out", str(tmp_path / "ok")]
+        argv += ["--concurrent"] if concurrent else []
         assert peer.main(argv) == 0
         assert events == (["data", "peer", "ours"] if concurrent else ["ours", "data", "peer"])
         assert json.loads((tmp_path / "ok" / "peer.json").read_text())["runs"]["0"]["heads"]["peer"].endswith("0")
@@ -254,3 +255,32 @@ def test_a_difference_is_listed_until_ours_is_given_the_peers_choice():
     assert peer.unmatched([]) == [why for _, why in peer.UNMATCHED]
     left = peer.unmatched(["head.loss_positions=all", "head.freeze_lm_head=true", "data.max_length=256"])
     assert len(left) == 3 and not any(u.startswith(("loss:", "LM head:")) for u in left)
+
+
+def test_vllms_counters_are_read_for_both_heads_and_kept_until_a_head_changes(tmp_path, monkeypatch):
+    """compare.py runs ours exported and the peer's as given, once: a rerun reads its report until a
+    head's weights are newer; each head's row is the one compare.py wrote under its name."""
+    heads = {}
+    for name in ("ours", "peer"):
+        heads[name] = tmp_path / name
+        heads[name].mkdir()
+        (heads[name] / "model.safetensors").write_bytes(b"x")
+    calls = []
+
+    def fake_run(what, cmd, log, env=None):
+        calls.append(cmd)
+        rows = [{"run": "plain"}, {"run": "eagle3", "agree": True}, {"run": "peer", "agree": False}]
+        (tmp_path / "vllm").mkdir(exist_ok=True)
+        (tmp_path / "vllm" / "engines.json").write_text(json.dumps({"rows": rows}))
+
+    monkeypatch.setattr(peer, "run_logged", fake_run)
+    got = peer.vllm_acceptance(heads, tmp_path / "vllm", 3)
+    assert got["ours"]["agree"] is True and got["peer"]["agree"] is False
+    cmd = calls[0]
+    assert cmd[cmd.index("--k") + 1] == "3" and cmd[cmd.index("--eagle3-head") + 1] == str(heads["ours"])
+    assert cmd[cmd.index("--given") + 1] == f"peer={heads['peer']}" and cmd[cmd.index("--formats") + 1] == "eagle3"
+    peer.vllm_acceptance(heads, tmp_path / "vllm", 3)
+    assert len(calls) == 1
+    os.utime(heads["ours"] / "model.safetensors", (time.time() + 10, time.time() + 10))
+    peer.vllm_acceptance(heads, tmp_path / "vllm", 3)
+    assert len(calls) == 2
