@@ -80,15 +80,23 @@ ERROR_LINE = re.compile(r"\b(\w+(Error|Exception)): (.+)$")
 # -- acceptance, identity, agreement (pure) -------------------------------------------------------
 
 
-def acceptance_from_counters(counters: dict | None) -> dict | None:
-    """vLLM's spec-decode counters -> mean acceptance length and per-position acceptance rates."""
+def acceptance_from_counters(counters: dict | None, output_ids: Sequence[Sequence[int]] | None = None) -> dict | None:
+    """vLLM's spec-decode counters -> mean acceptance length and per-position acceptance rates.
+
+    vLLM drafts a full chain even when fewer tokens are left to generate, and its scheduler counts a
+    draft's accepted tokens before the answer is cut at max_tokens (or after its end token): near
+    each answer's end it counts accepts that never reach the output, where infer.py drafts only what
+    can still be kept. Given the outputs, `kept_acceptance_length` counts what reached them: every
+    generated token but each answer's first (the prefill's), over the drafts."""
     drafts = (counters or {}).get("num_drafts", 0)
     if not drafts:
         return None
     per_pos = [n / drafts for n in counters.get("accepted_per_pos", [])]
+    kept = sum(len(o) for o in output_ids) - len(output_ids) if output_ids else None
     return {
         "drafts": drafts,
         "mean_acceptance_length": 1 + counters["num_accepted_tokens"] / drafts,
+        "kept_acceptance_length": kept / drafts if kept is not None else None,
         "per_position": per_pos,
         "stderr": None,
     }
@@ -121,12 +129,14 @@ def count_identical(outputs: Sequence[Sequence[int]] | None, reference: Sequence
 def agrees(ours: dict | None, theirs: dict | None, floor: float = 0.05, sigmas: float = 3.0) -> bool | None:
     """Same head, prompts and chain: do the mean acceptance lengths agree within noise?
 
-    The noise allowed is `sigmas` standard errors of infer.py's mean (or `floor`, whichever is
-    larger): the two runs share the prompts, so only numerical near-ties should separate them."""
+    vLLM's is taken as what reached its outputs (`kept_acceptance_length`) where known. The noise
+    allowed is `sigmas` standard errors of infer.py's mean (or `floor`, whichever is larger): the
+    two runs share the prompts, so only numerical near-ties should separate them."""
     if ours is None or theirs is None:
         return None
     tol = max(floor, sigmas * (ours.get("stderr") or 0.0))
-    return abs(ours["mean_acceptance_length"] - theirs["mean_acceptance_length"]) <= tol
+    vllm = theirs.get("kept_acceptance_length") or theirs["mean_acceptance_length"]
+    return abs(ours["mean_acceptance_length"] - vllm) <= tol
 
 
 def root_cause(log_lines: Sequence[str]) -> str | None:
@@ -149,7 +159,10 @@ def _num(x, fmt: str) -> str:
 def _acc(a: dict | None) -> tuple[str, str]:
     if a is None:
         return "-", "-"
-    return f"{a['mean_acceptance_length']:.2f}", " ".join(f"{p:.2f}" for p in a["per_position"])
+    length = f"{a['mean_acceptance_length']:.2f}"
+    if a.get("kept_acceptance_length") is not None:
+        length += f" ({a['kept_acceptance_length']:.2f} kept)"
+    return length, " ".join(f"{p:.2f}" for p in a["per_position"])
 
 
 def table_rows(vllm: dict, infer: dict, names: Sequence[str] | None = None) -> list[dict]:
@@ -161,7 +174,7 @@ def table_rows(vllm: dict, infer: dict, names: Sequence[str] | None = None) -> l
     for name, res in vllm.items():
         if names is not None and name not in names:
             continue
-        vacc = acceptance_from_counters(res.get("spec"))
+        vacc = acceptance_from_counters(res.get("spec"), res.get("output_ids"))
         ours = infer.get(name) or {}
         iacc = ours.get("acceptance")
         rows.append(
@@ -293,6 +306,7 @@ def infer_chain(head: Path, questions: Path, args, k: int, out: Path, logs: Path
         "infer.py",
         f"head={head}",
         *(["model=smollm2-135m"] if given else []),
+        "head_dtype=target",  # vLLM drafts in the target's fp32: the same arithmetic, not auto's bf16
         "tree=chain",
         f"tree.depth={k}",
         "temperature=0",

@@ -41,6 +41,24 @@ def test_counters_to_acceptance():
     assert acc["per_position"] == pytest.approx([181 / 958, 6 / 958, 0.0])
     assert acceptance_from_counters({"num_drafts": 0}) is None
     assert acceptance_from_counters(None) is None
+    assert acc["kept_acceptance_length"] is None
+
+
+def test_vllms_accepts_past_the_answers_end_are_not_counted_as_kept():
+    """Answers of at most 6 and 4 tokens, chains of 3, the prefill giving each its first token.
+    Answer 1: a step accepting 3 (5 tokens), then one accepting 2 of which none fits. Answer 2: a
+    step accepting 1 (3 tokens), then one accepting 3 of which none fits. vLLM counts 9 accepts in 4
+    drafts (3.25); the answers kept 8 tokens past the prefill (2.00 a draft), which is what infer.py
+    measures: it drafts only what can still be kept, so its last step of each answer accepts 0."""
+    counters = {"num_drafts": 4, "num_accepted_tokens": 9, "accepted_per_pos": [4, 3, 2]}
+    acc = acceptance_from_counters(counters, [[1] * 6, [1] * 4])
+    assert acc["mean_acceptance_length"] == pytest.approx(3.25)
+    assert acc["kept_acceptance_length"] == pytest.approx(2.0)
+    ours = acceptance_from_steps([3, 0, 1, 0], k=3)
+    assert ours["mean_acceptance_length"] == pytest.approx(acc["kept_acceptance_length"])
+    assert agrees({**ours, "stderr": 0.0}, acc) and not agrees(
+        {**ours, "stderr": 0.0}, {**acc, "kept_acceptance_length": None}
+    )
 
 
 def test_steps_count_like_vllm():
@@ -106,21 +124,22 @@ def test_questions_default_to_the_dev_set_and_a_missing_file_is_an_error(tmp_pat
 
 
 def _results():
-    plain = {"loaded": True, "output_ids": [[1, 2], [3, 4]], "tokens_per_s_batch1": 20.0, "tokens_per_s_batch": 100.0}
+    answers = [[1] * 8, [2] * 8]  # 14 tokens past the prefills: 10 drafts and 4 accepts
+    plain = {"loaded": True, "output_ids": answers, "tokens_per_s_batch1": 20.0, "tokens_per_s_batch": 100.0}
     good = {
         "loaded": True,
-        "output_ids": [[1, 2], [3, 4]],
+        "output_ids": answers,
         "tokens_per_s_batch1": 22.0,
         "tokens_per_s_batch": 90.0,
         "spec": {"num_drafts": 10, "num_accepted_tokens": 4, "accepted_per_pos": [3, 1, 0]},
     }
-    bad = {**good, "output_ids": [[1, 2], [3, 5]], "spec": {"num_drafts": 10, "num_accepted_tokens": 0}}
+    bad = {**good, "output_ids": [[1] * 8, [2] * 3 + [3]], "spec": {"num_drafts": 10, "num_accepted_tokens": 0}}
     failed = {"loaded": False, "error": "ValueError: unknown method"}
     vllm = {"plain": plain, "eagle3": good, "eagle": bad, "vllm-medusa": failed}
     infer = {
         name: {
             "acceptance": acceptance_from_steps([1, 1, 0, 0, 1, 0, 0, 1, 0, 0] * 10, 3),
-            "output_ids": [[1, 2], [3, 4]],
+            "output_ids": answers,
         }
         for name in ("eagle3", "eagle", "vllm-medusa")
     }
@@ -138,11 +157,11 @@ def test_table_shows_failures():
     lines = table.splitlines()
     assert lines[0].startswith("| run | loaded | = vLLM plain")
     eagle3 = next(line for line in lines if line.startswith("| eagle3 "))
-    assert "| yes | 2/2 | 1.40 | 0.30 0.10 0.00 | 1.40 |" in eagle3 and "| 1.10 |" in eagle3
+    assert "| yes | 2/2 | 1.40 (1.40 kept) | 0.30 0.10 0.00 | 1.40 |" in eagle3 and "| 1.10 |" in eagle3
     assert "| eagle | yes | 1/2 |" in table and "| NO |" in table
     assert "| vllm-medusa | NO |" in table
     assert "- vllm-medusa: ValueError: unknown method" in table
-    assert "- eagle: acceptance differs between vLLM (1.00) and infer.py (1.40)" in table
+    assert "- eagle: acceptance differs between vLLM (1.00 (1.00 kept)) and infer.py (1.40)" in table
 
 
 @pytest.mark.engines
