@@ -284,3 +284,19 @@ def test_vllms_counters_are_read_for_both_heads_and_kept_until_a_head_changes(tm
     os.utime(heads["ours"] / "model.safetensors", (time.time() + 10, time.time() + 10))
     peer.vllm_acceptance(heads, tmp_path / "vllm", 3)
     assert len(calls) == 2
+
+
+def test_the_peer_is_not_started_as_a_rank_of_the_world_our_data_step_made(monkeypatch, world):
+    """Writing the data sets up a world of one (RANK, LOCAL_RANK, WORLD_SIZE in the environment); the
+    peer's trainer, started afterwards, reads LOCAL_RANK as torchrun's and asks for an accelerator:
+    those variables are left as they were before the data step."""
+    from specheads.distributed import setup_distributed
+
+    for k in peer.WORLD_OF_ONE:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("DS_ACCELERATOR", "mine")
+    with peer.own_environment():
+        setup_distributed("cpu")
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        assert os.environ["LOCAL_RANK"] == "0"
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} & set(os.environ) and os.environ["DS_ACCELERATOR"] == "mine"
