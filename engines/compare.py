@@ -135,7 +135,8 @@ def agrees(ours: dict | None, theirs: dict | None, floor: float = 0.05, sigmas: 
     if ours is None or theirs is None:
         return None
     tol = max(floor, sigmas * (ours.get("stderr") or 0.0))
-    vllm = theirs.get("kept_acceptance_length") or theirs["mean_acceptance_length"]
+    kept = theirs.get("kept_acceptance_length")
+    vllm = theirs["mean_acceptance_length"] if kept is None else kept
     return abs(ours["mean_acceptance_length"] - vllm) <= tol
 
 

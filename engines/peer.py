@@ -290,8 +290,7 @@ def vllm_acceptance(heads: dict[str, Path], out: Path, k: int) -> dict:
     tokens): ours exported as eagle3, the peer's directory as its trainer wrote it (compare.py
     --given), each beside infer.py's reading of the same head. {name: its row of compare.py's report}."""
     report = out / "engines.json"
-    newest = max(f.stat().st_mtime for head in heads.values() for f in Path(head).iterdir())
-    if not report.is_file() or report.stat().st_mtime < newest:
+    if not written_after(report, heads):
         cmd = [sys.executable, str(ROOT / "engines" / "compare.py"), "--k", str(k), "--formats", "eagle3"]
         cmd += ["--peers", "--eagle3-head", str(heads["ours"]), "--given", f"peer={heads['peer']}"]
         cmd += ["--max-new-tokens", "128", "--out", str(out)]
@@ -301,20 +300,21 @@ def vllm_acceptance(heads: dict[str, Path], out: Path, k: int) -> dict:
     return {name: {f: rows[run].get(f) for f in keep} for name, run in (("ours", "eagle3"), ("peer", "peer"))}
 
 
+def written_after(path: Path, heads: dict[str, Path]) -> bool:
+    """Whether `path` exists and was written after every file of these heads (a result of them)."""
+    newest = max(f.stat().st_mtime for head in heads.values() for f in Path(head).iterdir())
+    return path.is_file() and path.stat().st_mtime > newest
+
+
 def replayed(path: Path, heads: dict[str, Path], max_new_tokens: int, fresh: bool = False) -> dict | None:
     """{name: its report} from a replay report of these very heads, written after their weights and
     at this answer length; None when there is none such (unless `fresh`: then it must be)."""
-    if not fresh and not path.is_file():
+    if not (fresh or written_after(path, heads)):
         return None
     report = json.loads(path.read_text())
     by_dir = {str(Path(h["head"]).resolve()): h for h in report["heads"].values()}
     wanted = {name: str(Path(head).resolve()) for name, head in heads.items()}
-    newest = max(f.stat().st_mtime for head in heads.values() for f in Path(head).iterdir())
-    if fresh or (
-        report.get("max_new_tokens") == max_new_tokens
-        and all(d in by_dir for d in wanted.values())
-        and path.stat().st_mtime > newest
-    ):
+    if fresh or (report.get("max_new_tokens") == max_new_tokens and all(d in by_dir for d in wanted.values())):
         return {name: by_dir[d] for name, d in wanted.items()}
     return None
 
