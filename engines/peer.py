@@ -3,7 +3,8 @@
     .venv/bin/python engines/peer.py [--steps 100] [--seeds 0 1] [--batch-size 2] [--lr 5e-4]
                                     [--questions Q.jsonl ...] [--out runs/peer] [train.py overrides ...]
 
-A development tool of the repository, beside compare.py. For each seed:
+A development tool of the repository, beside compare.py. For each seed (the heads' initialisation;
+the rows' order is --data-seed for all, so every seed trains on the very same steps):
 
 1. rows: the training rows exactly as train.py builds them (the same Hydra config, tokenization,
    loss masks, packing and order: specheads.train.batches.training_order), and the draft
@@ -103,6 +104,7 @@ def our_overrides(args, seed: int) -> list[str]:
         "train.eval_every=0",
         "train.save_every=0",
         f"seed={seed}",
+        f"data_seed={args.data_seed}",
         *args.overrides,
     ]
 
@@ -159,8 +161,12 @@ def states_written(path: Path, ids: list[int]) -> bool:
         return False
 
 
-def write_peer_data(out: Path, target, train_rows, eval_rows, schedule, head, dtype="float32") -> dict:
-    """The peer's data directory (see the module's docstring); its summary."""
+def write_peer_data(
+    out: Path, target, train_rows, eval_rows, schedule, head, dtype="float32", shared: list[Path] = ()
+) -> dict:
+    """The peer's data directory (see the module's docstring); its summary. `shared`: other seeds'
+    hidden_states directories; a conversation's file there, whole and of the same tokens, is linked
+    rather than written again (the states are the target's, whatever the seed)."""
     import numpy as np
     import torch
     from datasets import Dataset
@@ -183,6 +189,12 @@ def write_peer_data(out: Path, target, train_rows, eval_rows, schedule, head, dt
     for i in tqdm(used, desc="peer: hidden states", unit="conv"):
         ids, path = list(rows[i]["input_ids"]), states_dir / f"hs_{i}.safetensors"
         if states_written(path, ids):  # an interrupted run's file: resumed, not redone
+            continue
+        twin = next((d / path.name for d in shared if states_written(d / path.name, ids)), None)
+        if twin is not None:
+            with atomic_path(path) as tmp:
+                tmp.unlink()  # the placeholder, for the link
+                os.link(twin, tmp)
             continue
         states = peer_states(target, ids).to(getattr(torch, dtype)).contiguous()
         with atomic_path(path) as tmp:
@@ -229,7 +241,8 @@ def prepare(args, seed: int, out: Path) -> dict:
     eval_rows = list(splits["eval"])[: args.eval_rows]
     head = build_head(cfg.head, target, train_rows=train_rows)
     schedule = step_schedule(cfg, train_rows)
-    summary = write_peer_data(out / "data", target, train_rows, eval_rows, schedule, head)
+    shared = [d for d in out.parent.glob("seed-*/data/hidden_states") if d.parent.parent != out]
+    summary = write_peer_data(out / "data", target, train_rows, eval_rows, schedule, head, shared=shared)
     verifier = out / "verifier"
     if not (verifier / "config.json").is_file():  # the peer reads the target's embedding, norm, LM head
         target.model.save_pretrained(verifier)
@@ -300,9 +313,13 @@ def vllm_acceptance(heads: dict[str, Path], out: Path, k: int) -> dict:
     return {name: {f: rows[run].get(f) for f in keep} for name, run in (("ours", "eagle3"), ("peer", "peer"))}
 
 
-def written_after(path: Path, heads: dict[str, Path]) -> bool:
-    """Whether `path` exists and was written after every file of these heads (a result of them)."""
-    newest = max(f.stat().st_mtime for head in heads.values() for f in Path(head).iterdir())
+def written_after(path: Path, heads: dict[str, Path], newest_file: bool = False) -> bool:
+    """Whether `path` exists and was written after every file of these heads (a result of them);
+    with newest_file, `path` is a directory and its newest file counts."""
+    newest = max(f.stat().st_mtime for head in heads.values() for f in Path(head).iterdir() if f.is_file())
+    if newest_file:
+        written = [f.stat().st_mtime for f in path.rglob("*") if f.is_file()]
+        return bool(written) and max(written) > newest
     return path.is_file() and path.stat().st_mtime > newest
 
 
@@ -324,6 +341,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="optimizer steps of each trainer")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument(
+        "--data-seed",
+        type=int,
+        default=0,
+        help="the seed of the rows' order, the same for every seed: the seeds then vary the two heads' "
+        "initialisation on the very same steps, and the hidden states are written once",
+    )
     p.add_argument("--batch-size", type=int, default=2, help="packed rows of data.max_length a step")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=10)
@@ -374,6 +398,11 @@ def main(argv=None) -> int:
                 if not args.concurrent:
                     ours_trained.result()
             data = peer_data(args, seed, out)
+            kept = [out / "peer"] if peer_head(out) is not None else []
+            kept += [out / "ours" / "head"] if ours_trained is None else []
+            stale = [h for h in kept if not written_after(h, {"data": out / "data"}, newest_file=True)]
+            if stale:  # a head kept from other settings would be compared as if of these
+                raise SpecHeadsError(f"{stale[0]} was trained before its data was written again: remove it")
             if peer_head(out) is None:
                 print(f"peer: seed {seed}: the peer trains {args.steps} steps", file=sys.stderr)
                 run_logged("the peer's training", peer_command(args, seed, out, data), out / "peer.log", peer_env)

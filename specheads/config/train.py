@@ -341,7 +341,10 @@ class TrainJobConfig:
     output_dir: str = "runs/${model.name}-${head.family}"
     # dtype of the written head's weights: auto = the training dtype; bfloat16 / float16 halve it
     save_dtype: str = "auto"
-    seed: int = 0  # seeds the head's initialisation and the training noise
+    seed: int = 0  # seeds the head's initialisation, the training noise and (unless data_seed) the row order
+    # seeds the order of the training rows (which rows each step reads); null = seed. Fixing it while
+    # seed varies measures the spread of the initialisation alone, on the very same steps
+    data_seed: int | None = None
     device: str = "auto"  # auto | cpu | cuda
     debug: bool = False  # full tracebacks instead of one-line errors
     # print the per-rank memory plan for plan.gpus x plan.gpu_memory and exit, loading nothing

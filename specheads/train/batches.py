@@ -105,5 +105,6 @@ def training_order(cfg, lengths: Sequence[int], rank: int = 0, world_size: int =
         packs = pack_rows(lengths, cfg.data.max_length)
         lengths = pack_lengths(lengths, packs)
     t = cfg.train
-    batches = TrainBatches(lengths, t.batch_size, rank, world_size, seed=cfg.seed, group_by_length=t.group_by_length)
+    seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    batches = TrainBatches(lengths, t.batch_size, rank, world_size, seed=seed, group_by_length=t.group_by_length)
     return packs, batches

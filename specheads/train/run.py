@@ -139,6 +139,7 @@ def training_record(
     return {
         "steps": step,
         "seed": cfg.seed,
+        **({"data_seed": cfg.data_seed} if cfg.data_seed is not None else {}),
         "world_size": d.world_size,
         "batch_size": cfg.train.batch_size,
         "grad_accum": cfg.train.grad_accum,

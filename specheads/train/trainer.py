@@ -224,6 +224,7 @@ class Trainer:
             "grad_accum": c.train.grad_accum,
             "world_size": self.d.world_size,
             "seed": c.seed,
+            **({"data_seed": c.data_seed} if c.data_seed is not None else {}),  # older checkpoints lack it
             "train_rows": len(self.source.rows("train")),
             # the rows the step count indexes, by what they hold, and the order they are batched in
             "train_data": self.data_digest,

@@ -144,6 +144,35 @@ def test_the_data_directory_is_what_speculators_reads(world, tiny_target, tmp_pa
         assert redone["token_ids"].tolist() == train_or_eval(train_rows, eval_rows, i)
 
 
+def test_another_seeds_hidden_states_are_linked_not_written_again(world, tiny_target, tmp_path, monkeypatch):
+    """A second seed on the same rows writes no states: each file is the first seed's (one inode);
+    a file of other tokens there is not taken."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(peer, "LAYERS", LAYERS)
+    data = write_conversations(tmp_path / "chats.jsonl", n=40)
+    cfg = job(data, tmp_path / "run")
+    head, source = head_and_states(cfg, tiny_target, world)
+    train_rows, eval_rows = source.rows("train"), list(source.rows("eval"))[:2]
+    schedule = peer.step_schedule(cfg, train_rows)
+    first = tmp_path / "seed-0" / "data"
+    peer.write_peer_data(first, tiny_target, train_rows, eval_rows, schedule, head)
+    files = sorted((first / "hidden_states").glob("hs_*.safetensors"))
+    foreign = files[0]
+    save_file({"hidden_states": torch.zeros(1, 4, 8), "token_ids": torch.tensor([7])}, str(foreign))
+    calls = []
+    real = peer.peer_states
+    monkeypatch.setattr(peer, "peer_states", lambda t, ids: calls.append(ids) or real(t, ids))
+    second = tmp_path / "seed-1" / "data"
+    shared = [first / "hidden_states"]
+    peer.write_peer_data(second, tiny_target, train_rows, eval_rows, schedule, head, shared=shared)
+    assert len(calls) == 1  # only the conversation whose first-seed file holds other tokens
+    for f in files:
+        twin = second / "hidden_states" / f.name
+        assert twin.samefile(f) == (f != foreign)
+        assert peer.states_written(twin, train_or_eval(train_rows, eval_rows, int(f.stem[3:])))
+
+
 def train_or_eval(train_rows, eval_rows, i: int) -> list[int]:
     return list([*train_rows, *eval_rows][i]["input_ids"])
 
@@ -231,6 +260,35 @@ def test_ours_trains_beside_the_peer_only_when_asked_and_its_failure_is_one_line
         assert not (tmp_path / "bad" / "peer.json").exists()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_head_older_than_its_data_is_refused_not_compared(tmp_path, monkeypatch, capsys):
+    """Data written again (other settings) under heads kept from before: one line, nothing trained."""
+    python = tmp_path / "python"
+    python.touch()
+    monkeypatch.setattr(peer, "VLLM_PYTHON", python)
+    seed_dir = tmp_path / "out" / "seed-0"
+    for head in (seed_dir / "peer" / "0", seed_dir / "ours" / "head"):
+        head.mkdir(parents=True)
+        (head / "config.json").write_text("{}")
+        os.utime(head / "config.json", (1e9, 1e9))
+
+    def rewritten(args, seed, out):  # once: then kept, as for a second run of the same settings
+        (out / "data").mkdir(exist_ok=True)
+        if not (out / "data" / "summary.json").exists():
+            (out / "data" / "summary.json").write_text("{}")
+        return {"rows": 1, "train_rows": 1}
+
+    monkeypatch.setattr(peer, "peer_data", rewritten)
+    monkeypatch.setattr(peer, "run_logged", lambda *a, **k: pytest.fail("nothing is trained"))
+    with pytest.raises(SystemExit) as exited:
+        peer.main(["--seeds", "0", "--vllm-k", "0", "--out", str(tmp_path / "out")])
+    assert exited.value.code == 2
+    assert "was trained before its data was written again" in capsys.readouterr().err
+    for head in (seed_dir / "peer" / "0", seed_dir / "ours" / "head"):  # newer heads are compared
+        os.utime(head / "config.json")
+    monkeypatch.setattr(peer, "run_logged", lambda *a, **k: None)
+    assert peer.main(["--seeds", "0", "--vllm-k", "0", "--out", str(tmp_path / "out")]) == 0
 
 
 def test_a_replay_is_reused_only_for_the_same_heads_answer_length_and_newer_weights(tmp_path):

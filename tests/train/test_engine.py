@@ -11,7 +11,7 @@ from specheads.config.model import ModelConfig
 from specheads.config.train import DataConfig, DeepSpeedConfig, HeadConfig, TrainConfig, TrainJobConfig, WandbConfig
 from specheads.errors import SpecHeadsError
 from specheads.numerics import same_numbers
-from specheads.train.batches import TrainBatches, eval_batches
+from specheads.train.batches import TrainBatches, eval_batches, training_order
 from specheads.train.deepspeed_config import deepspeed_config
 from specheads.train.metrics import MetricsLog
 from specheads.train.run import head_and_states
@@ -59,6 +59,19 @@ def test_train_batches_shard_like_a_distributed_sampler():
     again = TrainBatches(lengths, batch_size=3, rank=1, world_size=2, seed=1)
     assert [again[i] for i in (9, 3, 0)] == [ranks[1][i] for i in (9, 3, 0)]  # random access = resume
     assert [ranks[0][i] for i in range(6)] != [ranks[0][i] for i in range(6, 12)]  # epochs reshuffle
+
+
+def test_data_seed_fixes_the_order_while_seed_varies():
+    lengths = [(7 * i) % 50 + 1 for i in range(40)]
+
+    def order(**seeds):
+        cfg = TrainJobConfig(model=ModelConfig(), train=TrainConfig(batch_size=4), **seeds)
+        _, batches = training_order(cfg, lengths)
+        return [batches[i] for i in range(batches.batches_per_epoch)]
+
+    assert order(seed=0) != order(seed=1)  # the seed orders the rows unless data_seed is set
+    assert order(seed=1, data_seed=0) == order(seed=0) == order(seed=2, data_seed=0)
+    assert order(seed=0, data_seed=3) == order(seed=3)
 
 
 def test_group_by_length_pads_less():
