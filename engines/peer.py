@@ -30,7 +30,6 @@ against K for both heads, each seed). What cannot be matched is listed in the ou
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -207,25 +206,6 @@ def write_peer_data(
     return {"rows": len(rows), "train_rows": len(train_rows), "states_written": len(used), "tokens": tokens}
 
 
-# setup_distributed marks a plain process as a world of one in its environment; the peer's trainer,
-# started from this process afterwards, would read LOCAL_RANK as torchrun's and ask for an accelerator
-WORLD_OF_ONE = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "DS_ACCELERATOR")
-
-
-@contextlib.contextmanager
-def own_environment():
-    """The block's changes to WORLD_OF_ONE's variables are undone when it ends."""
-    saved = {k: os.environ.get(k) for k in WORLD_OF_ONE}
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def prepare(args, seed: int, out: Path) -> dict:
     """Steps 1 and 2 for one seed: our rows, order and draft vocabulary; the peer's data from them."""
     from specheads.distributed import process_group
@@ -234,7 +214,7 @@ def prepare(args, seed: int, out: Path) -> dict:
     from specheads.train.run import data_splits
 
     cfg = compose(our_overrides(args, seed))
-    with own_environment(), process_group("cpu") as d:
+    with process_group("cpu") as d:
         target = load_target(cfg.model, resolve_device("cpu"))
         splits = data_splits(cfg.data, target, d)
     train_rows = splits["train"]

@@ -73,17 +73,30 @@ def setup_distributed(device_name: str = "auto") -> Dist:
     return Dist(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
 
 
+# what setup_distributed may set in a plain process's environment
+WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "DS_ACCELERATOR")
+
+
 @contextlib.contextmanager
 def process_group(device_name: str = "auto"):
     """setup_distributed for the block, left together by finished ranks and at once by a failing
-    one (end_distributed)."""
-    d = setup_distributed(device_name)
+    one (end_distributed). WORLD_VARIABLES are as before when it ends: a process started afterwards
+    (another trainer, a launcher) would read this world's LOCAL_RANK as its own launcher's."""
+    saved = {k: os.environ.get(k) for k in WORLD_VARIABLES}
     try:
-        yield d
-    except BaseException:
-        end_distributed(finished=False)
-        raise
-    end_distributed()
+        d = setup_distributed(device_name)
+        try:
+            yield d
+        except BaseException:
+            end_distributed(finished=False)
+            raise
+        end_distributed()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def end_distributed(finished: bool = True) -> None:

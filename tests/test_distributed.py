@@ -120,3 +120,31 @@ def test_plain_processes_started_together_each_get_a_world_of_one(tmp_path):
     failed = [(tmp_path / f"{name}.failed") for name in ("c", "d") if out[name][1] != 0]
     assert len(failed) == 1, [out[n][0][1][-1500:] for n in ("c", "d")]
     assert "EADDRINUSE" in failed[0].read_text()
+
+
+RESTORED = """
+import os
+from specheads.distributed import WORLD_VARIABLES, process_group
+
+for failing in (False, True):
+    try:
+        with process_group("cpu") as d:
+            assert d.world_size == 1 and os.environ["LOCAL_RANK"] == "0" and os.environ["DS_ACCELERATOR"] == "cpu"
+            if failing:
+                raise ValueError("the block fails")
+    except ValueError:
+        pass
+    print(sorted(set(WORLD_VARIABLES) & set(os.environ)))
+"""
+
+
+def test_a_process_group_leaves_the_environment_as_it_found_it():
+    """A plain process's world of one sets RANK, LOCAL_RANK, WORLD_SIZE and DS_ACCELERATOR; once
+    the block ends (also by an error) none is left for a process started afterwards (another
+    trainer would read LOCAL_RANK as its launcher's and ask for an accelerator)."""
+    from test_train import ROOT, clean_env
+
+    env = {k: v for k, v in clean_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "DS_ACCELERATOR")}
+    done = subprocess.run([sys.executable, "-c", RESTORED], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["[]", "[]"]
