@@ -414,6 +414,37 @@ def peer_data(args, seed: int, out: Path) -> dict:
     return data
 
 
+def parity(results: dict, k: str = "3") -> list[dict]:
+    """The issue's parity test, per measure (each question set's replayed chain-K tau, and vLLM's kept
+    acceptance length): ours' mean over the seeds against the peer's mean less the spread of ours
+    (max - min over the seeds; 0 with one seed). {measure, seeds, ours, peer, spread, holds}."""
+    measures: dict[str, dict[str, list[float]]] = {}
+    for run_ in results["runs"].values():
+        for qset, heads in run_["replay"].items():
+            for name, report in heads.items():
+                measures.setdefault(f"{qset} chain {k}", {}).setdefault(name, []).append(report["chain_tau"][k])
+        for name, row in (run_.get("vllm") or {}).items():
+            accepted = row["vllm_acceptance"] or {}
+            kept = accepted.get("kept_acceptance_length", accepted.get("mean_acceptance_length"))
+            if kept is not None:
+                measures.setdefault("vLLM acceptance length", {}).setdefault(name, []).append(kept)
+    rows = []
+    for measure, by_head in measures.items():
+        ours, theirs = by_head.get("ours", []), by_head.get("peer", [])
+        if not ours or len(ours) != len(theirs):
+            continue
+        mean, spread, peer_mean = sum(ours) / len(ours), max(ours) - min(ours), sum(theirs) / len(theirs)
+        row = {"measure": measure, "seeds": len(ours), "ours": mean, "peer": peer_mean, "spread": spread}
+        rows.append({**row, "holds": mean >= peer_mean - spread})
+    return rows
+
+
+def kept_part(row: dict) -> str:
+    """' (x.xx kept)': vLLM's acceptance over what its answers kept, where compare.py gave it."""
+    kept = row["vllm_acceptance"].get("kept_acceptance_length")
+    return "" if kept is None else f" ({kept:.2f} kept)"
+
+
 def write_report(results: dict, out: Path) -> None:
     """OUT/peer.json, OUT/peer.md (chain tau per K, per head and seed) and OUT/peer.png."""
     write_json(out / "peer.json", results)
@@ -431,7 +462,7 @@ def write_report(results: dict, out: Path) -> None:
     header = f"| questions | seed | head | {ks}| best 5-node | best 16-node |\n|" + "---|" * 13
     body = f"{header}\n" + "\n".join(lines)
     vllm = [
-        f"| {seed} | {name} | {row['vllm_acceptance']['mean_acceptance_length']:.2f} | "
+        f"| {seed} | {name} | {row['vllm_acceptance']['mean_acceptance_length']:.2f}{kept_part(row)} | "
         + " ".join(f"{p:.2f}" for p in row["vllm_acceptance"]["per_position"])
         + f" | {row['infer_acceptance']['mean_acceptance_length']:.2f} | {row['identical'][0]}/{row['identical'][1]} |"
         for seed, run_ in results["runs"].items()
@@ -443,6 +474,16 @@ def write_report(results: dict, out: Path) -> None:
             "\n\nvLLM's CPU build, the questions of `make engines`, 128 new tokens:\n\n"
             "| seed | head | vLLM acceptance length | per position | infer.py | = vLLM plain |\n"
             "|---|---|---|---|---|---|\n" + "\n".join(vllm)
+        )
+    if rows := parity(results):
+        body += (
+            "\n\nParity (ours' mean over the seeds at least the peer's less the spread of ours):\n\n"
+            "| measure | seeds | ours | peer | spread of ours | ours / peer | holds |\n|---|---|---|---|---|---|---|\n"
+            + "\n".join(
+                f"| {r['measure']} | {r['seeds']} | {r['ours']:.3f} | {r['peer']:.3f} | {r['spread']:.3f} | "
+                f"{r['ours'] / r['peer']:.3f} | {'yes' if r['holds'] else 'no'} |"
+                for r in rows
+            )
         )
     notes = "\n".join(f"- {u}" for u in results["unmatched"])
     write_text(out / "peer.md", f"{body}\n\nNot matched:\n{notes}\n")

@@ -195,15 +195,37 @@ def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
         "infer_acceptance": {"mean_acceptance_length": 1.95, "per_position": [0.57, 0.25, 0.13]},
         "agree": True,
     }
-    results["runs"]["1"]["vllm"] = {"ours": row, "peer": row}
+    kept = {**row, "vllm_acceptance": {**row["vllm_acceptance"], "kept_acceptance_length": 1.96}}
+    results["runs"]["1"]["vllm"] = {"ours": kept, "peer": row}
     peer.write_report(results, tmp_path)
     table = (tmp_path / "peer.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| mt |")]
     assert len(rows) == 4 and "| mt | 1 | ours | 1.310 |" in table and "| 1.400 | 1.500 |" in table
     assert all(why in table for _, why in peer.UNMATCHED)
     assert "| 1 | peer | 1.98 | 0.58 0.26 0.14 | 1.95 | 8/8 |" in table and "| 0 | ours | 1.98" not in table
+    # parity: ours 1.23 and 1.33 (mean 1.28, spread 0.10) against the peer's 1.13; vLLM with one seed
+    assert "| mt chain 3 | 2 | 1.280 | 1.130 | 0.100 | 1.133 | yes |" in table
+    assert "| 1 | ours | 1.98 (1.96 kept) |" in table
+    assert "| vLLM acceptance length | 1 | 1.960 | 1.980 | 0.000 | 0.990 | no |" in table
     assert json.loads((tmp_path / "peer.json").read_text()) == results
     assert (tmp_path / "peer.png").stat().st_size > 0
+
+
+def test_parity_allows_the_peer_ahead_by_no_more_than_the_spread_of_our_seeds():
+    def run(ours, theirs, kept=None):
+        accepted = {"mean_acceptance_length": 9.0, "kept_acceptance_length": kept}
+        vllm = {"ours": {"vllm_acceptance": accepted}, "peer": {"vllm_acceptance": accepted}} if kept else {}
+        heads = {"ours": {"chain_tau": {"3": ours}}, "peer": {"chain_tau": {"3": theirs}}}
+        return {"replay": {"mt": heads}, "vllm": vllm}
+
+    close = peer.parity({"runs": {"0": run(1.40, 1.45, kept=1.5), "1": run(1.46, 1.45, kept=1.5)}})
+    assert [(r["measure"], r["holds"]) for r in close] == [("mt chain 3", True), ("vLLM acceptance length", True)]
+    assert close[0]["spread"] == pytest.approx(0.06) and close[1]["ours"] == 1.5  # kept, not counted (9.0)
+    behind = peer.parity({"runs": {"0": run(1.40, 1.48), "1": run(1.42, 1.47)}})
+    assert [r["holds"] for r in behind] == [False]  # 1.41 < 1.475 - 0.02
+    assert peer.parity({"runs": {"0": run(1.2, 1.1)}})[0] == {
+        "measure": "mt chain 3", "seeds": 1, "ours": 1.2, "peer": 1.1, "spread": 0.0, "holds": True
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("concurrent", [False, True])
