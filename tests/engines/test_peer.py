@@ -93,18 +93,22 @@ def test_the_peers_hidden_states_are_the_targets_forward(tiny_target, monkeypatc
     assert_other_numbers(ours[:, 3], after_norm)
 
 
+def comparison_rows(world, tiny_target, tmp_path, monkeypatch, eval_rows: int):
+    """(train rows, held-out rows, schedule, head) of a small comparison on the tiny target."""
+    monkeypatch.setattr(peer, "LAYERS", LAYERS)
+    cfg = job(write_conversations(tmp_path / "chats.jsonl", n=40), tmp_path / "run")
+    head, source = head_and_states(cfg, tiny_target, world)
+    train_rows = source.rows("train")
+    return train_rows, list(source.rows("eval"))[:eval_rows], peer.step_schedule(cfg, train_rows), head
+
+
 def test_the_data_directory_is_what_speculators_reads(world, tiny_target, tmp_path, monkeypatch):
     """The Arrow rows are our rows (train first, then the held-out ones), every scheduled and held-out
     conversation has its states file, the vocabulary maps are the head's."""
     from datasets import load_from_disk
     from safetensors.torch import load_file, save_file
 
-    monkeypatch.setattr(peer, "LAYERS", LAYERS)
-    data = write_conversations(tmp_path / "chats.jsonl", n=40)
-    cfg = job(data, tmp_path / "run")
-    head, source = head_and_states(cfg, tiny_target, world)
-    train_rows, eval_rows = source.rows("train"), list(source.rows("eval"))[:3]
-    schedule = peer.step_schedule(cfg, train_rows)
+    train_rows, eval_rows, schedule, head = comparison_rows(world, tiny_target, tmp_path, monkeypatch, 3)
     summary = peer.write_peer_data(tmp_path / "data", tiny_target, train_rows, eval_rows, schedule, head)
     arrow = load_from_disk(str(tmp_path / "data"))
     assert arrow.format["type"] == "torch"  # as speculators reads it
@@ -149,12 +153,7 @@ def test_another_seeds_hidden_states_are_linked_not_written_again(world, tiny_ta
     a file of other tokens there is not taken."""
     from safetensors.torch import save_file
 
-    monkeypatch.setattr(peer, "LAYERS", LAYERS)
-    data = write_conversations(tmp_path / "chats.jsonl", n=40)
-    cfg = job(data, tmp_path / "run")
-    head, source = head_and_states(cfg, tiny_target, world)
-    train_rows, eval_rows = source.rows("train"), list(source.rows("eval"))[:2]
-    schedule = peer.step_schedule(cfg, train_rows)
+    train_rows, eval_rows, schedule, head = comparison_rows(world, tiny_target, tmp_path, monkeypatch, 2)
     first = tmp_path / "seed-0" / "data"
     peer.write_peer_data(first, tiny_target, train_rows, eval_rows, schedule, head)
     files = sorted((first / "hidden_states").glob("hs_*.safetensors"))
