@@ -293,6 +293,14 @@ def vllm_acceptance(heads: dict[str, Path], out: Path, k: int) -> dict:
     return {name: {f: rows[run].get(f) for f in keep} for name, run in (("ours", "eagle3"), ("peer", "peer"))}
 
 
+def trained_as(head: Path, args, seed: int) -> bool:
+    """Whether ours' kept head records this comparison's steps, seeds, batch size and learning rate."""
+    record = json.loads((head / "config.json").read_text()).get("training", {})
+    data_seed = record.get("data_seed", record.get("seed"))  # recorded only when set
+    wanted = {"steps": args.steps, "seed": seed, "batch_size": args.batch_size, "lr": args.lr}
+    return all(record.get(k) == v for k, v in wanted.items()) and data_seed == args.data_seed
+
+
 def written_after(path: Path, heads: dict[str, Path], newest_file: bool = False) -> bool:
     """Whether `path` exists and was written after every file of these heads (a result of them);
     with newest_file, `path` is a directory and its newest file counts."""
@@ -378,11 +386,12 @@ def main(argv=None) -> int:
                 if not args.concurrent:
                     ours_trained.result()
             data = peer_data(args, seed, out)
-            kept = [out / "peer"] if peer_head(out) is not None else []
-            kept += [out / "ours" / "head"] if ours_trained is None else []
-            stale = [h for h in kept if not written_after(h, {"data": out / "data"}, newest_file=True)]
-            if stale:  # a head kept from other settings would be compared as if of these
-                raise SpecHeadsError(f"{stale[0]} was trained before its data was written again: remove it")
+            # a head kept from other settings would be compared as if of these: the peer's is older
+            # than data written again; ours records what trained it
+            if peer_head(out) is not None and not written_after(out / "peer", {"data": out / "data"}, True):
+                raise SpecHeadsError(f"{out / 'peer'} was trained before its data was written again: remove it")
+            if ours_trained is None and not trained_as(out / "ours" / "head", args, seed):
+                raise SpecHeadsError(f"{out / 'ours' / 'head'} was trained with other settings: remove it")
             if peer_head(out) is None:
                 print(f"peer: seed {seed}: the peer trains {args.steps} steps", file=sys.stderr)
                 run_logged("the peer's training", peer_command(args, seed, out, data), out / "peer.log", peer_env)

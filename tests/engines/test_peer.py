@@ -289,10 +289,11 @@ def test_a_head_older_than_its_data_is_refused_not_compared(tmp_path, monkeypatc
     python.touch()
     monkeypatch.setattr(peer, "VLLM_PYTHON", python)
     seed_dir = tmp_path / "out" / "seed-0"
+    record = {"training": {"steps": 100, "seed": 0, "batch_size": 2, "lr": 5e-4}}  # ours: these settings
     for head in (seed_dir / "peer" / "0", seed_dir / "ours" / "head"):
         head.mkdir(parents=True)
-        (head / "config.json").write_text("{}")
-        os.utime(head / "config.json", (1e9, 1e9))
+        (head / "config.json").write_text(json.dumps(record))
+        os.utime(head / "config.json", (1e9, 1e9))  # both older than the data: only the peer's is stale
 
     def rewritten(args, seed, out):  # once: then kept, as for a second run of the same settings
         (out / "data").mkdir(exist_ok=True)
@@ -306,10 +307,13 @@ def test_a_head_older_than_its_data_is_refused_not_compared(tmp_path, monkeypatc
         peer.main(["--seeds", "0", "--vllm-k", "0", "--out", str(tmp_path / "out")])
     assert exited.value.code == 2
     assert "was trained before its data was written again" in capsys.readouterr().err
-    for head in (seed_dir / "peer" / "0", seed_dir / "ours" / "head"):  # newer heads are compared
-        os.utime(head / "config.json", (time.time() + 10, time.time() + 10))  # past the clock's tick
+    later = time.time() + 10  # past the clock's tick
+    os.utime(seed_dir / "peer" / "0" / "config.json", (later, later))  # a newer peer head is compared
     monkeypatch.setattr(peer, "run_logged", lambda *a, **k: None)
     assert peer.main(["--seeds", "0", "--vllm-k", "0", "--out", str(tmp_path / "out")]) == 0
+    with pytest.raises(SystemExit):  # ours, kept from another budget
+        peer.main(["--steps", "50", "--seeds", "0", "--vllm-k", "0", "--out", str(tmp_path / "out")])
+    assert "ours/head was trained with other settings" in capsys.readouterr().err
 
 
 def test_a_replay_is_reused_only_for_the_same_heads_answer_length_and_newer_weights(tmp_path):
