@@ -301,14 +301,16 @@ def trained_as(head: Path, args, seed: int) -> bool:
     return all(record.get(k) == v for k, v in wanted.items()) and data_seed == args.data_seed
 
 
-def written_after(path: Path, heads: dict[str, Path], newest_file: bool = False) -> bool:
-    """Whether `path` exists and was written after every file of these heads (a result of them);
-    with newest_file, `path` is a directory and its newest file counts."""
-    newest = max(f.stat().st_mtime for head in heads.values() for f in Path(head).iterdir() if f.is_file())
-    if newest_file:
-        written = [f.stat().st_mtime for f in path.rglob("*") if f.is_file()]
-        return bool(written) and max(written) > newest
-    return path.is_file() and path.stat().st_mtime > newest
+def newest_write(*dirs: Path, deep: bool = False) -> float:
+    """The newest modification time of the files in these directories (and below them when deep); 0
+    when there are none."""
+    files = (f for d in dirs for f in (Path(d).rglob("*") if deep else Path(d).iterdir()) if f.is_file())
+    return max((f.stat().st_mtime for f in files), default=0.0)
+
+
+def written_after(path: Path, heads: dict[str, Path]) -> bool:
+    """Whether the file `path` exists and was written after every file of these heads (a result of them)."""
+    return path.is_file() and path.stat().st_mtime > newest_write(*heads.values())
 
 
 def replayed(path: Path, heads: dict[str, Path], max_new_tokens: int, fresh: bool = False) -> dict | None:
@@ -388,7 +390,7 @@ def main(argv=None) -> int:
             data = peer_data(args, seed, out)
             # a head kept from other settings would be compared as if of these: the peer's is older
             # than data written again; ours records what trained it
-            if peer_head(out) is not None and not written_after(out / "peer", {"data": out / "data"}, True):
+            if peer_head(out) is not None and newest_write(out / "peer", deep=True) <= newest_write(out / "data"):
                 raise SpecHeadsError(f"{out / 'peer'} was trained before its data was written again: remove it")
             if ours_trained is None and not trained_as(out / "ours" / "head", args, seed):
                 raise SpecHeadsError(f"{out / 'ours' / 'head'} was trained with other settings: remove it")
