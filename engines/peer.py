@@ -450,6 +450,27 @@ def parity(results: dict, k: str = "3") -> list[dict]:
     return rows
 
 
+def per_category(results: dict, margin: float = 0.05) -> list[dict]:
+    """The issue's "better" test, per question set and category: ours' mean replayed chain-3 tau over
+    the seeds against the peer's mean, and whether ours is ahead by at least `margin`.
+    {questions, category, seeds, ours, peer, ahead}."""
+    taus: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for run_ in results["runs"].values():
+        for qset, heads in run_["replay"].items():
+            for name, report in heads.items():
+                for category, row in (report.get("per_category") or {}).items():
+                    taus.setdefault((qset, category), {}).setdefault(name, []).append(row["chain_3_tau"])
+    rows = []
+    for (qset, category), by_head in taus.items():
+        ours, theirs = by_head.get("ours", []), by_head.get("peer", [])
+        if not ours or len(ours) != len(theirs):
+            continue
+        mean, peer_mean = sum(ours) / len(ours), sum(theirs) / len(theirs)
+        row = {"questions": qset, "category": category, "seeds": len(ours), "ours": mean, "peer": peer_mean}
+        rows.append({**row, "ahead": mean >= (1 + margin) * peer_mean})
+    return rows
+
+
 def kept_part(row: dict) -> str:
     """' (x.xx kept)': vLLM's acceptance over what its answers kept, where compare.py gave it."""
     kept = row["vllm_acceptance"].get("kept_acceptance_length")
@@ -495,6 +516,21 @@ def write_report(results: dict, out: Path) -> None:
                 f"{r['ours'] / r['peer']:.3f} | {'yes' if r['holds'] else 'no'} |"
                 for r in rows
             )
+        )
+    if rows := per_category(results):
+        tally = {}
+        for r in rows:
+            tally.setdefault(r["questions"], []).append(r["ahead"])
+        body += (
+            "\n\nPer category, replayed chain 3 (ours' mean over the seeds against the peer's; ahead: by 5% or more):"
+            "\n\n| questions | category | seeds | ours | peer | ours / peer | ahead |\n|---|---|---|---|---|---|---|\n"
+            + "\n".join(
+                f"| {r['questions']} | {r['category']} | {r['seeds']} | {r['ours']:.3f} | {r['peer']:.3f} | "
+                f"{r['ours'] / r['peer']:.3f} | {'yes' if r['ahead'] else 'no'} |"
+                for r in rows
+            )
+            + "\n\n"
+            + "\n".join(f"{q}: ahead by 5% in {sum(a)} of {len(a)} categories" for q, a in tally.items())
         )
     notes = "\n".join(f"- {u}" for u in results["unmatched"])
     write_text(out / "peer.md", f"{body}\n\nNot matched:\n{notes}\n")

@@ -181,6 +181,7 @@ def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
         return {
             "chain_tau": {str(k): base + 0.01 * k for k in range(1, 9)},
             "best_tree_tau": {"5": base + 0.2, "16": base + 0.3},
+            "per_category": {"qa": {"chain_3_tau": base + 0.03}},
         }
 
     results = {
@@ -198,7 +199,7 @@ def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
     results["runs"]["1"]["vllm"] = {"ours": kept, "peer": row}
     peer.write_report(results, tmp_path)
     table = (tmp_path / "peer.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| mt |")]
+    rows = [line for line in table.splitlines() if line.startswith("| mt |") and "| qa |" not in line]
     assert len(rows) == 4 and "| mt | 1 | ours | 1.310 |" in table and "| 1.400 | 1.500 |" in table
     assert all(why in table for _, why in peer.UNMATCHED)
     assert "| 1 | peer | 1.98 | 0.58 0.26 0.14 | 1.95 | 8/8 |" in table and "| 0 | ours | 1.98" not in table
@@ -206,6 +207,7 @@ def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
     assert "| mt chain 3 | 2 | 1.280 | 1.130 | 0.100 | 1.133 | yes |" in table
     assert "| 1 | ours | 1.98 (1.96 kept) |" in table
     assert "| vLLM acceptance length | 1 | 1.960 | 1.980 | 0.000 | 0.990 | no |" in table
+    assert "| mt | qa | 2 | 1.280 | 1.130 | 1.133 | yes |" in table and "mt: ahead by 5% in 1 of 1 categories" in table
     assert json.loads((tmp_path / "peer.json").read_text()) == results
     assert (tmp_path / "peer.png").stat().st_size > 0
 
@@ -225,6 +227,24 @@ def test_parity_allows_the_peer_ahead_by_no_more_than_the_spread_of_our_seeds():
     assert peer.parity({"runs": {"0": run(1.2, 1.1)}})[0] == {
         "measure": "mt chain 3", "seeds": 1, "ours": 1.2, "peer": 1.1, "spread": 0.0, "holds": True
     }  # fmt: skip
+
+
+def test_a_category_counts_as_ahead_only_when_ours_leads_by_five_percent():
+    def run(ours, theirs):  # {category: chain-3 tau}
+        per = {n: {"per_category": {c: {"chain_3_tau": t} for c, t in taus.items()}} for n, taus in
+               (("ours", ours), ("peer", theirs))}  # fmt: skip
+        return {"replay": {"sb": per}}
+
+    rows = peer.per_category(
+        {"runs": {"0": run({"qa": 1.30, "rag": 1.20}, {"qa": 1.20, "rag": 1.20}),
+                  "1": run({"qa": 1.24, "rag": 1.30}, {"qa": 1.22, "rag": 1.20})}}
+    )  # fmt: skip
+    by = {r["category"]: r for r in rows}
+    # qa: 1.27 against 1.21, +4.96%: not ahead; rag: 1.25 against 1.20, +4.2%: not ahead
+    assert by["qa"]["ours"] == pytest.approx(1.27) and by["qa"]["peer"] == pytest.approx(1.21)
+    assert not by["qa"]["ahead"] and not by["rag"]["ahead"] and by["qa"]["seeds"] == 2
+    assert peer.per_category({"runs": {"0": run({"qa": 1.271}, {"qa": 1.21})}})[0]["ahead"]  # +5.04%
+    assert peer.per_category({"runs": {"0": {"replay": {"mt": {"ours": {}, "peer": {}}}}}}) == []
 
 
 @pytest.mark.parametrize("concurrent", [False, True])
