@@ -91,6 +91,13 @@ def rank_vectors(
     return vectors
 
 
+def outside_draft_vocab(vectors: Sequence[tuple[int, ...]]) -> float:
+    """The share of answer positions whose next token lies outside the head's draft vocabulary
+    (first rank MISS): positions no draft of this head can be accepted at, whatever it learnt."""
+    rooted = [v for v in vectors if v]
+    return sum(v[0] == MISS for v in rooted) / len(rooted) if rooted else 0.0
+
+
 def accepted_length(vector: Sequence[int], tree: frozenset, cap: int) -> int:
     """Drafts a prefix-closed tree accepts at a root with this rank vector: the longest prefix
     of the vector that is a path of the tree, at most `cap` deep."""
@@ -252,6 +259,7 @@ def replay_head(head, target, answers: list[dict], tree: list[list[int]] | None,
     chains = {k: run(chain_paths(k)) for k in CHAINS}
     report: dict[str, Any] = {
         "positions": sum(len(vs) for vs in vectors),
+        "outside_draft_vocab": round(outside_draft_vocab([v for vs in vectors for v in vs]), 4),
         "chain_tau": {str(k): round(tau(r), 4) for k, r in chains.items()},
         "acceptance_per_depth": [round(x, 4) for x in acceptance_per_depth(chains[max(CHAINS)], max(CHAINS))],
         # the n paths most often right on these very answers: a bound for a tree of n nodes,
@@ -270,6 +278,7 @@ def replay_head(head, target, answers: list[dict], tree: list[list[int]] | None,
     report["per_category"] = {
         c: {
             "chain_3_tau": round(tau([chains[3][i] for i in rows]), 4),
+            "outside_draft_vocab": round(outside_draft_vocab([v for i in rows for v in vectors[i]]), 4),
             **({"tree_tau": round(tau([own[i] for i in rows]), 4)} if own is not None else {}),
         }
         for c, rows in categories.items()

@@ -16,6 +16,7 @@ from specheads.bench.replay import (
     Replay,
     acceptance_per_depth,
     accepted_length,
+    outside_draft_vocab,
     rank_vectors,
     replay,
     tau,
@@ -111,6 +112,17 @@ def test_replay_counts_what_the_loop_does(tiny_target, heads, sequences):
     assert fails_for_some_seed(check, no_cap, range(24))
 
 
+def test_outside_draft_vocab_is_the_share_of_next_tokens_the_head_cannot_draft(tiny_target, heads):
+    assert outside_draft_vocab([(MISS,), (0, MISS), (), (2,)]) == pytest.approx(1 / 3)  # () roots nothing
+    assert outside_draft_vocab([]) == 0.0
+    head = heads["eagle3"]  # a draft vocabulary of 200 of the target's tokens
+    drafts = set(head.draft_to_target(torch.arange(head.d2t.shape[0])).tolist())
+    ids = torch.randint(0, tiny_target.info.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    vectors = rank_vectors(tiny_target, head, ids, answer_start=6, depth=3)
+    plain = [ids[t + 2] not in drafts for t in range(5, len(ids) - 2)]  # each root's next token
+    assert 0 < sum(plain) < len(plain) and outside_draft_vocab(vectors) == pytest.approx(sum(plain) / len(plain))
+
+
 def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path):
     questions = tmp_path / "question.jsonl"
     write_questions(questions, ["Tell me about cats.", "Count to five."], ("writing", "math"), later_turns=("More.",))
@@ -142,6 +154,7 @@ def test_infer_replay_writes_the_report_and_reuses_answers(head_dir, tmp_path):
     assert out.with_name("out.replay_training.png").is_file()
     assert set(r["chain_tau"]) == {str(k) for k in range(1, 9)} and r["tree"]["nodes"] == 3
     assert set(r["per_category"]) == {"writing", "math"}
+    assert all(0 <= c["outside_draft_vocab"] <= 1 for c in r["per_category"].values())
     assert all(1.0 <= t <= 12 for t in r["chain_tau"].values())
     assert out.with_name("out.replay.png").is_file() and not out.exists()  # no timed rows were written
     answers = [json.loads(line) for line in output_paths(out)["answers"].read_text().splitlines()]
