@@ -77,6 +77,9 @@ UNMATCHED = [
 ]
 
 
+BETTER = 0.05  # the issue's "better": ours' chain-3 tau ahead of the peer's by this share in a category
+
+
 def unmatched(overrides: list[str]) -> list[str]:
     """The differences left between the two trainers, given ours' train.py overrides."""
     return [why for match, why in UNMATCHED if match is None or match not in overrides]
@@ -425,6 +428,16 @@ def peer_data(args, seed: int, out: Path) -> dict:
     return data
 
 
+def seed_means(by_head: dict[str, list[float]]) -> dict | None:
+    """{seeds, ours, peer, spread}: one measure's mean over the seeds for each head and the spread of
+    ours (max - min; 0 with one seed); None unless both heads have it for the same seeds."""
+    ours, theirs = by_head.get("ours", []), by_head.get("peer", [])
+    if not ours or len(ours) != len(theirs):
+        return None
+    return {"seeds": len(ours), "ours": sum(ours) / len(ours), "peer": sum(theirs) / len(theirs),
+            "spread": max(ours) - min(ours)}  # fmt: skip
+
+
 def parity(results: dict, k: str = "3") -> list[dict]:
     """The issue's parity test, per measure (each question set's replayed chain-K tau, and vLLM's kept
     acceptance length): ours' mean over the seeds against the peer's mean less the spread of ours
@@ -441,16 +454,12 @@ def parity(results: dict, k: str = "3") -> list[dict]:
                 measures.setdefault("vLLM acceptance length", {}).setdefault(name, []).append(kept)
     rows = []
     for measure, by_head in measures.items():
-        ours, theirs = by_head.get("ours", []), by_head.get("peer", [])
-        if not ours or len(ours) != len(theirs):
-            continue
-        mean, spread, peer_mean = sum(ours) / len(ours), max(ours) - min(ours), sum(theirs) / len(theirs)
-        row = {"measure": measure, "seeds": len(ours), "ours": mean, "peer": peer_mean, "spread": spread}
-        rows.append({**row, "holds": mean >= peer_mean - spread})
+        if (row := seed_means(by_head)) is not None:
+            rows.append({"measure": measure, **row, "holds": row["ours"] >= row["peer"] - row["spread"]})
     return rows
 
 
-def per_category(results: dict, margin: float = 0.05) -> list[dict]:
+def per_category(results: dict, margin: float = BETTER) -> list[dict]:
     """The issue's "better" test, per question set and category: ours' mean replayed chain-3 tau over
     the seeds against the peer's mean, and whether ours is ahead by at least `margin`.
     {questions, category, seeds, ours, peer, ahead}."""
@@ -462,12 +471,11 @@ def per_category(results: dict, margin: float = 0.05) -> list[dict]:
                     taus.setdefault((qset, category), {}).setdefault(name, []).append(row["chain_3_tau"])
     rows = []
     for (qset, category), by_head in taus.items():
-        ours, theirs = by_head.get("ours", []), by_head.get("peer", [])
-        if not ours or len(ours) != len(theirs):
-            continue
-        mean, peer_mean = sum(ours) / len(ours), sum(theirs) / len(theirs)
-        row = {"questions": qset, "category": category, "seeds": len(ours), "ours": mean, "peer": peer_mean}
-        rows.append({**row, "ahead": mean >= (1 + margin) * peer_mean})
+        if (row := seed_means(by_head)) is not None:
+            row.pop("spread")
+            rows.append(
+                {"questions": qset, "category": category, **row, "ahead": row["ours"] >= (1 + margin) * row["peer"]}
+            )
     return rows
 
 
@@ -522,7 +530,8 @@ def write_report(results: dict, out: Path) -> None:
         for r in rows:
             tally.setdefault(r["questions"], []).append(r["ahead"])
         body += (
-            "\n\nPer category, replayed chain 3 (ours' mean over the seeds against the peer's; ahead: by 5% or more):"
+            "\n\nPer category, replayed chain 3 (ours' mean over the seeds against the peer's; "
+            f"ahead: by {BETTER:.0%} or more):"
             "\n\n| questions | category | seeds | ours | peer | ours / peer | ahead |\n|---|---|---|---|---|---|---|\n"
             + "\n".join(
                 f"| {r['questions']} | {r['category']} | {r['seeds']} | {r['ours']:.3f} | {r['peer']:.3f} | "
@@ -530,7 +539,7 @@ def write_report(results: dict, out: Path) -> None:
                 for r in rows
             )
             + "\n\n"
-            + "\n".join(f"{q}: ahead by 5% in {sum(a)} of {len(a)} categories" for q, a in tally.items())
+            + "\n".join(f"{q}: ahead by {BETTER:.0%} in {sum(a)} of {len(a)} categories" for q, a in tally.items())
         )
     notes = "\n".join(f"- {u}" for u in results["unmatched"])
     write_text(out / "peer.md", f"{body}\n\nNot matched:\n{notes}\n")
