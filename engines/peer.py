@@ -2,6 +2,7 @@
 
     .venv/bin/python engines/peer.py [--steps 100] [--seeds 0 1] [--batch-size 2] [--lr 5e-4]
                                     [--questions Q.jsonl ...] [--out runs/peer] [train.py overrides ...]
+    .venv/bin/python engines/peer.py ...the same settings... --recipe NAME OVERRIDE [OVERRIDE ...]
 
 A development tool of the repository, beside compare.py. For each seed (the heads' initialisation;
 the rows' order is --data-seed for all, so every seed trains on the very same steps):
@@ -25,6 +26,12 @@ the rows' order is --data-seed for all, so every seed trains on the very same st
 
 It writes OUT/peer.json (every figure), OUT/peer.md (the table) and OUT/peer.png (acceptance
 against K for both heads, each seed). What cannot be matched is listed in the output (UNMATCHED).
+
+--recipe NAME OVERRIDE...: a recipe of ours against the peer's heads already trained in OUT at the
+same settings. Only ours trains, with these train.py overrides on top of the matched ones (the same
+rows and order), into OUT/recipes/NAME/seed-S; it is replayed on the same answers (the comparison's
+greedy answers are reused, and the peer's replay report where it has one), and OUT/recipes/NAME/peer.md
+is the same report with the recipe as "ours": parity, and the per-category test of "better".
 """
 
 from __future__ import annotations
@@ -360,6 +367,13 @@ def main(argv=None) -> int:
         help="train ours while the peer's hidden states are written and the peer trains, each on half "
         "the cores (the two trainers share nothing; acceptance is compared, not speed)",
     )
+    p.add_argument(
+        "--recipe",
+        nargs="+",
+        metavar="NAME_THEN_OVERRIDES",
+        help="NAME and train.py overrides for ours only: train that recipe and compare it with the peer's "
+        "heads kept in OUT (put it after the other options)",
+    )
     p.add_argument("overrides", nargs="*", help="train.py overrides for both (data.*, ...)")
     args = p.parse_args(argv)
     if not VLLM_PYTHON.is_file():
@@ -372,6 +386,8 @@ def main(argv=None) -> int:
         "runs": {},
     }
     env = {"PYTHONPATH": str(ROOT)}  # beside this process's environment (run_logged)
+    if args.recipe:
+        return recipe_main(args, results, env)
     peer_env = {**env, "WANDB_MODE": "disabled"}
     if args.concurrent:  # two halves of the cores: this process (states, the peer), and ours' train.py
         import torch
@@ -416,15 +432,76 @@ def main(argv=None) -> int:
     return 0
 
 
+def recipe_main(args, results: dict, env: dict) -> int:
+    """--recipe: ours trained with the recipe's overrides, against the peer's kept heads (see the
+    module's docstring). The report is the comparison's, with the recipe's head as ours."""
+    name, extra = args.recipe[0], args.recipe[1:]
+    if "=" in name or not extra:
+        raise SpecHeadsError("--recipe takes a name, then the train.py overrides that make the recipe")
+    root = args.out / "recipes" / name
+    results.update(recipe={"name": name, "overrides": extra}, unmatched=unmatched([*args.overrides, *extra]))
+    for seed in args.seeds:
+        base, out = args.out / f"seed-{seed}", root / f"seed-{seed}"
+        peer = peer_head(base)
+        if peer is None or kept_peer_data(args, seed, base) is None:
+            raise SpecHeadsError(f"no peer head of these settings under {base}: run the comparison first")
+        overrides = [*our_overrides(args, seed), *extra]
+        kept = out / "recipe.json"
+        if (out / "ours" / "head" / "config.json").is_file():
+            if not kept.is_file() or json.loads(kept.read_text()) != overrides:
+                raise SpecHeadsError(f"{out / 'ours' / 'head'} was trained with other settings: remove it")
+        else:
+            print(f"peer: recipe {name}, seed {seed}: ours trains {args.steps} steps", file=sys.stderr)
+            out.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "train.py", f"output_dir={out / 'ours'}", *overrides]
+            run_logged("train.py", cmd, out / "ours.log", env)
+            write_json(kept, overrides)
+        heads = {"ours": out / "ours" / "head", "peer": peer}
+        results["runs"][str(seed)] = {"heads": {k: str(v) for k, v in heads.items()}, "replay": {}}
+        for questions in args.questions:
+            print(f"peer: recipe {name}, seed {seed}: replay on {questions.name}", file=sys.stderr)
+            results["runs"][str(seed)]["replay"][questions.stem] = replay_beside(heads, questions, base, out, args)
+        if args.vllm_k:
+            print(f"peer: recipe {name}, seed {seed}: both heads in vLLM at K={args.vllm_k}", file=sys.stderr)
+            results["runs"][str(seed)]["vllm"] = vllm_acceptance(heads, out / "vllm", args.vllm_k)
+        write_report(results, root)
+    return 0
+
+
+def replay_beside(heads: dict[str, Path], questions: Path, base: Path, out: Path, args) -> dict:
+    """A recipe's replay in `out`: the target's greedy answers of the comparison's run in `base` are
+    reused (the replay checks they are this target's, with these kernels and prompts), and so is the
+    peer head's report there; only what has none is replayed."""
+    answers = f"replay-{questions.stem}.greedy.jsonl"
+    if (base / answers).is_file() and not (out / answers).exists():
+        with atomic_path(out / answers) as tmp:
+            tmp.write_bytes((base / answers).read_bytes())
+    peer = {"peer": heads["peer"]}
+    peers_report = replayed(base / f"replay-{questions.stem}.replay.json", peer, args.max_new_tokens) or {}
+    return {**replay({k: v for k, v in heads.items() if k not in peers_report}, questions, out, args.max_new_tokens),
+            **peers_report}  # fmt: skip
+
+
+def data_settings(args, seed: int) -> dict:
+    """What the peer's data of one seed is written from (kept beside it, to tell whether it is reused)."""
+    return {"overrides": our_overrides(args, seed), "eval_rows": args.eval_rows}
+
+
+def kept_peer_data(args, seed: int, out: Path) -> dict | None:
+    """The summary of the peer's data kept in `out` for these settings; None if there is none such."""
+    done = out / "data" / "summary.json"
+    if done.is_file() and json.loads(done.read_text())["settings"] == data_settings(args, seed):
+        return json.loads(done.read_text())["data"]
+    return None
+
+
 def peer_data(args, seed: int, out: Path) -> dict:
     """The peer's data for one seed, kept and reused when run again with the same settings."""
-    settings = {"overrides": our_overrides(args, seed), "eval_rows": args.eval_rows}
-    done = out / "data" / "summary.json"
-    if done.is_file() and json.loads(done.read_text())["settings"] == settings:
-        return json.loads(done.read_text())["data"]
+    if (kept := kept_peer_data(args, seed, out)) is not None:
+        return kept
     print(f"peer: seed {seed}: rows, order and hidden states", file=sys.stderr)
     data = prepare(args, seed, out)
-    write_json(done, {"settings": settings, "data": data})
+    write_json(out / "data" / "summary.json", {"settings": data_settings(args, seed), "data": data})
     return data
 
 
@@ -541,6 +618,9 @@ def write_report(results: dict, out: Path) -> None:
             + "\n\n"
             + "\n".join(f"{q}: ahead by {BETTER:.0%} in {sum(a)} of {len(a)} categories" for q, a in tally.items())
         )
+    if recipe := results.get("recipe"):
+        extra = " ".join(recipe["overrides"])
+        body = f"ours: the recipe `{recipe['name']}`, the matched settings and {extra}\n\n{body}"
     notes = "\n".join(f"- {u}" for u in results["unmatched"])
     write_text(out / "peer.md", f"{body}\n\nNot matched:\n{notes}\n")
     plot(results, out / "peer.png")

@@ -12,6 +12,7 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -387,3 +388,66 @@ def test_vllms_counters_are_read_for_both_heads_and_kept_until_a_head_changes(tm
     os.utime(heads["ours"] / "model.safetensors", (time.time() + 10, time.time() + 10))
     peer.vllm_acceptance(heads, tmp_path / "vllm", 3)
     assert len(calls) == 2
+
+
+def test_a_recipe_trains_ours_only_and_is_replayed_beside_the_peers_kept_report(tmp_path, monkeypatch, capsys):
+    """--recipe: ours trains with the matched settings plus the recipe's overrides; the peer's head of
+    the comparison is not trained again and its kept replay report is reused, as are the target's
+    answers; only ours is replayed. Without a peer head of these settings, or with ours kept from
+    other overrides: one line, exit 2."""
+    python = tmp_path / "python"
+    python.touch()
+    monkeypatch.setattr(peer, "VLLM_PYTHON", python)
+    out = tmp_path / "out"
+    argv = ["--steps", "7", "--seeds", "0", "--vllm-k", "0", "--questions", str(tmp_path / "sb.jsonl")]
+    argv += ["--out", str(out), "--recipe", "fast", "train.lr=0.004"]
+    monkeypatch.setattr(peer, "run_logged", lambda *a, **k: pytest.fail("nothing runs without the peer's head"))
+    with pytest.raises(SystemExit) as exited:
+        peer.main(argv)
+    assert exited.value.code == 2 and "no peer head of these settings" in capsys.readouterr().err
+
+    args = SimpleNamespace(steps=7, batch_size=2, lr=5e-4, warmup=10, data_seed=0, eval_rows=8, overrides=[])
+    base = out / "seed-0"
+    (base / "peer" / "0").mkdir(parents=True)
+    (base / "peer" / "0" / "model.safetensors").write_bytes(b"x")
+    (base / "peer" / "0" / "config.json").write_text("{}")
+    (base / "data").mkdir()
+    (base / "data" / "summary.json").write_text(json.dumps({"settings": peer.data_settings(args, 0), "data": {}}))
+    (base / "replay-sb.greedy.jsonl").write_text('{"answers": 1}\n')
+
+    def scores(tau, qa):
+        trees = {"5": tau, "16": tau}
+        return {"chain_tau": {"3": tau}, "best_tree_tau": trees, "per_category": {"qa": {"chain_3_tau": qa}}}
+
+    kept_report = {"head": str(base / "peer" / "0"), **scores(1.25, 1.20)}
+    report = base / "replay-sb.replay.json"
+    report.write_text(json.dumps({"max_new_tokens": 128, "heads": {"0": kept_report}}))
+    os.utime(report, (time.time() + 5, time.time() + 5))
+    trained, replayed = [], []
+
+    def fake_run(what, cmd, log, env=None):
+        assert what == "train.py"
+        trained.append(cmd)
+        head = Path(cmd[2].removeprefix("output_dir=")) / "head"
+        head.mkdir(parents=True)
+        (head / "config.json").write_text("{}")
+
+    def fake_replay(heads, questions, where, max_new_tokens):
+        replayed.append((dict(heads), (where / "replay-sb.greedy.jsonl").read_text()))
+        return {"ours": scores(1.40, 1.30)}
+
+    monkeypatch.setattr(peer, "run_logged", fake_run)
+    monkeypatch.setattr(peer, "replay", fake_replay)
+    assert peer.main(argv) == 0
+    (cmd,) = trained
+    recipe = out / "recipes" / "fast" / "seed-0"
+    assert cmd[2] == f"output_dir={recipe / 'ours'}" and cmd[3:] == [*peer.our_overrides(args, 0), "train.lr=0.004"]
+    assert replayed == [({"ours": recipe / "ours" / "head"}, '{"answers": 1}\n')]  # the peer's report was kept
+    table = (out / "recipes" / "fast" / "peer.md").read_text()
+    assert table.startswith("ours: the recipe `fast`, the matched settings and train.lr=0.004")
+    assert "| sb | qa | 1 | 1.300 | 1.200 | 1.083 | yes |" in table
+    assert peer.main(argv) == 0 and len(trained) == 1  # kept: not trained again
+    argv[-1] = "train.lr=0.003"
+    with pytest.raises(SystemExit):
+        peer.main(argv)
+    assert "ours/head was trained with other settings" in capsys.readouterr().err
