@@ -24,8 +24,9 @@ the rows' order is --data-seed for all, so every seed trains on the very same st
 5. both run in vLLM's CPU build at a chain of --vllm-k (engines/compare.py: ours exported, the
    peer's as its trainer wrote it), for vLLM's acceptance counters beside infer.py's.
 
-It writes OUT/peer.json (every figure), OUT/peer.md (the table) and OUT/peer.png (acceptance
-against K for both heads, each seed). What cannot be matched is listed in the output (UNMATCHED).
+It writes OUT/peer.json (every figure), OUT/peer.md (the tables), OUT/peer.png (acceptance against K
+for both heads, each seed) and OUT/peer_categories.png (the per-category test of "better" as bars).
+What cannot be matched is listed in the output (UNMATCHED).
 
 --recipe NAME OVERRIDE...: a recipe of ours against the peer's heads already trained in OUT at the
 same settings. Only ours trains, with these train.py overrides on top of the matched ones (the same
@@ -624,6 +625,7 @@ def write_report(results: dict, out: Path) -> None:
     notes = "\n".join(f"- {u}" for u in results["unmatched"])
     write_text(out / "peer.md", f"{body}\n\nNot matched:\n{notes}\n")
     plot(results, out / "peer.png")
+    plot_categories(results, out / "peer_categories.png")
     print((out / "peer.md").read_text())
 
 
@@ -651,6 +653,35 @@ def plot(results: dict, path: Path) -> None:
                 )
         ax.set(title=f"{qset}: {results['steps']} steps", xlabel="chain length K", ylabel="tau (replayed)")
         ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+
+
+def plot_categories(results: dict, path: Path) -> None:
+    """The per-category test as bars: each category's mean chain-3 tau over the seeds, ours beside the
+    peer's, one panel per question set, the 5% line of "better" marked over the peer's bar."""
+    rows = per_category(results)
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = sorted({r["questions"] for r in rows})
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4), squeeze=False)
+    for ax, qset in zip(axes[0], sets):
+        mine = [r for r in rows if r["questions"] == qset]
+        x = range(len(mine))
+        ax.bar([i - 0.2 for i in x], [r["ours"] for r in mine], 0.4, label="ours")
+        ax.bar([i + 0.2 for i in x], [r["peer"] for r in mine], 0.4, label="the peer's")
+        ax.scatter([i - 0.2 for i in x], [(1 + BETTER) * r["peer"] for r in mine], marker="_", s=400,
+                   color="black", label=f"the peer's + {BETTER:.0%}")  # fmt: skip
+        ax.set_xticks(list(x), [r["category"] for r in mine], rotation=30, ha="right")
+        low = min(min(r["ours"], r["peer"]) for r in mine)
+        ax.set(title=f"{qset}: chain-3 tau per category", ylabel="tau (replayed)", ylim=(max(0.0, low - 0.1), None))
+        ax.grid(alpha=0.3, axis="y")
         ax.legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=120)

@@ -210,7 +210,7 @@ def test_the_report_tables_and_plots_every_head_seed_and_question_set(tmp_path):
     assert "| vLLM acceptance length | 1 | 1.960 | 1.980 | 0.000 | 0.990 | no |" in table
     assert "| mt | qa | 2 | 1.280 | 1.130 | 1.133 | yes |" in table and "mt: ahead by 5% in 1 of 1 categories" in table
     assert json.loads((tmp_path / "peer.json").read_text()) == results
-    assert (tmp_path / "peer.png").stat().st_size > 0
+    assert (tmp_path / "peer.png").stat().st_size > 0 and (tmp_path / "peer_categories.png").stat().st_size > 0
 
 
 def test_parity_allows_the_peer_ahead_by_no_more_than_the_spread_of_our_seeds():
