@@ -452,7 +452,8 @@ def recipe_main(args, results: dict, env: dict) -> int:
             if not kept.is_file() or json.loads(kept.read_text()) != overrides:
                 raise SpecHeadsError(f"{out / 'ours' / 'head'} was trained with other settings: remove it")
         else:
-            print(f"peer: recipe {name}, seed {seed}: ours trains {args.steps} steps", file=sys.stderr)
+            print(f"peer: recipe {name}, seed {seed}: ours trains, the matched settings and {' '.join(extra)}",
+                  file=sys.stderr)  # fmt: skip
             out.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "train.py", f"output_dir={out / 'ours'}", *overrides]
             run_logged("train.py", cmd, out / "ours.log", env)
