@@ -675,7 +675,8 @@ def plot_categories(results: dict, path: Path) -> None:
     for ax, qset in zip(axes[0], sets):
         mine = [r for r in rows if r["questions"] == qset]
         x = range(len(mine))
-        ax.bar([i - 0.2 for i in x], [r["ours"] for r in mine], 0.4, label="ours")
+        ours = f"ours ({results['recipe']['name']})" if results.get("recipe") else "ours"
+        ax.bar([i - 0.2 for i in x], [r["ours"] for r in mine], 0.4, label=ours)
         ax.bar([i + 0.2 for i in x], [r["peer"] for r in mine], 0.4, label="the peer's")
         ax.scatter([i - 0.2 for i in x], [(1 + BETTER) * r["peer"] for r in mine], marker="_", s=400,
                    color="black", label=f"the peer's + {BETTER:.0%}")  # fmt: skip
