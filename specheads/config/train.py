@@ -248,7 +248,8 @@ class TrainConfig:
     # sort rows by length inside windows of batches (less padding, order still random)
     group_by_length: bool = True
     eval_every: int = 200  # 0 = only at the end (there is always a final evaluation)
-    # per rank; null = the whole eval split
+    # per rank, each of train.batch_size rows: the held-out sample grows with the batch size, so compare
+    # the eval metrics of runs of other batch sizes with null (the whole eval split)
     eval_batches: int | None = 4
     save_every: int = 50  # 0 = only at the end (there is always a final checkpoint)
     log_every: int = 5  # steps between metrics lines (DIR/metrics.jsonl and the trackers)
