@@ -47,6 +47,12 @@ class HeadConfig:
     # eagle3: keep the draft LM head at the target's rows for the draft vocabulary (speculators'
     # trainer); false trains it from them
     freeze_lm_head: bool = False
+    # eagle3, peagle: the per-position loss between the target's and the draft's distributions over
+    # the draft vocabulary (heads/objectives.py): kl (soft cross-entropy), or the acceptance rate's
+    # own losses that speculators' trainer offers: tv, nla (-log acceptance), lk_hybrid (KL while
+    # the draft is far off, TV as it gets close)
+    loss_fn: str = "kl"
+    lk_eta: float = 3.0  # lk_hybrid: KL's weight is exp(-lk_eta * acceptance)
     # eagle3, peagle: the variants of vLLM's speculators format (its trainer turns all three on by
     # default; false is the EAGLE-3 paper's draft): an RMSNorm over the fused target states before fc
     norm_before_fc: bool = False
@@ -141,7 +147,16 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
         "merge_lora",
     ),
     "eagle": (*_EAGLE_LAYER, "feature_loss_weight", "token_loss_weight", "noise", "noise_std"),
-    "eagle3": (*_EAGLE_LAYER, *_EAGLE3_NORMS, "ttt_steps", "ttt_decay", "loss_positions", "freeze_lm_head"),
+    "eagle3": (
+        *_EAGLE_LAYER,
+        *_EAGLE3_NORMS,
+        "ttt_steps",
+        "ttt_decay",
+        "loss_positions",
+        "freeze_lm_head",
+        "loss_fn",
+        "lk_eta",
+    ),
     "peagle": (
         *_EAGLE_LAYER,
         *_EAGLE3_NORMS,
@@ -150,6 +165,8 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
         "depth_min_rate",
         "train_embeddings",
         "mask_token_id",
+        "loss_fn",
+        "lk_eta",
     ),
     "dflash": (
         "intermediate_size",

@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..target import TargetInfo
 from .eagle import AutoregressiveHead
+from .objectives import position_loss
 from .spec import HeadSpec
 from .vocab import DraftVocabulary
 
@@ -101,7 +102,8 @@ class Eagle3Head(DraftVocabulary, AutoregressiveHead):
             n = keep.sum().clamp(min=1)
             p = torch.softmax(in_vocab_logits[r], dim=-1)
             logq = torch.log_softmax(self.draft_logits(h[m]), dim=-1)
-            loss_j = -((p * logq).sum(-1) * keep).sum() / n
+            per_position = position_loss(self.spec.loss_fn, p, logq, self.spec.lk_eta)
+            loss_j = (per_position * keep).sum() / n
             total = total + self.spec.ttt_decay**j * loss_j
             acc = ((logq.argmax(-1) == p.argmax(-1)) & keep).sum() / n
             metrics[f"loss_{j}"] = loss_j.item()

@@ -23,6 +23,7 @@ from .base import chain_metrics, documents, positions, shifted
 from .eagle3 import Eagle3Head
 from .mask_token import resolve_mask_token_id
 from .medusa import MedusaHead
+from .objectives import position_loss
 from .spec import HeadSpec
 
 
@@ -187,7 +188,7 @@ class PEagleHead(Eagle3Head):
         rows = torch.arange(anchor.shape[0], device=anchor.device)[:, None]
         mask = (doc >= 0) & counted[depth, rows, anchor] & in_vocab_top.gather(1, where)
         logq = torch.log_softmax(logits, dim=-1)
-        per_element = -(p * logq).sum(-1)
+        per_element = position_loss(self.spec.loss_fn, p, logq, self.spec.lk_eta)
         hit = logq.argmax(-1) == p.argmax(-1)
         total = logits.new_zeros(())
         metrics = {}

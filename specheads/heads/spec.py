@@ -9,6 +9,7 @@ from typing import Any
 from ..config.train import HeadConfig, family_fields
 from ..errors import SpecHeadsError
 from ..target import TargetInfo
+from .objectives import check_loss_fn
 
 FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2", "peagle", "dflash", "early_exit")
 # the families of the EAGLE-3 draft (fused target layers, a reduced draft vocabulary)
@@ -89,6 +90,7 @@ class HeadSpec(HeadConfig):
                 raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
         if self.loss_positions not in ("in_vocab", "all"):
             raise SpecHeadsError(f"head.loss_positions must be in_vocab or all, got {self.loss_positions!r}")
+        check_loss_fn(self.loss_fn)
         if self.noise not in ("uniform", "gaussian", "none"):
             raise SpecHeadsError(f"head.noise must be uniform, gaussian or none, got {self.noise!r}")
         if self.merge_lora and self.family != "medusa2":

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import assert_same_numbers, batch_rows, head_states, loss_and_lm_head_rows
+import torch.nn.functional as F
+from conftest import assert_other_numbers, assert_same_numbers, batch_rows, head_states, loss_and_lm_head_rows
 
 from specheads.config.train import HeadConfig
 from specheads.errors import SpecHeadsError
@@ -10,10 +11,15 @@ from specheads.heads import build_head
 from specheads.heads.base import shifted
 
 
-def every_position_loss(head, batch, states, offset=1, out_of_vocab=False):
+def soft_cross_entropy(p, logits):
+    return -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
+
+
+def every_position_loss(head, batch, states, offset=1, out_of_vocab=False, objective=soft_cross_entropy):
     """The loss written plainly: the target's logits and the draft's at every position, masked.
     offset: where step j's target distribution sits, from t + j (1 is right); out_of_vocab: also
-    count positions whose target top token is outside the draft vocabulary."""
+    count positions whose target top token is outside the draft vocabulary; objective(p, draft
+    logits): the per-position loss."""
     target_logits = head.target_logits(states["final"])
     in_vocab_logits = target_logits[..., head.t2d]
     in_vocab_top = head.t2d[target_logits.argmax(-1)]
@@ -21,8 +27,8 @@ def every_position_loss(head, batch, states, offset=1, out_of_vocab=False):
     for j, h in enumerate(head.unrolled_batch(batch, head.input_features(states), head.spec.ttt_steps)):
         p = torch.softmax(shifted(in_vocab_logits, offset + j), dim=-1)
         mask = head._counted(batch, j) & (shifted(in_vocab_top, offset + j, False) | out_of_vocab)
-        logq = torch.log_softmax(head.draft_logits(h), dim=-1)
-        total = total + head.spec.ttt_decay**j * -((p * logq).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
+        per_position = objective(p, head.draft_logits(h))
+        total = total + head.spec.ttt_decay**j * (per_position * mask).sum() / mask.sum().clamp(min=1)
     return total
 
 
@@ -82,6 +88,34 @@ def test_the_loss_counts_positions_outside_the_draft_vocabulary_only_when_asked(
         )
     with pytest.raises(AssertionError):
         assert_same_numbers(losses["in_vocab"], losses["all"])
+
+
+def plain_lk_hybrid(p, logits, eta=3.0):
+    """speculators' lk_hybrid from its definition: exp(-eta alpha) KL + (1 - exp(-eta alpha)) TV."""
+    tv = 0.5 * (p - torch.softmax(logits, dim=-1)).abs().sum(-1)
+    kl = F.kl_div(torch.log_softmax(logits, dim=-1), p, reduction="none").sum(-1)
+    lam = torch.exp(-eta * (1 - tv)).detach()
+    return lam * kl + (1 - lam) * tv
+
+
+def test_the_loss_fn_trains_each_step_on_the_acceptance_objective(tiny_target, toy_batch):
+    """loss_fn=lk_hybrid: the loss and its gradients equal the plain every-position loss with the
+    objective written from its definition; the default (kl) is another loss."""
+    torch.manual_seed(0)
+    cfg = HeadConfig(family="eagle3", draft_vocab_size=96, ttt_steps=3, loss_fn="lk_hybrid")
+    head = build_head(cfg, tiny_target, train_rows=batch_rows(toy_batch)).train()
+    with torch.no_grad():  # a draft that overlaps the target in part: both of lk_hybrid's terms weigh
+        head.lm_head.weight.normal_(0, 1.0)
+    states = head_states(tiny_target, head, toy_batch)
+    loss, _ = head.loss(toy_batch, states)
+    plain = every_position_loss(head, toy_batch, states, objective=plain_lk_hybrid)
+    params = [head.fc.weight, head.lm_head.weight]
+    assert_same_numbers(loss, plain)
+    for ours, theirs in zip(torch.autograd.grad(loss, params), torch.autograd.grad(plain, params)):
+        assert_same_numbers(ours, theirs)
+    assert_other_numbers(loss, every_position_loss(head, toy_batch, states))
+    with pytest.raises(SpecHeadsError, match="head.loss_fn must be one of"):
+        build_head(HeadConfig(family="eagle3", loss_fn="jsd"), tiny_target, train_rows=batch_rows(toy_batch))
 
 
 def test_a_frozen_draft_lm_head_stays_at_the_targets_rows(tiny_target, toy_batch):

@@ -162,3 +162,17 @@ def test_a_fresh_head_records_its_mask_token_and_trains_embeddings_on_request(ti
     assert own.spec.mask_token_id == 5
     assert torch.equal(own.embed_tokens.weight, tiny_target.embed_tokens.weight)
     assert any(p is own.embed_tokens.weight for p in own.parameters())
+
+
+def test_the_loss_fn_sets_the_objective_on_the_same_drafts(tiny_target, toy_batch):
+    """loss_fn=tv scores the same drafted elements (the same anchors, the same accuracies) by the
+    acceptance objective: each depth's loss is a mean of TV distances, in [0, 1], and not kl's."""
+    states = head_states(tiny_target, peagle_head(tiny_target, toy_batch), toy_batch)
+    metrics = {}
+    for name in ("kl", "tv"):
+        head = peagle_head(tiny_target, toy_batch, loss_fn=name).train()
+        torch.manual_seed(1)  # the anchors come from the global RNG
+        _, metrics[name] = head.loss(toy_batch, states)
+    depths = range(head.spec.parallel_depths)
+    assert [metrics["tv"][f"acc_{d}"] for d in depths] == [metrics["kl"][f"acc_{d}"] for d in depths]
+    assert all(0 < metrics["tv"][f"loss_{d}"] <= 1 < metrics["kl"][f"loss_{d}"] for d in depths)
