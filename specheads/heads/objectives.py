@@ -36,18 +36,15 @@ def overlap(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 
 def position_loss(name: str, p: torch.Tensor, logq: torch.Tensor, eta: float = 3.0) -> torch.Tensor:
     """[..., V] target probabilities p and draft log-probabilities logq -> [...] the loss `name`."""
-    cross_entropy = -(p * logq).sum(-1)
     if name == "kl":
-        return cross_entropy
+        return -(p * logq).sum(-1)
+    check_loss_fn(name)
     alpha = overlap(p, logq)
     if name == "tv":
         return 1.0 - alpha
     if name == "nla":
         return -alpha.clamp(min=_NLA_FLOOR).log()
-    if name == "lk_hybrid":
-        # KL, not the cross-entropy: p's entropy would weigh on the blend's scale, not its gradient
-        kl = cross_entropy + torch.xlogy(p, p).sum(-1)
-        lam = torch.exp(-eta * alpha.detach())
-        return lam * kl + (1.0 - lam) * (1.0 - alpha)
-    check_loss_fn(name)
-    raise AssertionError("unreachable")
+    # lk_hybrid, on KL itself: the cross-entropy's extra entropy term would change the blend's scale
+    kl = (torch.xlogy(p, p) - p * logq).sum(-1)
+    lam = torch.exp(-eta * alpha.detach())
+    return lam * kl + (1.0 - lam) * (1.0 - alpha)
