@@ -25,6 +25,8 @@ class ArchConfig:
     tie_word_embeddings: bool = False  # the LM head is the embedding (counted once)
     # None = counted as a dense Llama-style decoder (embedding, attention, SwiGLU MLP, norms, LM head)
     num_parameters: int | None = None
+    # a mixture of experts: the parameters one token runs through (the plan's time); None = all
+    active_parameters: int | None = None
 
 
 @dataclass
@@ -39,6 +41,11 @@ class ModelConfig:
     # auto = fp32 on CPU, bf16 on GPU.
     dtype: str = "auto"
     trust_remote_code: bool = False  # let transformers run the model repo's own code
+    # The chat template's enable_thinking (Qwen3, GPT-OSS-style templates): every rendering honours
+    # it (training data, distill's prompts and answers, a server's chat_template_kwargs, infer.py's
+    # prompts), and data and heads record it, since a head trained on answers without thinking but
+    # served with it accepts far less. null = the template's own default.
+    thinking: bool | None = None
     # Only for the in-process tiny random targets (path "tiny:<arch>").
     tiny: dict[str, Any] = field(default_factory=dict)
     arch: ArchConfig | None = None

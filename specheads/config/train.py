@@ -341,6 +341,28 @@ class PlanConfig:
     tokens: int | None = None
     # a GPU run whose plan does not fit is refused before anything is loaded; false: warn, go on
     check: bool = True
+    # the GPU type the plan's time is estimated for (specheads.train.throughput.GPUS: a100, h100,
+    # h200, b200, l40s, ...); null = the visible GPU's, else h100
+    gpu: str | None = None
+
+
+@dataclass
+class BudgetConfig:
+    """What a run on a real target needs before it starts (specheads.train.budget), and the data a
+    recipe trains on, for the plan's time and disk (dry_run=true). conf/recipe/ sets the data
+    fields; the defaults refuse only what could only make a useless head."""
+
+    # a target of at least this many parameters is a real one: data.path=builtin (a few hundred
+    # conversations the target writes on the fly) is refused for it, with the distill.py command
+    # that makes its data, and so is a budget of less than min_epochs of that data
+    real_target_parameters: float = 1e9
+    min_epochs: float = 0.5
+    allow_toy: bool = False  # run such a run anyway (it says so on stderr)
+    # the recipe's data: how many conversations, of how many tokens each on average (the plan's
+    # time and disk; null = unknown), and the commands that make it (a refusal prints them)
+    conversations: int | None = None
+    mean_tokens: int = 1024
+    make_data: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -368,3 +390,4 @@ class TrainJobConfig:
     # print the per-rank memory plan for plan.gpus x plan.gpu_memory and exit, loading nothing
     dry_run: bool = False
     plan: PlanConfig = field(default_factory=PlanConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)

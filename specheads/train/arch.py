@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config.model import ArchConfig, ModelConfig
@@ -83,7 +83,11 @@ def from_arch_config(name: str, a: ArchConfig, source: str = "model.arch") -> Ta
         rms_norm_eps=1e-6,
         max_position_embeddings=4096,
     )
-    return with_count(info, a.tie_word_embeddings, a.num_parameters, source)
+    arch = with_count(info, a.tie_word_embeddings, a.num_parameters, source)
+    if a.active_parameters is None:
+        return arch
+    mean_layer = (arch.num_parameters - arch.vocab_parameters) // max(info.num_layers, 1)
+    return replace(arch, active_parameters=a.active_parameters, mean_layer_parameters=mean_layer)
 
 
 def counted_parameters(config) -> tuple[int, int]:

@@ -165,8 +165,12 @@ class Checkpoints:
             shutil.rmtree(tmp, ignore_errors=True)
             self.root.mkdir(parents=True, exist_ok=True)
         _barrier()
-        engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=client_state, save_latest=False)
-        save_rng(capture_rng(), tmp / RNG_FILE.format(rank=self.rank))
+        try:
+            engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=client_state, save_latest=False)
+            save_rng(capture_rng(), tmp / RNG_FILE.format(rank=self.rank))
+        except BaseException:  # a full disk, say: the half-written step goes, the last complete one stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         _barrier()
         if self.rank == 0:
             marker = {"step": step, "world_size": self.world_size}

@@ -37,6 +37,7 @@ GB = 10**9
 # communication buckets, and the allocator's fragmentation
 USABLE = 0.9
 ASSUMED_TOKENS = 1_000_000
+UNKNOWN_TOKENS = "assumed; set plan.tokens or budget.conversations"
 FEATURE_BYTES = 2  # feature caches hold bf16 states on GPU runs
 # bytes per element kept by an explicitly computed attention (TTT steps >= 1 of EAGLE-1/3's draft
 # layer): bf16 scores, their fp32 softmax and its bf16 copy
@@ -228,9 +229,15 @@ def feature_tokens(cfg: TrainJobConfig) -> tuple[int, str]:
     """How many tokens a feature cache would hold, and where that number comes from."""
     if cfg.plan.tokens is not None:
         return cfg.plan.tokens, "plan.tokens"
+    if cfg.budget.conversations is not None:
+        conversation = min(cfg.budget.mean_tokens, cfg.data.max_length)
+        return (
+            cfg.budget.conversations * conversation,
+            f"{cfg.budget.conversations:,} conversations x ~{conversation:,} tokens",
+        )
     if cfg.data.max_examples is not None:
         return cfg.data.max_examples * cfg.data.max_length, "data.max_examples x data.max_length, at most"
-    return ASSUMED_TOKENS, "assumed; set plan.tokens"
+    return ASSUMED_TOKENS, UNKNOWN_TOKENS
 
 
 def make_plan(cfg: TrainJobConfig, arch: TargetArch, gpus: Gpus | None, world: int | None = None) -> Plan:

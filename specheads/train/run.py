@@ -23,9 +23,11 @@ from ..heads import HEADS, DraftHead, build_head, warm_start
 from ..heads.io import WEIGHTS_NAME, read_head_config
 from ..provenance import data_record, file_digest, portable_path, provenance
 from ..target import FLOAT_DTYPES, FrozenTarget, load_target
+from .arch import read_arch
+from .budget import check_epochs, check_real_target, dry_run
 from .checkpoint import Checkpoints
 from .metrics import MetricsLog, plot_metrics
-from .plan import check_fits, dry_run, shard_decision
+from .plan import check_fits, shard_decision
 from .sharded_target import check_shardable, frozen_parts_gathered, load_sharded_target
 from .state_source import OfflineStates, OnlineStates, StateSource
 from .trainer import Trainer, autocast_dtype
@@ -154,6 +156,16 @@ def training_record(
     }
 
 
+def check_budget(cfg: TrainJobConfig, trainer: Trainer) -> None:
+    """A real target's run that trains on a sliver of its data is refused (specheads.train.budget)."""
+    try:
+        parameters = read_arch(cfg.model).num_parameters
+    except SpecHeadsError:
+        return
+    epochs = trainer.total_steps() * cfg.train.grad_accum / max(1, trainer.batches.batches_per_epoch)
+    check_epochs(cfg, parameters, epochs, len(trainer.source.rows("train")))
+
+
 def check_train_settings(t) -> None:
     """The train.* values no run can start with, refused in one line before anything is loaded."""
     limits = [
@@ -175,9 +187,12 @@ def train(cfg: TrainJobConfig) -> Path | None:
     with dry_run, prints the memory plan instead and returns None, having loaded nothing."""
     check_train_settings(cfg.train)
     if cfg.dry_run:
-        print(dry_run(cfg), flush=True)
+        text = dry_run(cfg)
+        if text:
+            print(text, flush=True)
         return None
     check_state_source(cfg)
+    check_real_target(cfg)
     if cfg.save_dtype != "auto" and cfg.save_dtype not in FLOAT_DTYPES:
         raise SpecHeadsError(f"save_dtype must be auto or one of {', '.join(FLOAT_DTYPES)}, got {cfg.save_dtype!r}")
     with process_group(cfg.device) as d:
@@ -210,6 +225,7 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
         head, source = head_and_states(cfg, target, d)
         init = {} if resuming else warm_started(cfg, head, target)
     trainer = Trainer(cfg, head, source, d, output_dir)
+    check_budget(cfg, trainer)
     trainer.init_record = init
     resumed = trainer.resume()
     if trainer.init_record is None:
@@ -221,7 +237,12 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
     log = MetricsLog(
         output_dir, cfg.wandb, asdict(cfg), enabled=d.is_main, resume_step=resumed, tracker_cfg=cfg.tracker
     )
-    origin = {"data_sha256": data_record([cfg.data.path, *cfg.data.mix]), **code, **trainer.init_record}
+    origin = {
+        "data_sha256": data_record([cfg.data.path, *cfg.data.mix]),
+        "chat": target.chat_record(),  # the chat template and model.thinking the head trained on
+        **code,
+        **trainer.init_record,
+    }
     record = getattr(source, "record", None)  # where the target's states came from (a cache: who wrote it)
     if record is not None:
         origin["features"] = record()

@@ -379,45 +379,47 @@ class Trainer:
         window_start = time.perf_counter()
         budget = None if t.max_minutes is None else TimeBudget(t.max_minutes, first_step=start)
         self.engine.train()
-        while self.step < self.max_steps:
-            window.append(self.train_step())
-            bar.update(1)
-            last = self.step == self.max_steps or (budget is not None and self.follow_budget(budget, bar))
-            if self.step % max(1, t.log_every) == 0 or last:
-                metrics = self._reduce_train_metrics(window)
-                elapsed = time.perf_counter() - window_start
-                metrics["train/tokens_per_s"] = metrics.pop("train/tokens") / elapsed
-                metrics["train/steps_per_s"] = len(window) / elapsed
-                metrics["train/lr"] = float(self.engine.get_lr()[0])
-                grad_norm = self.engine.get_global_grad_norm()
-                if grad_norm is not None:
-                    metrics["train/grad_norm"] = float(grad_norm)
-                metrics["train/epoch"] = self.step * t.grad_accum / self.batches.batches_per_epoch
-                peaks = per_rank(peak_memory_gb(self.d.device), self.d)
-                metrics.update({f"train/peak_mem_gb/rank{r}": gb for r, gb in enumerate(peaks)})
-                log.log(self.step, metrics)
-                postfix.update(
-                    loss=f"{metrics['train/loss']:.3f}",
-                    lr=f"{metrics['train/lr']:.2e}",
-                    tok_s=f"{metrics['train/tokens_per_s']:.0f}",
-                    peak_mem=f"{max(peaks):.1f}GB",
-                )
-                bar.set_postfix(postfix)
-                window, window_start = [], time.perf_counter()
-            if (t.eval_every > 0 and self.step % t.eval_every == 0) or last:
-                self.last_eval = self.evaluate()
-                if self.last_eval:
-                    log.log(self.step, self.last_eval)
-                    self.keep_if_best()  # before the checkpoint below, which then records it
-                    postfix["sim_tau"] = f"{self.last_eval['eval/sim_tau']:.2f}"
+        try:  # the bar ends its line also when a step fails, so the error line stands alone
+            while self.step < self.max_steps:
+                window.append(self.train_step())
+                bar.update(1)
+                last = self.step == self.max_steps or (budget is not None and self.follow_budget(budget, bar))
+                if self.step % max(1, t.log_every) == 0 or last:
+                    metrics = self._reduce_train_metrics(window)
+                    elapsed = time.perf_counter() - window_start
+                    metrics["train/tokens_per_s"] = metrics.pop("train/tokens") / elapsed
+                    metrics["train/steps_per_s"] = len(window) / elapsed
+                    metrics["train/lr"] = float(self.engine.get_lr()[0])
+                    grad_norm = self.engine.get_global_grad_norm()
+                    if grad_norm is not None:
+                        metrics["train/grad_norm"] = float(grad_norm)
+                    metrics["train/epoch"] = self.step * t.grad_accum / self.batches.batches_per_epoch
+                    peaks = per_rank(peak_memory_gb(self.d.device), self.d)
+                    metrics.update({f"train/peak_mem_gb/rank{r}": gb for r, gb in enumerate(peaks)})
+                    log.log(self.step, metrics)
+                    postfix.update(
+                        loss=f"{metrics['train/loss']:.3f}",
+                        lr=f"{metrics['train/lr']:.2e}",
+                        tok_s=f"{metrics['train/tokens_per_s']:.0f}",
+                        peak_mem=f"{max(peaks):.1f}GB",
+                    )
                     bar.set_postfix(postfix)
-            if (t.save_every > 0 and self.step % t.save_every == 0) or last:
-                self.save()
-                if t.save_heads and self.head_record is not None:
-                    self.write_head(self.output_dir / "heads" / f"step-{self.step}", self.head_record(self))
-            if last:
-                break
-        bar.close()
+                    window, window_start = [], time.perf_counter()
+                if (t.eval_every > 0 and self.step % t.eval_every == 0) or last:
+                    self.last_eval = self.evaluate()
+                    if self.last_eval:
+                        log.log(self.step, self.last_eval)
+                        self.keep_if_best()  # before the checkpoint below, which then records it
+                        postfix["sim_tau"] = f"{self.last_eval['eval/sim_tau']:.2f}"
+                        bar.set_postfix(postfix)
+                if (t.save_every > 0 and self.step % t.save_every == 0) or last:
+                    self.save()
+                    if t.save_heads and self.head_record is not None:
+                        self.write_head(self.output_dir / "heads" / f"step-{self.step}", self.head_record(self))
+                if last:
+                    break
+        finally:
+            bar.close()
         return self.last_eval
 
     def keep_if_best(self) -> bool:

@@ -173,7 +173,8 @@ def test_cfg_job_prints_the_composed_config_without_loading_weights():
     cfg = OmegaConf.create(proc.stdout)
     assert cfg.model.path == "meta-llama/Llama-3.3-70B-Instruct"
     assert cfg.head.family == "eagle"
-    assert cfg.deepspeed.zero_stage == 2
+    # its recipe (conf/recipe/llama-70b_eagle.yaml): the target's own data, EAGLE-1's lr, ZeRO-3
+    assert (cfg.data.path, cfg.train.lr, cfg.deepspeed.zero_stage) == ("runs/distill-llama-3.3-70b", 3e-5, 3)
 
 
 def test_recipe_applies_to_its_pair_only(hydra_conf):

@@ -43,6 +43,8 @@ PUBLISHED = {
     "mistral-7b": 7.25e9,
     "vicuna-7b": 6.74e9,
     "smollm2-135m": 134.5e6,
+    "qwen3-30b-a3b": 30.5e9,
+    "qwen3-1.7b": 1.72e9,
 }
 
 
@@ -143,8 +145,9 @@ def test_zero_stages_shard_optimizer_then_gradients_then_parameters(weight_bytes
 
 def test_zero3_plan_divides_the_head_state_by_the_world():
     arch = read_arch(job("model=llama-70b").model)
-    zero0 = make_plan(job("model=llama-70b", "head=eagle", "deepspeed=zero0"), arch, gpus(8, "80GB"))
-    zero3 = make_plan(job("model=llama-70b", "head=eagle", "deepspeed=zero3"), arch, gpus(8, "80GB"))
+    # by key: the 70B recipe sets deepspeed.zero_stage, which a deepspeed= group choice does not override
+    zero0 = make_plan(job("model=llama-70b", "head=eagle", "deepspeed.zero_stage=0"), arch, gpus(8, "80GB"))
+    zero3 = make_plan(job("model=llama-70b", "head=eagle", "deepspeed.zero_stage=3"), arch, gpus(8, "80GB"))
     for part in ("params", "grads", "optimizer"):
         assert getattr(zero3.usage["replicated"], part) == pytest.approx(getattr(zero0.usage["replicated"], part) / 8)
     assert zero3.usage["replicated"].target == zero0.usage["replicated"].target  # the frozen target is not the head
@@ -171,7 +174,9 @@ def test_a_plan_that_needs_a_sharded_target():
 
 
 def test_a_plan_that_needs_offline_features_with_their_disk():
-    cfg = job("model=llama-70b", "head=eagle3", "data.max_examples=1000", "data.max_length=1024")
+    cfg = job(
+        "model=llama-70b", "head=eagle3", "data.max_examples=1000", "data.max_length=1024", "budget.conversations=null"
+    )
     plan = make_plan(cfg, read_arch(cfg.model), gpus(2, "80GB"))
     assert plan.choice == "offline"
     assert not plan.fits("replicated") and not plan.fits("sharded")
@@ -181,8 +186,10 @@ def test_a_plan_that_needs_offline_features_with_their_disk():
     assert plan.disk == 1000 * 1024 * (3 + 1) * 8192 * 2
     last = format_plan(plan).splitlines()[-1]
     assert last.startswith("verdict: (c) offline features") and f"{plan.disk / GB:.1f} GB of disk" in last
-    assumed = make_plan(job("model=llama-70b", "head=eagle3"), plan.arch, gpus(2, "80GB"))
+    assumed = make_plan(job("model=llama-70b", "head=medusa"), plan.arch, gpus(2, "80GB"))  # no recipe
     assert assumed.tokens == 1_000_000 and "assumed" in format_plan(assumed)
+    recipe = make_plan(job("model=llama-70b", "head=eagle3"), plan.arch, gpus(2, "80GB"))  # its data's size
+    assert recipe.tokens == 268_000 * 1024 and "268,000 conversations x ~1,024 tokens" in recipe.tokens_note
 
 
 def measured_feature_bytes_per_token(target, head_cfg: HeadConfig, tmp_path: Path) -> float:
@@ -294,12 +301,13 @@ def test_dry_run_loads_nothing(monkeypatch, capsys):
     monkeypatch.setattr(run, "load_target", forbidden)
     cfg = job("model=llama-70b", "head=eagle", "dry_run=true", "plan.gpus=8", "plan.gpu_memory=80GB")
     assert run.train(cfg) is None
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verdict: (b)")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("verdict: (b)") for line in lines) and lines[-1].startswith("disk ")
 
 
 def test_a_run_that_cannot_fit_is_refused_before_loading():
     cfg = job("model=llama-70b", "head=eagle", "plan.gpu_memory=80GB")
-    with pytest.raises(SpecHeadsError, match=r"whole target does not fit: 150\.\d GB per rank .* 72\.0 GB usable"):
+    with pytest.raises(SpecHeadsError, match=r"whole target does not fit: 148\.\d GB per rank .* 72\.0 GB usable"):
         check_fits(cfg, world=8, on_gpu=True)
     warning = check_fits(dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, check=False)), 8, True)
     assert warning.startswith("warning: the whole target does not fit")
@@ -350,7 +358,8 @@ def test_train_py_dry_run_prints_the_plan_and_exits_0(dry_runs):
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("target  llama-3.3-70b: 70.6B parameters") and "(sizes from model.arch)" in lines[0]
     assert any(line.startswith("target weights (bf16)") and "141.1" in line for line in lines)
-    assert lines[-1].startswith("verdict: (b) online, the target sharded over 8 ranks")
+    assert any(line.startswith("verdict: (b) online, the target sharded over 8 ranks") for line in lines)
+    assert any(line.strip().startswith("8  (b) sharded") for line in lines)  # the time per GPU count
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "hf" / "hub").exists()
 
 
