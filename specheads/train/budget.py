@@ -9,7 +9,7 @@ GPUs for nothing, so train.py refuses, in one line, before the target is loaded:
   - once the training rows are known, a budget of less than budget.min_epochs of them.
 budget.allow_toy=true runs either anyway, and says so.
 
-dry_run=true adds to the memory plan (specheads.train.plan), per GPU count: the mode train.py
+dry_run=true adds to the memory plan (specheads.train.plan), before its verdict line, per GPU count: the mode train.py
 would run, memory per rank, tokens per second (specheads.train.throughput, an estimate fitted to
 measured runs) and the wall time of the budget; and the disk offline features take, against the
 free space where they would be written. A cache the disk cannot hold is refused there before
@@ -211,7 +211,8 @@ def disk_lines(cfg: TrainJobConfig, arch: TargetArch) -> list[str]:
 def dry_run(cfg: TrainJobConfig) -> str:
     """train.py dry_run=true: the memory plan, the time per GPU count, the disk; nothing loaded."""
     arch = read_arch(cfg.model)
-    text = "\n".join([memory_plan(cfg), *time_lines(cfg, arch), *disk_lines(cfg, arch)])
+    *table, verdict = memory_plan(cfg).split("\n")  # the verdict stays the last line (docs/contracts.md)
+    text = "\n".join([*table, *time_lines(cfg, arch), *disk_lines(cfg, arch)[1:], "", verdict])
     directory = feature_directory(cfg)
     if directory is not None:  # a cache the disk cannot hold: the plan, then the refusal
         plan = make_plan(cfg, arch, None, 1)

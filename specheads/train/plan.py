@@ -9,8 +9,9 @@ of running, and picks the first that fits the GPUs:
   (c) offline features: the states read from a cache on disk, only the embedding and LM head on
       the GPU (the cache is written by one target pass: distill.py or data.features=auto);
   (d) none: refused, with the numbers.
-train.py runs (a) only, loading the whole target even beside offline features: (b) and (c) say
-what would fit, and a run is refused unless (a) fits (specheads.train.run checks it first).
+train.py runs (a) when it fits, else (b) (shard_decision); (c) says what offline features would
+take: train.py loads the whole target beside them, so they save the activations, not the weights.
+A run is refused unless what it runs fits (check_fits, before anything is loaded).
 
 Bytes follow the ZeRO paper: with bf16 weights, 2 bytes a parameter each for the weights and the
 gradients, 12 for the optimizer (fp32 master copy + Adam's two moments); stage 1 shards the
