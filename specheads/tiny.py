@@ -9,12 +9,30 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from .errors import SpecHeadsError
+
+# model.path=tiny:<type> names a tiny target (specheads.target loads it)
+TINY_PREFIX = "tiny:"
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# ChatML with Qwen3's thinking switch: enable_thinking=false puts an empty reasoning block before
+# every answer and after the generation prompt (`model.tiny.template=thinking`, for model.thinking)
+THINKING_TEMPLATE = (
+    "{% set no_thinking = enable_thinking is defined and enable_thinking is false %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' and no_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if no_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
+)
+TEMPLATES = {"chatml": CHATML_TEMPLATE, "thinking": THINKING_TEMPLATE}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BYTE_VOCAB = 256
 
@@ -130,8 +148,10 @@ ARCHITECTURES = {
 }
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (256 byte tokens + ChatML specials) with a chat template."""
+def byte_tokenizer(template: str = "chatml") -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (256 byte tokens + ChatML specials) with a chat template (TEMPLATES)."""
+    if template not in TEMPLATES:
+        raise SpecHeadsError(f"unknown tiny chat template {template!r}; choose from {sorted(TEMPLATES)}")
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -144,13 +164,16 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
         pad_token="<|endoftext|>",
         bos_token=None,
     )
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = TEMPLATES[template]
     return fast
 
 
 def tiny_config(arch: str = "llama", **overrides):
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
+        raise SpecHeadsError(
+            f"unknown tiny target type {arch!r} (model.path={TINY_PREFIX}{arch}); the tiny types: "
+            + ", ".join(f"{TINY_PREFIX}{a}" for a in sorted(ARCHITECTURES))
+        )
     model_type, extra = ARCHITECTURES[arch]
     tok_vocab = BYTE_VOCAB + len(SPECIAL_TOKENS)
     fields = dict(
@@ -174,12 +197,13 @@ def tiny_config(arch: str = "llama", **overrides):
         pattern = extra["layer_types"]
         fields["layer_types"] = [pattern[i % len(pattern)] for i in range(fields["num_hidden_layers"])]
     if fields["vocab_size"] < tok_vocab:
-        raise ValueError(f"tiny vocab_size must be >= {tok_vocab} for the byte tokenizer")
+        raise SpecHeadsError(f"tiny vocab_size must be >= {tok_vocab} for the byte tokenizer (model.tiny.vocab_size)")
     return AutoConfig.for_model(model_type, **fields)
 
 
-def tiny_target(arch: str = "llama", seed: int = 0, init_std: float = 0.3, **overrides):
-    """A seeded random model of `arch`; a large init std gives peaked, non-trivial distributions."""
+def tiny_target(arch: str = "llama", seed: int = 0, init_std: float = 0.3, template: str = "chatml", **overrides):
+    """A seeded random model of `arch`; a large init std gives peaked, non-trivial distributions.
+    `template` names its tokenizer's chat template (TEMPLATES)."""
     config = tiny_config(arch, **overrides)
     config.initializer_range = init_std
     with torch.random.fork_rng(devices=[]):
@@ -187,4 +211,4 @@ def tiny_target(arch: str = "llama", seed: int = 0, init_std: float = 0.3, **ove
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
-    return model.float().eval(), byte_tokenizer()
+    return model.float().eval(), byte_tokenizer(template)

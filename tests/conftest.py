@@ -26,6 +26,14 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 torch.set_num_threads(THREADS)
 
+# The target matrix: specheads.tiny's types of the targets of 2026, by kind. tests/decode/test_targets_matrix.py
+# decodes on each of them, tests/test_target_types_commands.py runs the commands on each.
+MOE_TYPES = ["qwen3_moe", "mixtral", "deepseek_v3"]
+WINDOWED_TYPES = ["gpt_oss", "llama4_text", "gemma3_text", "phi3"]  # sliding-window or chunked layers
+DENSE_TYPES = ["olmo2", "smollm3"]
+HYBRID_TYPES = ["qwen3_next", "falcon_h1", "granitemoehybrid"]  # a recurrent state beside attention
+MATRIX_TYPES = MOE_TYPES + WINDOWED_TYPES + DENSE_TYPES + HYBRID_TYPES
+
 # trees of depth 4 for the lossless-decoding tests
 POLICIES = {
     "chain": static_tree(chain_paths(4)),
@@ -70,6 +78,18 @@ def tiny_target():
     from specheads.target import load_target
 
     return load_target(ModelConfig(name="tiny-random", path="tiny:llama"), device=torch.device("cpu"))
+
+
+def thinking_target(thinking, seed=0):
+    """The tiny random llama whose chat template reads enable_thinking (Qwen3's switch), loaded with
+    model.thinking=`thinking`: the tiny target's weights, a template that renders otherwise."""
+    from specheads.config.model import ModelConfig
+    from specheads.target import load_target
+
+    tiny = {"template": "thinking", "seed": seed}
+    return load_target(
+        ModelConfig(name="tiny-random", path="tiny:llama", tiny=tiny, thinking=thinking), torch.device("cpu")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -408,3 +428,40 @@ def leaves_one_drafted_entry(base):
     return type(
         f"LeavesItsDrafts{base.__name__}", (base,), {"draft": draft, "__doc__": leaves_one_drafted_entry.__doc__}
     )
+
+
+def run_script(script: str, *args: str, cwd: Path = ROOT) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `python SCRIPT ARGS` (or `python -m MODULE ARGS` for
+    script "-m MODULE") run from `cwd`, in this process (runpy: the command's own __main__ and
+    one-line errors, without a new interpreter's start-up); an exception that escapes it is written
+    to stderr as Python would, status 1."""
+    import contextlib
+    import io
+    import runpy
+    import traceback
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    argv, here = sys.argv, os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        os.chdir(cwd)
+        module = script[3:] if script.startswith("-m ") else None
+        sys.argv = [module or script, *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                if module:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(str(ROOT / script), run_name="__main__")
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else 1
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+        GlobalHydra.instance().clear()
+    return code, out.getvalue(), err.getvalue()

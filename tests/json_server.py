@@ -15,10 +15,13 @@ from typing import Any
 NOT_FOUND = 404, {"error": {"message": "not found"}}
 
 
-def chat_ids(target, messages: list[dict], shift: int = 0) -> list[int]:
-    """/tokenize's answer for chat messages: the target's chat template with the generation prompt,
-    each id moved by `shift` (a server whose tokenizer numbers tokens otherwise)."""
-    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_ids(target, messages: list[dict], shift: int = 0, template_kwargs: dict | None = None) -> list[int]:
+    """/tokenize's answer for chat messages: the target's chat template with the generation prompt
+    and the request's chat_template_kwargs (as vLLM renders them), each id moved by `shift` (a server
+    whose tokenizer numbers tokens otherwise)."""
+    ids = target.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
+    )
     return [t + shift for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
 
 

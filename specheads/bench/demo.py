@@ -25,7 +25,8 @@ class TokenPrinter:
 
     MARKS = {"ansi": ("\x1b[1;32m", "\x1b[0m"), "brackets": ("«", "»"), "none": ("", "")}
 
-    def __init__(self, tokenizer, style: str = "auto", out: TextIO = sys.stdout):
+    def __init__(self, tokenizer, style: str = "auto", out: TextIO | None = None):
+        out = sys.stdout if out is None else out  # at the call: a caller may have redirected it since import
         if style == "auto":
             style = "ansi" if out.isatty() else "brackets"
         self.open, self.close = self.MARKS[style]
@@ -64,18 +65,19 @@ class TokenPrinter:
         self.out.flush()
 
 
-def run_demo(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> dict:
+def run_demo(settings: InferJobConfig, session, out: TextIO | None = None) -> dict:
     """Answer one prompt with speculative decoding; print it marked, then a stats line.
 
     Args:
         settings: infer.py's validated settings, with `prompt` set.
         session: the loaded target and head, or without a head its draft model
             (specheads.bench.session.load_session).
-        out: where the answer and the stats line are printed.
+        out: where the answer and the stats line are printed (None: sys.stdout at the call).
 
     Returns:
         The stats: tau, tokens/s, and with `compare=true` plain decoding's speed and the speedup.
     """
+    out = sys.stdout if out is None else out
     target, head = session.target, session.head
     ids = encode_prompt(target.tokenizer, settings.prompt, settings.system, settings.chat)
     prompt = torch.tensor([ids], device=target.device)

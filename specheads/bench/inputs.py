@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..chat_template import apply_chat
 from ..config.infer import InferJobConfig
 from ..decode.generate import SamplingConfig
 from ..target import FrozenTarget
@@ -27,7 +28,7 @@ def encode_turns(
             messages.append({"role": "user", "content": text})
             if k < len(answers):
                 messages.append({"role": "assistant", "content": answers[k]})
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = apply_chat(tokenizer, messages, add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]
     text = "\n".join(t for pair in zip(user_turns, [*answers, ""]) for t in pair if t)

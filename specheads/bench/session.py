@@ -21,7 +21,7 @@ from ..heads import read_head_config
 from ..heads.io import prepare_for_drafting, route_draft_kernels
 from ..kernels import gqa_attention
 from ..kernels.linear_layout import describe, install, measure_layouts
-from ..target import FrozenTarget, load_target, resolve_device
+from ..target import TINY_PREFIX, FrozenTarget, load_target, resolve_device
 from .trees import use_cached_tree
 
 
@@ -62,8 +62,8 @@ def method_drafter(session: Session, method: str, tree: TreeConfig, text_nodes: 
 
 
 def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:
-    """The target a head was trained for: its training record, a conf/model option with the
-    target's name, or else the name itself as a Hub id / path."""
+    """The target a head was trained for: its training record, the tiny target its identity names,
+    a conf/model option with the target's name, or else the name itself as a Hub id / path."""
     base = OmegaConf.structured(ModelConfig)
     recorded = (head_config.get("training") or {}).get("model")
     if isinstance(recorded, dict):
@@ -73,6 +73,10 @@ def model_config_for_head(head_config: dict, conf_dir: Path) -> ModelConfig:
     name = target.get("name")
     if not name:
         raise SpecHeadsError("the head's config.json names no target; give model=NAME")
+    identity = target.get("identity") or {}
+    source = str(identity.get("source") or "")
+    if source.startswith(TINY_PREFIX):  # every tiny type is named tiny-random: the source says which
+        return ModelConfig(name=name, path=source, tiny=dict(identity.get("tiny") or {}))
     for path in sorted((conf_dir / "model").glob("*.yaml")):
         data = OmegaConf.load(path)
         if data.get("name") == name or path.stem == name:

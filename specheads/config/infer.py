@@ -147,7 +147,9 @@ class BenchConfig:
     # replayed on them: the exact tau of every chain length and static tree, nothing timed
     # (OUT.replay.json, specheads.bench.replay)
     mode: str = "timed"
-    questions: str | None = None  # a FastChat question.jsonl: the benchmark runs when it is set
+    # a FastChat question.jsonl, or SPEED-Bench: nvidia/SPEED-Bench[:CONFIG] or a file or directory in its
+    # schema (docs/benchmarking.md); the benchmark runs when it is set
+    questions: str | None = None
     output: str | None = None  # None = runs/bench/<questions file stem>.jsonl
     max_new_tokens: int = 256  # tokens answered per question (and turn)
     # baseline (HF greedy), plain (our own loop, no drafts), prompt_lookup (HF's), lookup (prompt
@@ -470,10 +472,23 @@ def validate(settings: InferJobConfig) -> InferJobConfig:
         raise SpecHeadsError("without a head, give the target: model=NAME")
     if not b.questions and not settings.prompt:
         raise SpecHeadsError('give a prompt (prompt="...") or a benchmark (bench.questions=... bench.output=...)')
-    if b.questions and not Path(b.questions).is_file():
-        raise SpecHeadsError(f"questions file {b.questions} does not exist")
+    if b.questions and named_as_local(b.questions) and not Path(b.questions).expanduser().exists():
+        raise SpecHeadsError(f"questions file {b.questions} does not exist")  # a Hub id is checked where it is read
     head = settings.head_path
     if head and head.startswith((".", "/", "~")) and not Path(head).expanduser().exists():
         # checked here, before torch is imported, so that a typo fails at once
         raise SpecHeadsError(f"head {head} does not exist")
     return settings
+
+
+# a question set named by a data file's suffix is a local file: specheads.data.formats.DATA_FILE_SUFFIXES,
+# which this layer cannot import (tests/config/test_infer_schema.py holds the two equal)
+QUESTION_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
+
+
+def named_as_local(source: str) -> bool:
+    """A question set written as a local path (./, /, ~, a data file's suffix, or no NAME/SET form of
+    a Hub id), which must then exist before anything loads."""
+    return (
+        source.startswith((".", "/", "~")) or source.lower().endswith(QUESTION_FILE_SUFFIXES) or source.count("/") != 1
+    )

@@ -41,9 +41,9 @@ class ModelConfig:
     # auto = fp32 on CPU, bf16 on GPU.
     dtype: str = "auto"
     trust_remote_code: bool = False  # let transformers run the model repo's own code
-    # The chat template's enable_thinking (Qwen3, GPT-OSS-style templates): every rendering honours
-    # it (training data, distill's prompts and answers, a server's chat_template_kwargs, infer.py's
-    # prompts), and data and heads record it, since a head trained on answers without thinking but
+    # The chat template's enable_thinking (Qwen3's switch), which every rendering honours: the
+    # training data, distill's prompts and answers (a server gets it as chat_template_kwargs),
+    # infer.py's prompts. Data and heads record it: a head trained on answers without thinking but
     # served with it accepts far less. null = the template's own default.
     thinking: bool | None = None
     # Only for the in-process tiny random targets (path "tiny:<arch>").

@@ -160,6 +160,7 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
     "peagle": (
         *_EAGLE_LAYER,
         *_EAGLE3_NORMS,
+        "freeze_lm_head",  # its LM head is EAGLE-3's, frozen alike: recorded so a reader knows
         "parallel_depths",
         "depth_keep_rate",
         "depth_min_rate",
@@ -356,12 +357,13 @@ class BudgetConfig:
     # conversations the target writes on the fly) is refused for it, with the distill.py command
     # that makes its data, and so is a budget of less than min_epochs of that data
     real_target_parameters: float = 1e9
+    # a real target's run that trains on less than this share of an epoch of its data is refused
     min_epochs: float = 0.5
     allow_toy: bool = False  # run such a run anyway (it says so on stderr)
-    # the recipe's data: how many conversations, of how many tokens each on average (the plan's
-    # time and disk; null = unknown), and the commands that make it (a refusal prints them)
+    # the recipe's data: how many conversations (the plan's time and disk; null = unknown)
     conversations: int | None = None
-    mean_tokens: int = 1024
+    mean_tokens: int = 1024  # the tokens of a conversation on average (the plan's time and disk)
+    # the commands that make the recipe's data (distill.py); a run refused for its data prints them
     make_data: list[str] = field(default_factory=list)
 
 

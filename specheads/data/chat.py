@@ -7,6 +7,7 @@ offset mapping turns those character spans into token spans.
 
 from __future__ import annotations
 
+from ..chat_template import apply_chat
 from ..errors import SpecHeadsError
 from .formats import Conversation
 
@@ -14,7 +15,7 @@ from .formats import Conversation
 def render(tokenizer, messages: Conversation, add_generation_prompt: bool = False) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise SpecHeadsError("the tokenizer has no chat template; set one on the target's tokenizer")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return apply_chat(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def assistant_char_spans(tokenizer, messages: Conversation) -> tuple[str, list[tuple[int, int]], list[int]]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from ..chat_template import chat_mismatch
 from ..config.train import DataConfig
 from ..errors import SpecHeadsError
 from .chat import tokenize_conversation
@@ -15,6 +18,7 @@ from .decontaminate import decontaminate, resolve_eval_files
 from .formats import load_conversations
 from .packing import packed_layout
 from .repeats import answer_repeat_rate
+from .shards import is_distill_output, read_metadata
 
 
 def build_datasets(data_cfg: DataConfig, tokenizer):
@@ -26,6 +30,7 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
         raise SpecHeadsError("data.path=builtin needs the target to write its own data first")
     if data_cfg.max_per_source is not None and data_cfg.max_per_source < 1:
         raise SpecHeadsError(f"data.max_per_source must be a positive count, got {data_cfg.max_per_source}")
+    check_chat_of_sources(sources, tokenizer)
     conversations = []
     for source in sources:
         loaded = load_conversations(source, data_cfg.format, data_cfg.split, data_cfg.partial_distill)
@@ -73,6 +78,19 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
     n_eval = eval_count(len(rows), data_cfg.eval_fraction)
     eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
     return _to_dataset(datasets, train_rows), _to_dataset(datasets, eval_rows)
+
+
+def check_chat_of_sources(sources: list[str], tokenizer) -> None:
+    """One line on stderr for each distilled source whose answers were written with another chat
+    template or thinking setting than this tokenizer renders them with (distill.py records its own)."""
+    for source in sources:
+        local = Path(source).expanduser()
+        if not is_distill_output(local):
+            continue
+        recorded = (read_metadata(local).get("target") or {}).get("chat")
+        warning = chat_mismatch(recorded, tokenizer, f"data {source} was made with", "this run renders it with")
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
 
 
 def eval_count(n: int, fraction: float) -> int:

@@ -41,8 +41,11 @@ def load_conversations(
     return conversations
 
 
-def iter_rows(path: str, split: str = "train", partial_distill: bool = False) -> Iterable[tuple[str, Any]]:
-    """(location for error messages, row) for every row of a file, directory or Hub data set."""
+def iter_rows(
+    path: str, split: str = "train", partial_distill: bool = False, config: str | None = None
+) -> Iterable[tuple[str, Any]]:
+    """(location for error messages, row) for every row of a file, directory or Hub data set
+    (`config`: the Hub data set's configuration, for one that has several)."""
     local = Path(path).expanduser()
     if path == SHAREGPT_SOURCE and not local.exists():
         yield from _sharegpt_rows()
@@ -53,7 +56,7 @@ def iter_rows(path: str, split: str = "train", partial_distill: bool = False) ->
     elif path.startswith((".", "/", "~")) or _data_suffix(local):
         raise SpecHeadsError(f"data file {path} does not exist")
     else:
-        yield from _hub_rows(path, split)
+        yield from _hub_rows(path, split, config)
 
 
 def _data_suffix(path: Path) -> str:
@@ -142,14 +145,15 @@ def _sharegpt_rows() -> Iterable[tuple[str, Any]]:
         yield f"{SHAREGPT_SOURCE}[{row['id']}]", {"messages": row["messages"]}
 
 
-def _hub_rows(name: str, split: str) -> Iterable[tuple[str, Any]]:
+def _hub_rows(name: str, split: str, config: str | None = None) -> Iterable[tuple[str, Any]]:
     import datasets
 
     try:
-        loaded = datasets.load_dataset(name, split=split)
+        loaded = datasets.load_dataset(name, config, split=split)
     except Exception as err:  # network, missing repo, bad split: all are the user's input
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SpecHeadsError(f"cannot load data set {name!r} (split {split!r}): {first}") from None
+        which = f"config {config!r}, " if config else ""
+        raise SpecHeadsError(f"cannot load data set {name!r} ({which}split {split!r}): {first}") from None
     for i, row in enumerate(loaded):
         yield f"{name}[{i}]", row
 

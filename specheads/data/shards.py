@@ -28,6 +28,15 @@ def read_manifest(directory: Path) -> dict:
         raise SpecHeadsError(f"{directory}/{MANIFEST} is unreadable ({err})") from None
 
 
+def read_metadata(directory: Path) -> dict:
+    """The distillation's provenance ({} where it has none readable: it only informs)."""
+    try:
+        metadata = json.loads((Path(directory) / METADATA).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return metadata if isinstance(metadata, dict) else {}
+
+
 def completed_shard_files(directory: Path, partial: bool = False) -> list[Path]:
     """The shard files of a finished distillation, in order. With `partial`, those of an unfinished
     one that are complete (so a head can train while distill.py is still writing)."""

@@ -13,12 +13,13 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from ..config.distill import DistillConfig
 from ..config.model import ModelConfig
+from ..data.chat import render
 from ..errors import SpecHeadsError
-from ..target import TargetInfo, target_source
+from ..target import TargetInfo, load_tokenizer, target_source
 from .generation import generate
 from .identity import weights_for_check
 from .prompts import end_of_turn_ids, pad_token_id
@@ -47,9 +48,7 @@ class HFBackend:
     def answer(self, conversations: list[list[dict]], seed: int, desc: str | None = None) -> list[Answer]:
         tokenizer, model = self.target.tokenizer, self.target.model
         ids = [
-            tokenizer(
-                tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False
-            )["input_ids"]
+            tokenizer(render(tokenizer, c, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
             for c in conversations
         ]
         outs = generate(
@@ -107,7 +106,10 @@ class RemoteBackend:
             server["logprobs"] = served.logprobs
         if self.not_compared is not None:
             server["weights_not_compared"] = self.not_compared
-        return {"backend": self.name, "server": {**server, "sampling": self.server.sampling()}}
+        return {
+            "backend": self.name,
+            "server": {**server, "sampling": self.server.sampling(), **self.server.template_fields()},
+        }
 
     def answer(self, conversations: list[list[dict]], seed: int, desc: str | None = None) -> list[Answer | None]:
         """None for a conversation the server refused (ServerBackend._one)."""
@@ -134,14 +136,12 @@ class TokenizerTarget:
 
 
 def load_tokenizer_target(cfg: ModelConfig) -> TokenizerTarget:
+    tokenizer = load_tokenizer(cfg)
     source, kwargs = target_source(cfg)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         config = AutoConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SpecHeadsError(f"cannot load the tokenizer of target {cfg.path!r}: {first}") from err
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     info = TargetInfo.from_hf_config(config, name=cfg.name, revision=cfg.revision)
     return TokenizerTarget(tokenizer, info, source=cfg)

@@ -17,7 +17,7 @@ from ..config.distill import DistillConfig, MagpieConfig
 from ..config.train import DataConfig
 from ..data.shards import is_distill_output, read_manifest
 from ..target import cache_root
-from ..tiny import BYTE_VOCAB, CHATML_TEMPLATE, SPECIAL_TOKENS
+from ..tiny import BYTE_VOCAB, SPECIAL_TOKENS, TEMPLATES
 from .regenerate import PIPELINE_VERSION, run_distillation, tokenizer_fingerprint
 
 BUILTIN_VERSION = 1
@@ -28,7 +28,7 @@ BUILTIN_SHARD_SIZE = 64
 def is_tiny_random(target) -> bool:
     """The in-process tiny targets (byte tokenizer, random weights) used for smoke runs."""
     tok = target.tokenizer
-    return len(tok) == BYTE_VOCAB + len(SPECIAL_TOKENS) and tok.chat_template == CHATML_TEMPLATE
+    return len(tok) == BYTE_VOCAB + len(SPECIAL_TOKENS) and tok.chat_template in TEMPLATES.values()
 
 
 def builtin_distill_config(data_cfg: DataConfig, output: Path, random_weights: bool = False) -> DistillConfig:

@@ -93,7 +93,7 @@ def _generate_batch(model, prompts, max_new_tokens, stop, pad_id, temperature, t
             break
         if int(done.sum()) >= max(1, math.ceil(EVICT_FRACTION * len(alive))):
             keep = (~done).nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
+            select_rows(cache, keep)
             alive, attention, next_pos, nxt, done = (
                 alive[keep],
                 attention[keep],
@@ -105,6 +105,14 @@ def _generate_batch(model, prompts, max_new_tokens, stop, pad_id, temperature, t
         logits = _last_logits(model, nxt[:, None], attention, next_pos[:, None], cache)
         next_pos = next_pos + 1
     return [Generation(t, f) for t, f in zip(tokens, finished)]
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep only `rows` of the batch in every layer of `cache`. Through reorder_cache, the one row
+    selection every layer kind implements whole: batch_select_indices is missing on linear-attention
+    layers (qwen3_next, granitemoehybrid) and, on a layer holding attention and Mamba states side by
+    side (falcon_h1), selects the keys but not the recurrent states."""
+    cache.reorder_cache(rows)
 
 
 def _last_logits(model, input_ids, attention, positions, cache) -> torch.Tensor:

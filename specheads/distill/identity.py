@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..chat_template import apply_chat
 from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
 
@@ -43,12 +44,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def probe_ids(tokenizer) -> list[int]:
-    ids = tokenizer.apply_chat_template(LOGPROB_PROBE, add_generation_prompt=True, tokenize=True)
+    ids = apply_chat(tokenizer, LOGPROB_PROBE, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def probe_text(tokenizer) -> str:
-    return tokenizer.apply_chat_template(LOGPROB_PROBE, add_generation_prompt=True, tokenize=False)
+    return apply_chat(tokenizer, LOGPROB_PROBE, add_generation_prompt=True, tokenize=False)
 
 
 # -- can the target be loaded here? -----------------------------------------------------------------

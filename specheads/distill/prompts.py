@@ -11,6 +11,7 @@ import random
 import re
 from pathlib import Path
 
+from ..chat_template import apply_chat
 from ..config.distill import MagpieConfig
 from ..data.chat import special_token_ids
 from ..data.decontaminate import PROMPT_KEYS, NgramIndex, words
@@ -175,7 +176,7 @@ SENTINEL = "\u2063SPECHEADS\u2063"  # invisible separators: never part of a real
 
 def user_turn_prefix(tokenizer, history: list[dict]) -> str:
     """The rendered text up to where the next user message's content would start."""
-    text = tokenizer.apply_chat_template(history + [{"role": "user", "content": SENTINEL}], tokenize=False)
+    text = apply_chat(tokenizer, history + [{"role": "user", "content": SENTINEL}], tokenize=False)
     if SENTINEL not in text:
         raise SpecHeadsError("the chat template drops user content; cannot write Magpie prompts")
     return text[: text.index(SENTINEL)]
@@ -189,7 +190,7 @@ def end_of_turn_ids(tokenizer, model=None) -> set[int]:
         ids.add(int(tokenizer.eos_token_id))
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update([eos] if isinstance(eos, int) else (eos or []))
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+    text = apply_chat(tokenizer, [{"role": "user", "content": SENTINEL}], tokenize=False)
     after = text[text.index(SENTINEL) + len(SENTINEL) :]
     after_ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
     if after_ids and after_ids[0] in special_token_ids(tokenizer):

@@ -26,6 +26,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..atomic import write_bytes, write_text
+from ..chat_template import chat_record, template_kwargs
 from ..config.distill import DistillConfig
 from ..data.decontaminate import build_index, resolve_eval_files
 from ..data.shards import MANIFEST, METADATA, SHARDS, is_distill_output, read_manifest
@@ -52,7 +53,9 @@ def write_shard(directory: Path, k: int, rows: list[dict], compress: bool = Fals
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of the vocabulary, merges and chat template (what the data's token ids depend on)."""
+    """Hash of the vocabulary, merges, chat template and its variables (model.thinking): what the
+    data's token ids depend on. Variables left at the template's defaults add nothing, so the
+    fingerprints of data made before model.thinking existed stay what they were."""
     h = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
@@ -60,6 +63,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     else:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    if template_kwargs(tokenizer):
+        h.update(json.dumps(template_kwargs(tokenizer), sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
@@ -389,6 +394,8 @@ def _write_metadata(
             "path": target_path,
             "revision": target.info.revision,
             "tokenizer": fingerprint["settings"]["tokenizer"],
+            # the chat template and model.thinking the answers were written with (train.py checks it)
+            "chat": chat_record(target.tokenizer),
         },
         "prompts": cfg.prompts,
         **backend.describe(),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from ..chat_template import apply_chat, template_kwargs
 from ..config.distill import ServerConfig
 from ..errors import SpecHeadsError
 from . import identity as ident
@@ -150,7 +151,7 @@ class ServerBackend:
         return self.served
 
     def _local_probe_ids(self) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=True)
+        ids = apply_chat(self.tokenizer, PROBE, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _check_identity(self, model: str, target_name: str) -> str:
@@ -161,7 +162,7 @@ class ServerBackend:
         try:
             r = httpx.post(
                 f"{_server_root(self.cfg.url)}/tokenize",
-                json={"model": model, "messages": PROBE, "add_generation_prompt": True},
+                json={"model": model, "messages": PROBE, "add_generation_prompt": True, **self.template_fields()},
                 timeout=self.cfg.timeout,
             )
         except httpx.HTTPError as err:
@@ -181,7 +182,9 @@ class ServerBackend:
         import openai
 
         try:
-            reply = self.client.chat.completions.create(model=model, messages=PROBE, max_tokens=1, temperature=0.0)
+            reply = self.client.chat.completions.create(
+                model=model, messages=PROBE, max_tokens=1, temperature=0.0, extra_body=self.template_fields() or None
+            )
         except openai.OpenAIError as err:
             raise SpecHeadsError(f"distill.server.url={self.cfg.url}: {_why(err)}") from None
         counted = getattr(reply.usage, "prompt_tokens", None)
@@ -278,6 +281,13 @@ class ServerBackend:
         """The engines' own fields (vLLM, SGLang, llama.cpp): -1 / 0 / 1 switch each off."""
         return {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
+    def template_fields(self) -> dict:
+        """The target's chat-template variables (model.thinking) as vLLM and SGLang take them in a
+        chat or tokenize request, so that the server renders as the target does here; {} for the
+        template's defaults (a server that knows no such field is not sent one)."""
+        kwargs = template_kwargs(self.tokenizer)
+        return {"chat_template_kwargs": kwargs} if kwargs else {}
+
     def sampling(self) -> dict:
         """Every sampling field a request sets. vLLM fills the ones it leaves out from the served
         model's generation_config.json (`--generation-config auto`: Qwen2.5-Instruct's repetition
@@ -296,7 +306,7 @@ class ServerBackend:
                 max_tokens=self.max_new_tokens,
                 seed=seed,
                 **self.openai_sampling(),
-                extra_body=self.engine_sampling(),
+                extra_body={**self.engine_sampling(), **self.template_fields()},
             )
         except openai.OpenAIError as err:
             if isinstance(err, openai.APIStatusError) and err.status_code in REFUSED:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -46,6 +47,25 @@ def causal_lm_architecture(model_type: str) -> list[str]:
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     return [name] if isinstance(name, str) else []
+
+
+def check_chat(src: HeadSource, model_cfg: ModelConfig | None) -> None:
+    """One line on stderr when the target the head is exported for renders chats otherwise (its chat
+    template, model.thinking) than the head was trained on: an engine serving it so accepts less.
+    A head that records nothing, or a target not known here, is not checked."""
+    from ..heads.io import head_chat_mismatch
+    from ..target import load_tokenizer
+
+    if model_cfg is None or not (src.config.get("training") or {}).get("chat"):
+        return
+    try:
+        tokenizer = load_tokenizer(model_cfg)
+    except SpecHeadsError as err:
+        print(f"warning: the head's chat template is not checked: {err}", file=sys.stderr)
+        return
+    warning = head_chat_mismatch(src.directory, src.config, tokenizer)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def target_loader(model_cfg: ModelConfig, src: HeadSource, device: str):
@@ -117,6 +137,7 @@ def export_source(cfg: ExportJobConfig, src: HeadSource, conf_dir: Path | None, 
         )
     model_cfg = cfg.model if cfg.model is not None else model_config_for_target(src.info.name, conf_dir)
     base_model = cfg.base_model or hub_id_of(model_cfg, src.info)
+    check_chat(src, model_cfg)
     bench = read_bench_summary(cfg.bench.summary)
 
     def readme(source: HeadSource, result: ExportResult) -> str:

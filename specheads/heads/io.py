@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..atomic import write_directory
+from ..chat_template import chat_mismatch
 from ..config.infer import check_draft_dtype
 from ..errors import SpecHeadsError
 from ..kernels import linear_layout, weight_int8
@@ -94,7 +95,8 @@ def read_head_config(directory: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-# heads already warned about on this process (a benchmark loads the same head more than once)
+# heads already warned about on this process (a benchmark loads the same head more than once), by
+# directory, and the chat-template warnings already given, by their line
 _WARNED: set[str] = set()
 
 
@@ -131,6 +133,7 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget, allow_target_m
         _WARNED.add(str(directory))
         print(f"warning: {warning}", file=sys.stderr)
     head.target_identity = recorded
+    warn_chat_once(directory, config, target)
     weights = Path(directory) / WEIGHTS_NAME
     if not weights.is_file():
         raise SpecHeadsError(f"{directory} has no {WEIGHTS_NAME}")
@@ -149,6 +152,20 @@ def load_head(directory: str | os.PathLike, target: FrozenTarget, allow_target_m
     head.training_record = config.get("training") or None
     head.load_files(Path(directory))
     return head.to(device=target.device, dtype=head_dtype(target)).eval()
+
+
+def head_chat_mismatch(directory, config: dict, tokenizer) -> str | None:
+    """One line when `tokenizer` renders chats otherwise than the head's training did (its
+    config.json training.chat); None when they agree or the head records nothing (older heads)."""
+    recorded = (config.get("training") or {}).get("chat")
+    return chat_mismatch(recorded, tokenizer, f"head {directory} was trained on", "this target renders with")
+
+
+def warn_chat_once(directory, config: dict, target: FrozenTarget) -> None:
+    warning = head_chat_mismatch(directory, config, target.tokenizer) if target.tokenizer is not None else None
+    if warning and warning not in _WARNED:
+        _WARNED.add(warning)
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def head_dtype(target: FrozenTarget) -> torch.dtype:

@@ -24,9 +24,13 @@ LOSS_FNS = ("kl", "lk_hybrid", "nla", "tv")
 _NLA_FLOOR = 1e-5  # alpha below this is clamped: -log 0 would be infinite
 
 
-def check_loss_fn(name: str) -> None:
+def check_loss_fn(name: str, eta: float = 3.0) -> None:
     if name not in LOSS_FNS:
         raise SpecHeadsError(f"head.loss_fn must be one of {', '.join(LOSS_FNS)}, got {name!r}")
+    if eta < 0:  # exp(-eta * alpha) > 1 would weigh the TV term by a negative 1 - lambda
+        raise SpecHeadsError(
+            f"head.lk_eta must be >= 0 (a negative eta turns lk_hybrid's TV weight negative), got {eta}"
+        )
 
 
 def overlap(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:

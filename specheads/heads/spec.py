@@ -33,6 +33,8 @@ class HeadSpec(HeadConfig):
         family = raw.get("family")
         if family not in FAMILIES:
             raise SpecHeadsError(f"unknown head family {family!r}; choose from {', '.join(FAMILIES)}")
+        if family == "peagle" and raw.get("loss_positions", "in_vocab") != "in_vocab":  # before from_dict drops it
+            raise SpecHeadsError("head.loss_positions=all is EAGLE-3's: a P-EAGLE head counts in-vocabulary positions")
         if raw.get("merge_lora") and family != "medusa2":  # checked before from_dict drops the field
             raise SpecHeadsError(f"head.merge_lora: a {family} head trains no LoRA (only medusa2 does)")
         # None means "the target's" for the fields resolved below; elsewhere it is a value (lora_lr)
@@ -90,7 +92,7 @@ class HeadSpec(HeadConfig):
                 raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
         if self.loss_positions not in ("in_vocab", "all"):
             raise SpecHeadsError(f"head.loss_positions must be in_vocab or all, got {self.loss_positions!r}")
-        check_loss_fn(self.loss_fn)
+        check_loss_fn(self.loss_fn, self.lk_eta)
         if self.noise not in ("uniform", "gaussian", "none"):
             raise SpecHeadsError(f"head.noise must be uniform, gaussian or none, got {self.noise!r}")
         if self.merge_lora and self.family != "medusa2":

@@ -21,6 +21,7 @@ from ..distributed import Dist, main_rank_first, process_group, quiet_deepspeed
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead, build_head, warm_start
 from ..heads.io import WEIGHTS_NAME, read_head_config
+from ..heads.objectives import check_loss_fn
 from ..provenance import data_record, file_digest, portable_path, provenance
 from ..target import FLOAT_DTYPES, FrozenTarget, load_target
 from .arch import read_arch
@@ -186,6 +187,7 @@ def train(cfg: TrainJobConfig) -> Path | None:
     """Run (or resume) the training job described by cfg. Returns output_dir/head on rank 0;
     with dry_run, prints the memory plan instead and returns None, having loaded nothing."""
     check_train_settings(cfg.train)
+    check_loss_fn(cfg.head.loss_fn, cfg.head.lk_eta)  # before anything loads (HeadSpec checks it again)
     if cfg.dry_run:
         text = dry_run(cfg)
         if text:

@@ -146,3 +146,14 @@ def test_bench_trees_need_a_timed_benchmark_and_distinct_trees(hydra_conf, tmp_p
     questions.write_text("{}\n")
     with pytest.raises(SpecHeadsError, match=message):
         settings(*[o.replace("=Q", f"={questions}") for o in overrides])
+
+
+def test_the_question_file_suffixes_are_the_readers():
+    """config.infer checks a local question file before anything loads by the suffixes the reader knows."""
+    from specheads.config.infer import QUESTION_FILE_SUFFIXES, named_as_local
+    from specheads.data.formats import DATA_FILE_SUFFIXES
+
+    assert QUESTION_FILE_SUFFIXES == DATA_FILE_SUFFIXES
+    assert (
+        named_as_local("q.jsonl") and named_as_local("./speed") and not named_as_local("nvidia/SPEED-Bench:qualitative")
+    )

@@ -160,3 +160,88 @@ def test_truncation(tok):
     full = tokenize_conversation(tok, messages, max_length=1000)
     cut = tokenize_conversation(tok, messages, max_length=20)
     assert cut["input_ids"] == full["input_ids"][:20] and cut["loss_mask"] == full["loss_mask"][:20]
+
+
+# -- model.thinking: one setting every chat rendering honours -------------------------------------
+
+
+def thinking_tokenizer(thinking):
+    """The byte tokenizer with a template that reads enable_thinking (Qwen3's switch), set to `thinking`."""
+    from specheads.chat_template import set_thinking
+
+    tok = byte_tokenizer("thinking")
+    set_thinking(tok, thinking)
+    return tok
+
+
+CHAT = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello you"},
+    {"role": "user", "content": "?"},
+]
+
+
+def renderings(tok):
+    """What each rendering of specheads makes of CHAT with `tok`: the training data, infer.py's
+    prompt, distill's identity probe and Magpie's user-turn prefix."""
+    from specheads.bench.inputs import encode_turns
+    from specheads.data.chat import render
+    from specheads.distill.identity import probe_text
+    from specheads.distill.prompts import user_turn_prefix
+
+    return {
+        "render": render(tok, CHAT, add_generation_prompt=True),
+        "infer": tok.decode(encode_turns(tok, ["Hi", "?"], ["Hello you"])),
+        "identity": probe_text(tok),
+        "magpie": user_turn_prefix(tok, CHAT[:2]),
+    }
+
+
+def test_thinking_off_renders_otherwise_and_every_rendering_honours_it():
+    off, on, default = (renderings(thinking_tokenizer(t)) for t in (False, True, None))
+    raw = byte_tokenizer("thinking")
+    assert off["render"] == raw.apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert off["render"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for name in off:  # each call site: thinking off renders otherwise, thinking on as the template's default
+        assert off[name] != on[name], name
+        assert on[name] == default[name], name
+
+
+def test_the_loss_mask_covers_the_answer_alone_with_thinking_off():
+    tok = thinking_tokenizer(False)
+    row = tokenize_conversation(tok, CHAT[:2], max_length=1000)
+    assert "<think>" in tok.decode(row["input_ids"])
+    assert tok.decode([i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]) == "Hello you<|im_end|>"
+
+
+def test_a_setting_the_template_does_not_read_is_said_in_one_line(capsys):
+    from specheads.chat_template import set_thinking
+
+    set_thinking(byte_tokenizer(), False)  # ChatML: no enable_thinking
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not read enable_thinking" in err
+    thinking_tokenizer(False)
+    set_thinking(byte_tokenizer(), None)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_chat_record_tells_renderings_apart():
+    from specheads.chat_template import chat_mismatch, chat_record
+
+    off, on, default = (chat_record(thinking_tokenizer(t)) for t in (False, True, None))
+    assert len(off["template_sha256"]) == 64 and off["thinking"] is False and on["thinking"] is True
+    assert off["template_sha256"] == on["template_sha256"] and off["probe_sha256"] != on["probe_sha256"]
+    line = chat_mismatch(off, thinking_tokenizer(True), "data D was made with", "this run renders it with")
+    assert "\n" not in line and "thinking off" in line and "thinking on" in line
+    assert line.endswith("set model.thinking=false to match")
+    assert off["template_sha256"][:12] in line
+    assert chat_mismatch(off, thinking_tokenizer(False), "a", "b") is None
+    # the template's default is thinking on: unset and on render alike, so they agree
+    assert chat_mismatch(default, thinking_tokenizer(True), "a", "b") is None
+    assert chat_mismatch(None, thinking_tokenizer(True), "a", "b") is None  # made before the record
+    other = chat_mismatch(chat_record(byte_tokenizer()), thinking_tokenizer(None), "a", "b")
+    assert other is not None and "model.thinking" not in other  # another template: no setting fixes it
+    # a template that does not read the variable renders alike whatever the record says
+    assert chat_mismatch({**chat_record(byte_tokenizer()), "thinking": False}, byte_tokenizer(), "a", "b") is None

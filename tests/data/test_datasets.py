@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import conversations, write_jsonl, write_questions
+from conftest import conversations, thinking_target, write_jsonl, write_questions
 
 from specheads.config.train import DataConfig
 from specheads.data.chat import tokenize_conversation
@@ -121,3 +121,31 @@ def test_row_lengths_of_a_shuffled_dataset():
     view = ds.shuffle(seed=3).select(range(5))
     assert row_lengths(view) == [len(r["input_ids"]) for r in view]
     assert row_lengths([{"input_ids": [4, 5]}]) == [2]
+
+
+def test_data_distilled_with_another_thinking_setting_is_said_in_one_line(tmp_path, capsys):
+    """train.py's data check: a distillation records the chat template and model.thinking its answers
+    were written with; building the data with another rendering says so once, the same one and data
+    made before the record say nothing."""
+    import json
+
+    from specheads.config.distill import DistillConfig
+    from specheads.distill.regenerate import run_distillation
+
+    off = thinking_target(False)
+    src = write_questions(tmp_path / "q.jsonl", ["What is rain?", "Name a color.", "Why?", "How?"])
+    out = run_distillation(
+        off, DistillConfig(prompts=str(src), output=str(tmp_path / "d"), max_new_tokens=4, decontaminate=[])
+    )
+    capsys.readouterr()
+    build_datasets(data_cfg(out), off.tokenizer)
+    assert "warning" not in capsys.readouterr().err
+    build_datasets(data_cfg(out), thinking_target(True).tokenizer)
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1 and err.count("\n") == 1
+    assert f"data {out} was made with" in err and "thinking off" in err and "thinking on" in err
+    metadata = json.loads((out / "metadata.json").read_text())
+    del metadata["target"]["chat"]
+    (out / "metadata.json").write_text(json.dumps(metadata))
+    build_datasets(data_cfg(out), thinking_target(True).tokenizer)
+    assert "warning" not in capsys.readouterr().err

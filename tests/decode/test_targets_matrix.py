@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    HYBRID_TYPES,
+    MATRIX_TYPES,
+    MOE_TYPES,
     ROOT,
+    WINDOWED_TYPES,
     assert_first_two_tokens_follow,
     assert_same_numbers,
     greedy_sequences,
@@ -36,11 +40,6 @@ from specheads.target import RECURRENT_TYPES, load_target, recurrent_layer_types
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MOE = ["qwen3_moe", "mixtral", "deepseek_v3"]
-WINDOWED = ["gpt_oss", "llama4_text", "gemma3_text", "phi3"]  # sliding-window or chunked layers
-DENSE = ["olmo2", "smollm3"]
-HYBRID = ["qwen3_next", "falcon_h1", "granitemoehybrid"]  # a recurrent state beside attention
-TYPES = MOE + WINDOWED + DENSE + HYBRID
 LAYERS = 4
 CHAIN = static_tree(chain_paths(4))
 TREE = static_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
@@ -82,7 +81,7 @@ def spec_output(target, head, policy, prompt):
     return speculative_generate(target, drafter, prompt, SamplingConfig(max_new_tokens=NEW, eos_token_ids=[EOS]))
 
 
-@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize("model_type", MATRIX_TYPES)
 def test_the_target_loads_through_the_hooks(model_type):
     """Every layer id captures the stream entering that layer (the model's own hidden states), the
     final norm turns the last into the LM head's input, and the LM head gives the model's logits."""
@@ -98,7 +97,7 @@ def test_the_target_loads_through_the_hooks(model_type):
     assert target.info.model_type == model_type and target.info.num_layers == LAYERS
 
 
-@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize("model_type", MATRIX_TYPES)
 def test_heads_train_and_draft_the_target_greedy_output(model_type, matrix):
     """EAGLE-3 (on the engines' layer ids) and Medusa train; their chains and trees give the
     target's own greedy output, drafts accepted; a hybrid refuses trees in one line."""
@@ -111,7 +110,7 @@ def test_heads_train_and_draft_the_target_greedy_output(model_type, matrix):
         res = spec_output(target, head, CHAIN, prompt)
         assert res.output_ids == ref, (family, "chain")
         assert sum(res.accepted_drafts) > 0, (family, res.accepted_drafts)
-        if model_type in HYBRID:
+        if model_type in HYBRID_TYPES:
             with pytest.raises(SpecHeadsError, match=r"tree=chain") as refused:
                 spec_output(target, head, TREE, prompt)
             assert "\n" not in str(refused.value) and model_type in str(refused.value)
@@ -131,7 +130,7 @@ def without_windows(config):
 real_spans = kv.attention_spans
 
 
-@pytest.mark.parametrize("model_type", WINDOWED)
+@pytest.mark.parametrize("model_type", WINDOWED_TYPES)
 def test_the_tree_mask_applies_each_layers_window(model_type, matrix, monkeypatch):
     """The window (8) is shorter than prompt + answer: a tree mask that lets the sliding or
     chunked layers see past it changes the output."""
@@ -155,7 +154,7 @@ def keeps_the_rejected_state(target, cache, prefix_len, tokens, path, saved):
             layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
 
 
-@pytest.mark.parametrize("model_type", HYBRID)
+@pytest.mark.parametrize("model_type", HYBRID_TYPES)
 def test_a_chain_rewinds_the_recurrent_state(model_type, matrix, monkeypatch):
     """A chain accepted in part leaves the state of the accepted tokens alone (saved, restored and
     advanced by them); a commit that keeps the rejected drafts in the state changes the output.
@@ -182,7 +181,7 @@ def test_sampled_tokens_follow_the_target_distribution(model_type, matrix):
     distribution."""
     target, sequences, heads, _ = entry(matrix, model_type)
     prompt = sequences[1:2, :12]  # longer than the window
-    paths = [[0], [0, 0]] if model_type in HYBRID else [[0], [1], [2], [0, 0]]
+    paths = [[0], [0, 0]] if model_type in HYBRID_TYPES else [[0], [1], [2], [0, 0]]
     drafter = make_drafter(heads["eagle3"], static_tree(paths))
     temperature, top_p, n = 0.7, 0.9, 200
     counts, accepted = first_two_samples(target, drafter, prompt, n, temperature, top_p)
@@ -210,9 +209,9 @@ def supported_targets_table() -> str:
     columns = ["type", "layers (tiny test model)", "trains", "greedy lossless", "trees", "sampling"]
     columns.append(f"vLLM {VLLM_VERSION} EAGLE-3 export")
     rows = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    for model_type in TYPES:
+    for model_type in MATRIX_TYPES:
         config = tiny_config(model_type, num_hidden_layers=LAYERS)
-        experts = " + experts" if model_type in MOE or getattr(config, "num_experts_per_tok", None) else ""
+        experts = " + experts" if model_type in MOE_TYPES or getattr(config, "num_experts_per_tok", None) else ""
         recurrent = recurrent_layer_types(config)
         trees = "refused (recurrent state)" if recurrent else "yes"
         lossless = "chains" if recurrent else "chains and trees"

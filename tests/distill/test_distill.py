@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl, write_questions
+from conftest import HYBRID_TYPES, thinking_target, write_jsonl, write_questions
 from transformers import GenerationConfig
 
 from specheads.config.distill import DistillConfig, MagpieConfig
@@ -83,6 +83,28 @@ def test_batched_greedy_equals_unbatched_and_transformers_generate(tiny_target):
     batched_stop = generate(model, prompts, max_new_tokens=12, stop_ids=[stop], pad_id=256, batch_size=5)
     assert [(g.tokens, g.finished) for g in batched_stop] == [(g.tokens, g.finished) for g in single_stop]
     assert single_stop[2].finished and single_stop[2].tokens == single[2].tokens[:3]
+
+
+@pytest.mark.parametrize("model_type", [*HYBRID_TYPES, "gpt_oss"])
+def test_finished_rows_leave_the_cache_of_every_layer_kind(model_type, monkeypatch):
+    """Eviction on linear-attention, Mamba and sliding-window caches: rows are dropped from every
+    layer's states, and every row's output is the one it has when generated alone."""
+    from specheads.distill import generation
+    from specheads.tiny import tiny_target
+
+    model, tok = tiny_target(model_type, num_hidden_layers=4)
+    # the long prompt twice: its two rows stop at once (one stop is below EVICT_FRACTION of 6 rows)
+    prompts = prompt_ids(tok, ["hello there", LONG, "a", LONG, "xyz", "0123456789"])
+    stop = generate(model, [prompts[1]], max_new_tokens=12, stop_ids=[258], pad_id=256)[0].tokens[3]
+    alone = [generate(model, [p], max_new_tokens=12, stop_ids=[stop], pad_id=256)[0] for p in prompts]
+    evicted = []
+    select_rows = generation.select_rows
+    monkeypatch.setattr(
+        generation, "select_rows", lambda cache, rows: evicted.append(len(rows)) or select_rows(cache, rows)
+    )
+    batched = generate(model, prompts, max_new_tokens=12, stop_ids=[stop], pad_id=256, batch_size=6)
+    assert evicted and evicted[0] == 4
+    assert [(g.tokens, g.finished) for g in batched] == [(g.tokens, g.finished) for g in alone]
 
 
 def test_sampling_is_seeded(tiny_target):
@@ -234,6 +256,25 @@ def test_output_loads_with_datasets_and_records_provenance(tiny_target, tmp_path
     assert meta["target"]["name"] == "tiny-random" and meta["target"]["path"] == "tiny:llama"
     assert meta["seed"] == 3 and meta["answers"]["temperature"] == 0.0 and meta["complete"]
     assert meta["specheads_version"]
+
+
+def test_the_answers_are_written_and_recorded_with_the_targets_thinking_setting(tmp_path):
+    """model.thinking reaches the loaded target's answers (its generation prompt changes), lands in
+    metadata.json with the chat template's digest, and a resumed run with another setting is refused."""
+    import hashlib
+
+    from specheads.tiny import THINKING_TEMPLATE
+
+    src = write_questions(tmp_path / "q.jsonl", ["What is rain?", "Name a color.", "Why?"])
+    off, on = thinking_target(False), thinking_target(True)
+    out = run_distillation(off, cfg(tmp_path, "off", prompts=str(src), num_prompts=None))
+    chat = json.loads((out / "metadata.json").read_text())["target"]["chat"]
+    assert chat["thinking"] is False
+    assert chat["template_sha256"] == hashlib.sha256(THINKING_TEMPLATE.encode()).hexdigest()
+    answers = lambda d: [r["messages"][1]["content"] for r in shard_rows(d)]  # noqa: E731
+    assert answers(out) != answers(run_distillation(on, cfg(tmp_path, "on", prompts=str(src), num_prompts=None)))
+    with pytest.raises(SpecHeadsError, match="changed: tokenizer"):
+        run_distillation(on, cfg(tmp_path, "off", prompts=str(src), num_prompts=None))
 
 
 def test_contaminated_prompts_are_dropped_before_answering(tiny_target, tmp_path):

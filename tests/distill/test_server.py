@@ -7,6 +7,7 @@ fail on request, serve other models, lack /tokenize or log-probabilities. The re
 exercised by the `engines` test at the end.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -18,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_questions
+from conftest import thinking_target, write_questions
 from json_server import NOT_FOUND, JsonServer, chat_ids
 
+from specheads.chat_template import CHAT_KWARGS, apply_chat
 from specheads.config.distill import DistillConfig, ServerConfig
 from specheads.distill.backends import HFBackend
 from specheads.distill.regenerate import run_distillation
@@ -71,7 +73,7 @@ class FakeServer(JsonServer):
         if path == "/tokenize" and self.tokenize == "llama.cpp" and "content" not in body:
             return 200, {"tokens": []}  # llama.cpp's server reads "content" only
         if path == "/tokenize" and self.tokenize:
-            ids = chat_ids(self.target, body["messages"], self.shift)
+            ids = chat_ids(self.target, body["messages"], self.shift, body.get("chat_template_kwargs"))
             return 200, {"tokens": ids, "count": len(ids)}
         if path == "/v1/chat/completions":
             return self.complete(body)
@@ -80,7 +82,7 @@ class FakeServer(JsonServer):
         return NOT_FOUND
 
     def complete(self, body):
-        with self.lock:
+        with self.lock, self.rendering(body):
             self.requests += 1
             self.bodies.append(body)
             if self.fail_at is not None and self.requests >= self.fail_at:
@@ -95,7 +97,7 @@ class FakeServer(JsonServer):
                 return 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}}
             backend = replace(self.backend.cfg, max_new_tokens=body["max_tokens"])
             [answer] = HFBackend(self.target, backend).answer([body["messages"]], seed=0)
-        prompt = self.prompt_ids(body["messages"])
+            prompt = self.prompt_ids(body["messages"])
         return 200, {
             "id": "x",
             "object": "chat.completion",
@@ -164,8 +166,23 @@ class FakeServer(JsonServer):
         }
 
     def prompt_ids(self, messages):
-        prompt = self.target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt = apply_chat(self.target.tokenizer, messages, add_generation_prompt=True, tokenize=True)
         return list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+
+    @contextlib.contextmanager
+    def rendering(self, body):
+        """The served tokenizer renders with the request's chat_template_kwargs (vLLM's and SGLang's
+        field), its template's defaults without; under self.lock, so one request at a time."""
+        tokenizer, kwargs = self.target.tokenizer, body.get("chat_template_kwargs")
+        if not kwargs:
+            yield
+            return
+        before = getattr(tokenizer, CHAT_KWARGS, None)
+        setattr(tokenizer, CHAT_KWARGS, dict(kwargs))
+        try:
+            yield
+        finally:
+            setattr(tokenizer, CHAT_KWARGS, before)
 
 
 def cfg(tmp_path, name, **kw):
@@ -244,6 +261,24 @@ def test_every_greedy_sampling_field_is_pinned_and_recorded(tiny_target, tmp_pat
     assert fake.bodies and all({k: b.get(k) for k in pinned} == pinned for b in fake.bodies)
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["server"]["sampling"] == pinned
+
+
+def test_the_thinking_setting_travels_in_every_chat_request(tmp_path, server):
+    """model.thinking reaches the server as chat_template_kwargs (vLLM's and SGLang's field), so the
+    served model renders as the target does here and answers as distill.backend=hf; a request
+    without it renders with the template's default (the identity probe's encoding differs). Left
+    unset, no request carries the field."""
+    off = thinking_target(False)
+    fake = server(served=thinking_target(None))  # the server's own tokenizer: the template's defaults
+    out = run_distillation(off, server_cfg(cfg(tmp_path, "srv"), fake.url))
+    assert shard_rows(out) == shard_rows(run_distillation(off, cfg(tmp_path, "hf")))
+    assert fake.bodies and all(b["chat_template_kwargs"] == {"enable_thinking": False} for b in fake.bodies)
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["server"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert meta["target"]["chat"]["thinking"] is False
+    default = server(served=thinking_target(None))
+    run_distillation(thinking_target(None), server_cfg(cfg(tmp_path, "default"), default.url))
+    assert default.bodies and not any("chat_template_kwargs" in b for b in default.bodies)
 
 
 def test_unreachable_server_is_one_line_and_writes_nothing(tiny_target, tmp_path):

@@ -398,3 +398,31 @@ def test_a_chain_longer_than_a_peagle_head_drafts_is_refused(tiny_target, tmp_pa
     commands = serve_commands(HeadSource.read(parallel), "speculators", ["vllm"], "DRAFT", "TARGET")
     assert '"num_speculative_tokens": 2' in commands[-1][1]
     export_head(parallel, "speculators", tmp_path / "one", num_speculative_tokens=1)
+
+
+def test_export_for_a_target_that_renders_otherwise_says_so(tiny_target, tmp_path, capsys):
+    """The export's target (model=, else the conf/model option of the head's target) renders chats
+    otherwise than the head was trained on (config.json training.chat): one line; the same
+    rendering, and a head without the record, say nothing."""
+    from specheads.chat_template import chat_record, set_thinking
+    from specheads.config.export import ExportJobConfig
+    from specheads.export.job import run_export
+    from specheads.tiny import byte_tokenizer
+
+    made = byte_tokenizer("thinking")
+    set_thinking(made, False)
+    src = make_head_dir(tiny_target, tmp_path / "head", "eagle3", **EAGLE3)
+    edit_config(src, lambda c: c["training"].update(chat=chat_record(made)))
+
+    def export(name, **model):
+        thinking = ModelConfig(name="tiny-random", path="tiny:llama", tiny={"template": "thinking"}, **model)
+        capsys.readouterr()
+        out = str(tmp_path / name)
+        run_export(ExportJobConfig(head_path=str(src), format="eagle3", out=out, engine="vllm", model=thinking))
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+
+    [line] = export("on", thinking=True)
+    assert f"head {src} was trained on" in line and "thinking off" in line and "set model.thinking=false" in line
+    assert export("off", thinking=False) == []
+    edit_config(src, lambda c: c["training"].pop("chat"))
+    assert export("old", thinking=True) == []

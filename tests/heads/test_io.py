@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from conftest import quick_head
+from conftest import quick_head, thinking_target
 
 from specheads.config.model import ModelConfig
 from specheads.config.train import HeadConfig, family_fields
@@ -70,6 +70,39 @@ def test_an_old_head_with_every_familys_fields_and_no_identity_loads_with_one_wa
         assert torch.equal(a, b)
     resaved = json.loads((save_head(loaded, tmp_path / "again") / "config.json").read_text())
     assert "lora_r" not in resaved["head"] and "medusa_decay" not in resaved["head"]
+
+
+def test_a_head_loaded_onto_a_target_that_renders_otherwise_says_so_once(tmp_path, tiny_target, capsys):
+    """infer.py's check (its heads load through load_head): a head records the chat template and
+    model.thinking it trained on (config.json training.chat); another thinking setting or template
+    is said in one line, once; the same rendering, a head without the record and the head shipped
+    in heads/ (made before it) say nothing."""
+    from pathlib import Path
+
+    from specheads.chat_template import chat_record
+    from specheads.heads.io import head_chat_mismatch, read_head_config
+
+    off = thinking_target(False)
+    training = {"chat": chat_record(off.tokenizer)}
+    directory = save_head(quick_head(tiny_target, "eagle3"), tmp_path / "head", training=training)
+    capsys.readouterr()
+    load_head(directory, off)
+    assert capsys.readouterr().err == ""
+    on = thinking_target(True)
+    for _ in range(2):
+        load_head(directory, on)
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1 and err.count("\n") == 1
+    assert f"head {directory} was trained on" in err and "thinking off" in err and "set model.thinking=false" in err
+    load_head(directory, tiny_target)  # ChatML: another template
+    assert "thinking at the template's default" in capsys.readouterr().err
+    config = json.loads((directory / "config.json").read_text())
+    del config["training"]["chat"]
+    (directory / "config.json").write_text(json.dumps(config))
+    load_head(directory, on)
+    assert capsys.readouterr().err == ""
+    shipped = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-eagle3"
+    assert head_chat_mismatch(shipped, read_head_config(shipped), on.tokenizer) is None
 
 
 def test_the_embedded_target_is_named_as_a_dequantized_q4_1_gguf():

@@ -74,3 +74,21 @@ def test_an_unknown_loss_is_refused_in_one_line():
     p, logits = distributions()
     with pytest.raises(SpecHeadsError, match="head.loss_fn must be one of kl, lk_hybrid, nla, tv, got 'js'"):
         position_loss("js", p, torch.log_softmax(logits, -1))
+
+
+def test_a_negative_lk_eta_is_refused_before_training(tmp_path):
+    """train.py head.loss_fn=lk_hybrid head.lk_eta=-1: one line, exit 2, before the target loads
+    (it used to train: exp(-eta * alpha) > 1 turns the TV term's weight negative)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "train.py", "model=tiny-random", "head.loss_fn=lk_hybrid", "head.lk_eta=-1", "tracker=none",
+         f"output_dir={tmp_path / 'run'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == [proc.stderr.strip().splitlines()[-1]], proc.stderr[-2000:]
+    assert "head.lk_eta must be >= 0" in errors[0] and not (tmp_path / "run" / "head").exists()

@@ -176,3 +176,13 @@ def test_the_loss_fn_sets_the_objective_on_the_same_drafts(tiny_target, toy_batc
     depths = range(head.spec.parallel_depths)
     assert [metrics["tv"][f"acc_{d}"] for d in depths] == [metrics["kl"][f"acc_{d}"] for d in depths]
     assert all(0 < metrics["tv"][f"loss_{d}"] <= 1 < metrics["kl"][f"loss_{d}"] for d in depths)
+
+
+def test_a_frozen_lm_head_is_recorded_and_every_position_refused(tiny_target, toy_batch):
+    """head.freeze_lm_head freezes P-EAGLE's LM head as EAGLE-3's and its config says so (it did not:
+    the record lacked the field); head.loss_positions=all, which its loss would ignore, is refused."""
+    cfg = HeadConfig(family="peagle", draft_vocab_size=96, freeze_lm_head=True)
+    head = build_head(cfg, tiny_target, train_rows=batch_rows(toy_batch))
+    assert not head.lm_head.weight.requires_grad and head.spec.to_dict()["freeze_lm_head"] is True
+    with pytest.raises(SpecHeadsError, match="head.loss_positions=all is EAGLE-3's"):
+        build_head(HeadConfig(family="peagle", loss_positions="all"), tiny_target, train_rows=batch_rows(toy_batch))

@@ -1,4 +1,5 @@
 import json
+import types
 
 import pytest
 import torch
@@ -123,6 +124,47 @@ def test_real_forwards_are_timed_and_the_model_left_as_it_was():
     timings = linear_layout.time_forwards(model, rows=3, kernels=kernels, context=8, repeats=2)
     assert set(timings) == set(kernels) and all(t > 0 for t in timings.values())
     assert all("forward" not in layer.__dict__ for layer in linear_layout.linear_layers(model))
+
+
+def timed_logits(model):
+    """time_forwards on `model` (context 12, two rounds): each timed call's cache length on entry and
+    its logits (the warm-up round's included)."""
+    seen = []
+    pre = model.register_forward_pre_hook(
+        lambda m, args, kw: seen.append([kw["cache"].get_seq_length()]), with_kwargs=True
+    )
+    post = model.register_forward_hook(lambda m, args, out: seen[-1].append(out.logits), with_kwargs=False)
+    try:
+        linear_layout.time_forwards(
+            model, rows=3, kernels=linear_layout.candidate_kernels(model), context=12, repeats=1
+        )
+    finally:
+        pre.remove()
+        post.remove()
+    return seen[1:]  # after the prefill
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama4_text", "qwen3_next", "falcon_h1", "granitemoehybrid"])
+def test_every_timed_forward_follows_the_same_context(arch):
+    """Sliding-window and chunked layers (window 8 < the context of 12), linear attention and Mamba
+    states cannot be cropped back: each timed forward starts from the prefilled context all the
+    same, so every kernel computes the same logits (llama4's router, an nn.Linear returning its
+    scores too, is left stock)."""
+    model, _ = tiny_target(arch, num_hidden_layers=4)
+    calls = timed_logits(model)
+    assert [length for length, _ in calls] == [12] * len(calls)
+    for _, logits in calls[1:]:
+        assert_same_numbers(logits, calls[0][1])
+    assert all("forward" not in layer.__dict__ for layer in linear_layout.linear_layers(model))
+
+
+def test_a_shared_cache_would_time_a_growing_context(monkeypatch):
+    """The wrong variant, one cache for every timed forward: each sees the last one's tokens."""
+    model, _ = tiny_target("llama")
+    monkeypatch.setattr(linear_layout, "copy", types.SimpleNamespace(deepcopy=lambda cache: cache))
+    calls = timed_logits(model)
+    assert [length for length, _ in calls] == [12 + 3 * i for i in range(len(calls))]
+    assert_other_numbers(calls[1][1], calls[0][1])
 
 
 def test_measured_layouts_are_cached_per_machine(tmp_path, monkeypatch):

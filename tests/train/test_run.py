@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import write_conversations
+from conftest import thinking_target, write_conversations, write_questions
 
 from specheads import provenance
 from specheads.config.model import ModelConfig
@@ -46,6 +46,28 @@ def tiny_job(data, out, **train):
         wandb=WandbConfig(mode="disabled"),
         output_dir=str(out),
     )
+
+
+def test_a_head_records_the_chat_rendering_it_trained_on_and_data_made_otherwise_is_said(tmp_path, capsys):
+    """A distillation with thinking off trained on with model.thinking=true: one line says so, and
+    the head's config.json records the run's own rendering (training.chat); trained on with the
+    setting it was made with, nothing is said."""
+    from specheads.chat_template import chat_record
+    from specheads.config.distill import DistillConfig
+    from specheads.distill.regenerate import run_distillation
+
+    questions = write_questions(tmp_path / "q.jsonl", [f"Question {i}?" for i in range(8)])
+    made = DistillConfig(prompts=str(questions), output=str(tmp_path / "data"), max_new_tokens=8, decontaminate=[])
+    data = run_distillation(thinking_target(False), made)
+    for thinking in (True, False):
+        job = tiny_job(data, tmp_path / f"run-{thinking}", max_steps=1)
+        job.model = ModelConfig(name="tiny-random", path="tiny:llama", tiny={"template": "thinking"}, thinking=thinking)
+        capsys.readouterr()
+        head = run.train(job)
+        warnings = [line for line in capsys.readouterr().err.splitlines() if f"data {data} was made with" in line]
+        assert len(warnings) == int(thinking)
+        recorded = json.loads((head / "config.json").read_text())["training"]["chat"]
+        assert recorded == chat_record(thinking_target(thinking).tokenizer) and recorded["thinking"] is thinking
 
 
 def test_init_from_starts_a_run_from_an_earlier_heads_weights_and_records_it(tmp_path):
