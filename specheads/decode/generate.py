@@ -191,7 +191,8 @@ def speculative_generate(
                 key = SOURCE_NAMES[sources[node]]
                 res.accepted_sources[key] = res.accepted_sources.get(key, 0) + 1
         if not done:
-            commit(target, cache, prefix_len, tokens, path, saved)
+            # a recurrent state rewound after a partial accept costs one more target forward
+            res.target_forwards += commit(target, cache, prefix_len, tokens, path, saved)
             prefix_len += len(path)
             drafter.advance(_select(dict(store), torch.tensor(path)), [tokens[i] for i in path], acc.bonus)
             root = acc.bonus

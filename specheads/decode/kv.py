@@ -186,8 +186,9 @@ def save_states(cache: DynamicCache) -> list | None:
     return saved
 
 
-def commit(target, cache: DynamicCache, prefix_len: int, tokens: Sequence[int], path: Sequence[int], saved) -> None:
-    """Leave the cache holding the committed sequence: prefix + the accepted `path` of `tokens`.
+def commit(target, cache: DynamicCache, prefix_len: int, tokens: Sequence[int], path: Sequence[int], saved) -> int:
+    """Leave the cache holding the committed sequence: prefix + the accepted `path` of `tokens`;
+    returns the target forwards that took (0 or 1), which a step's cost and tau count.
 
     Without recurrent states (saved None) compact_cache moves the accepted keys down. With them, a
     chain accepted whole is already the committed sequence; otherwise the states saved before the
@@ -196,9 +197,9 @@ def commit(target, cache: DynamicCache, prefix_len: int, tokens: Sequence[int], 
     """
     if saved is None:
         compact_cache(cache, prefix_len, path)
-        return
+        return 0
     if len(path) == len(tokens):
-        return
+        return 0
     for layer, states in zip(cache.layers, saved):
         if states is not None:
             for name, by_index in states.items():
@@ -209,6 +210,7 @@ def commit(target, cache: DynamicCache, prefix_len: int, tokens: Sequence[int], 
     ids = torch.tensor([[tokens[i] for i in path]], dtype=torch.long, device=device)
     positions = torch.arange(prefix_len, prefix_len + len(path), device=device)[None]
     target.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    return 1
 
 
 def compact_cache(cache: DynamicCache, prefix_len: int, keep: Sequence[int]) -> None:

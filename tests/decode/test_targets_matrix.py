@@ -152,6 +152,7 @@ def keeps_the_rejected_state(target, cache, prefix_len, tokens, path, saved):
         if isinstance(layer, DynamicLayer) and layer.is_initialized:
             n = prefix_len + len(path)
             layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+    return 0
 
 
 @pytest.mark.parametrize("model_type", HYBRID_TYPES)
@@ -169,6 +170,22 @@ def test_a_chain_rewinds_the_recurrent_state(model_type, matrix, monkeypatch):
     assert spec_output(target, heads["medusa"], CHAIN, prompt).output_ids != ref
     with pytest.raises(SpecHeadsError, match="tree verification is refused"):
         kv.new_cache(target.model)
+
+
+@pytest.mark.parametrize("model_type", HYBRID_TYPES)
+def test_the_rewind_forward_counts_in_tau(model_type, matrix):
+    """Every target forward of the decode phase is counted, the one that rewinds a recurrent state
+    after a partly accepted chain too (it was not: tau came out above the real forwards' rate): a
+    hook on the target model counts its calls, the prefill's apart."""
+    target, sequences, heads, _ = entry(matrix, model_type)
+    calls = []
+    hook = target.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        res = spec_output(target, heads["medusa"], CHAIN, sequences[1:2, :10])
+    finally:
+        hook.remove()
+    partial = sum(0 < a < CHAIN.size - 1 for a in res.accepted_drafts)
+    assert partial > 0 and res.target_forwards == len(calls) - 1, (partial, res.target_forwards, len(calls))
 
 
 SAMPLED = ["qwen3_moe", "gemma3_text", "qwen3_next"]  # one MoE, one sliding-window, one recurrent type
