@@ -26,7 +26,10 @@ the rows' order is --data-seed for all, so every seed trains on the very same st
 
 It writes OUT/peer.json (every figure), OUT/peer.md (the tables), OUT/peer.png (acceptance against K
 for both heads, each seed) and OUT/peer_categories.png (the per-category test of "better" as bars).
-What cannot be matched is listed in the output (UNMATCHED).
+What cannot be matched is listed in the output (UNMATCHED). Each result is kept in OUT with a
+record of what made it (settings.json: ours' train.py overrides, the peer's data settings and
+command, a replay's questions and answer length, vLLM's command and K); a rerun reuses it only when
+every one of those is the same and it is newer than what it was made from, else makes it again.
 
 --recipe NAME OVERRIDE...: a recipe of ours against the peer's heads already trained in OUT at the
 same settings. Only ours trains, with these train.py overrides on top of the matched ones (the same
@@ -38,8 +41,10 @@ is the same report with the recipe as "ours": parity, and the per-category test 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -211,7 +216,7 @@ def write_peer_data(
             save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(tmp))
     np.save(out / "d2t.npy", head.d2t.cpu().numpy())
     np.save(out / "t2d.npy", head.t2d.cpu().numpy())
-    plan = {"train_rows": len(train_rows), "batches": schedule}
+    plan = {"train_rows": len(train_rows), "rows": len(rows), "batches": schedule}
     write_json(out / "schedule.json", plan)
     tokens = sum(len(rows[i]["input_ids"]) for step in schedule for i in step)
     return {"rows": len(rows), "train_rows": len(train_rows), "states_written": len(used), "tokens": tokens}
@@ -241,8 +246,24 @@ def prepare(args, seed: int, out: Path) -> dict:
     return {**summary, "verifier": str(verifier), "max_length": cfg.data.max_length}
 
 
+def split_ratio(train_rows: int, rows: int) -> float:
+    """The --train-data-ratio at which speculators' split, int(rows x ratio) (its ArrowDataset), keeps
+    exactly the first train_rows of `rows`: (train_rows + 1/2) / rows.
+
+    Exactly, rows x ratio is train_rows + 1/2, half a row from either integer. In floating point the
+    division and speculators' product each round by a factor (1 + d), |d| <= 2^-53 (repr() carries the
+    ratio through the command line exactly), so the product is (train_rows + 1/2)(1 + e) with
+    |e| <= 2^-52 + 2^-106: off by less than 1/2 while train_rows < 2^50, and int() gives train_rows.
+    0 < ratio < 1, which speculators requires, as rows > train_rows > 0. The ratio train_rows / rows
+    itself would do only where it is exact: printed to 12 decimals it falls short for about half
+    of all counts (1000 of 1008: int(999.9999999995) = 999 rows)."""
+    if not 0 < train_rows < rows < 2**50:
+        raise SpecHeadsError(f"the peer's data needs training rows and held-out ones: {train_rows} of {rows}")
+    return (train_rows + 0.5) / rows
+
+
 def peer_command(args, seed: int, out: Path, data: dict) -> list[str]:
-    ratio = data["train_rows"] / data["rows"]
+    ratio = split_ratio(data["train_rows"], data["rows"])
     return [
         str(VLLM_PYTHON),
         str(RUNNER),
@@ -256,7 +277,7 @@ def peer_command(args, seed: int, out: Path, data: dict) -> list[str]:
         "--d2t-path", str(out / "data" / "d2t.npy"), "--t2d-path", str(out / "data" / "t2d.npy"),
         "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
         "--ttt-steps", "3", "--ttt-step-loss-decay", "0.8",
-        "--data-path", str(out / "data"), "--train-data-ratio", f"{ratio:.12f}",
+        "--data-path", str(out / "data"), "--train-data-ratio", repr(ratio), "--on-missing", "raise",
         "--total-seq-len", str(args.batch_size * data["max_length"]),
         "--hidden-states-dtype", "float32", "--num-workers", "0",
         "--epochs", "1", "--lr", str(args.lr), "--optimizer", "adamw", "--weight-decay", "0",
@@ -272,44 +293,89 @@ def peer_head(out: Path) -> Path | None:
     return max(epochs, key=lambda p: int(p.name)) if epochs else None
 
 
+SETTINGS = "settings.json"  # beside a kept result (a head, a report): every setting that shaped it
+
+
+def kept(record: Path, settings) -> bool:
+    """Whether the result `record` belongs to was made with these very settings (its record says so)."""
+    return record.is_file() and json.loads(record.read_text()) == json.loads(json.dumps(settings))
+
+
+def made_again(directory: Path) -> None:
+    """A result made again starts from nothing: both trainers resume from what they find there."""
+    if directory.exists():
+        shutil.rmtree(directory)
+
+
+def train_ours(out: Path, overrides: list[str], env: dict) -> None:
+    """Ours trained into out/ours with these train.py overrides, recorded beside its head."""
+    made_again(out / "ours")
+    cmd = [sys.executable, "train.py", f"output_dir={out / 'ours'}", *overrides]
+    run_logged("train.py", cmd, out / "ours.log", env)
+    write_json(out / "ours" / SETTINGS, overrides)
+
+
+def peer_settings(args, seed: int, out: Path, data: dict) -> dict:
+    """What the peer's head of one seed is trained from: its data's settings and its command."""
+    return {"data": data_settings(args, seed), "command": peer_command(args, seed, out, data)[2:]}
+
+
+def kept_peer(args, seed: int, out: Path, data: dict) -> bool:
+    """Whether out/peer holds the peer's head of these settings, trained since its data was written."""
+    return (
+        kept(out / "peer" / SETTINGS, peer_settings(args, seed, out, data))
+        and peer_head(out) is not None
+        and newest_write(out / "peer", deep=True) > newest_write(out / "data")
+    )
+
+
+def train_peer(args, seed: int, out: Path, data: dict, env: dict) -> None:
+    made_again(out / "peer")
+    run_logged("the peer's training", peer_command(args, seed, out, data), out / "peer.log", env)
+    write_json(out / "peer" / SETTINGS, peer_settings(args, seed, out, data))
+
+
+def replay_settings(questions: Path, max_new_tokens: int) -> dict:
+    """What a replay report is made from besides its heads: the questions' bytes and the answer length."""
+    return {"questions_sha256": hashlib.sha256(questions.read_bytes()).hexdigest(), "max_new_tokens": max_new_tokens}
+
+
 def replay(heads: dict[str, Path], questions: Path, out: Path, max_new_tokens: int) -> dict:
     """Exact replay of every head on one question set: {name: its report}."""
     names = list(heads)
     first, others = heads[names[0]], [str(heads[n]) for n in names[1:]]
     stem = out / f"replay-{questions.stem}"
-    kept = replayed(Path(f"{stem}.replay.json"), heads, max_new_tokens)
-    if kept is not None:  # a resumed comparison: these heads were replayed on this set already
-        return kept
+    settings = replay_settings(questions, max_new_tokens)
+    kept_report = replayed(stem, heads, settings)
+    if kept_report is not None:  # a resumed comparison: these heads were replayed on this set already
+        return kept_report
+    Path(f"{stem}.{SETTINGS}").unlink(missing_ok=True)  # the report is about to change
     cmd = [
         sys.executable, "infer.py", "model=smollm2-135m", f"head={first}", "bench.mode=replay",
         f"bench.heads=[{','.join(others)}]", f"bench.questions={questions}",
         f"bench.max_new_tokens={max_new_tokens}", f"bench.output={stem}.jsonl",
     ]  # fmt: skip
     run_logged("replay", cmd, out / f"replay-{questions.stem}.log")
-    return replayed(Path(f"{stem}.replay.json"), heads, max_new_tokens, fresh=True)
+    write_json(Path(f"{stem}.{SETTINGS}"), settings)
+    return replayed(stem, heads, settings, fresh=True)
 
 
 def vllm_acceptance(heads: dict[str, Path], out: Path, k: int) -> dict:
     """vLLM's acceptance counters for both heads at a chain of K (`make engines`' questions, 128 new
     tokens): ours exported as eagle3, the peer's directory as its trainer wrote it (compare.py
-    --given), each beside infer.py's reading of the same head. {name: its row of compare.py's report}."""
+    --given), each beside infer.py's reading of the same head. {name: its row of compare.py's report};
+    kept while the heads are older and the command (K, heads) is the same."""
     report = out / "engines.json"
-    if not written_after(report, heads):
-        cmd = [sys.executable, str(ROOT / "engines" / "compare.py"), "--k", str(k), "--formats", "eagle3"]
-        cmd += ["--peers", "--eagle3-head", str(heads["ours"]), "--given", f"peer={heads['peer']}"]
-        cmd += ["--max-new-tokens", "128", "--out", str(out)]
+    cmd = [sys.executable, str(ROOT / "engines" / "compare.py"), "--k", str(k), "--formats", "eagle3"]
+    cmd += ["--peers", "--eagle3-head", str(heads["ours"]), "--given", f"peer={heads['peer']}"]
+    cmd += ["--max-new-tokens", "128", "--out", str(out)]
+    if not (written_after(report, heads) and kept(out / SETTINGS, cmd[1:])):
+        (out / SETTINGS).unlink(missing_ok=True)
         run_logged("engines/compare.py", cmd, out / "compare.log")
+        write_json(out / SETTINGS, cmd[1:])
     rows = {r["run"]: r for r in json.loads(report.read_text())["rows"]}
     keep = ("identical", "vllm_acceptance", "infer_acceptance", "agree")
     return {name: {f: rows[run].get(f) for f in keep} for name, run in (("ours", "eagle3"), ("peer", "peer"))}
-
-
-def trained_as(head: Path, args, seed: int) -> bool:
-    """Whether ours' kept head records this comparison's steps, seeds, batch size and learning rate."""
-    record = json.loads((head / "config.json").read_text()).get("training", {})
-    data_seed = record.get("data_seed", record.get("seed"))  # recorded only when set
-    wanted = {"steps": args.steps, "seed": seed, "batch_size": args.batch_size, "lr": args.lr}
-    return all(record.get(k) == v for k, v in wanted.items()) and data_seed == args.data_seed
 
 
 def newest_write(*dirs: Path, deep: bool = False) -> float:
@@ -324,15 +390,17 @@ def written_after(path: Path, heads: dict[str, Path]) -> bool:
     return path.is_file() and path.stat().st_mtime > newest_write(*heads.values())
 
 
-def replayed(path: Path, heads: dict[str, Path], max_new_tokens: int, fresh: bool = False) -> dict | None:
-    """{name: its report} from a replay report of these very heads, written after their weights and
-    at this answer length; None when there is none such (unless `fresh`: then it must be)."""
-    if not (fresh or written_after(path, heads)):
+def replayed(stem: Path, heads: dict[str, Path], settings: dict, fresh: bool = False) -> dict | None:
+    """{name: its report} from the replay report STEM.replay.json of these very heads, written after
+    their weights and recorded with these settings; None when there is none such (unless `fresh`:
+    then it must be)."""
+    path = Path(f"{stem}.replay.json")
+    if not (fresh or (written_after(path, heads) and kept(Path(f"{stem}.{SETTINGS}"), settings))):
         return None
     report = json.loads(path.read_text())
     by_dir = {str(Path(h["head"]).resolve()): h for h in report["heads"].values()}
     wanted = {name: str(Path(head).resolve()) for name, head in heads.items()}
-    if fresh or (report.get("max_new_tokens") == max_new_tokens and all(d in by_dir for d in wanted.values())):
+    if fresh or all(d in by_dir for d in wanted.values()):
         return {name: by_dir[d] for name, d in wanted.items()}
     return None
 
@@ -401,22 +469,16 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         ours_trained = None
         with ThreadPoolExecutor(max_workers=1) as pool:
-            if not (out / "ours" / "head" / "config.json").is_file():
+            # every kept result is reused only when made with every setting of this run, else made again
+            if not kept(out / "ours" / SETTINGS, our_overrides(args, seed)):
                 print(f"peer: seed {seed}: ours trains {args.steps} steps", file=sys.stderr)
-                ours = [sys.executable, "train.py", f"output_dir={out / 'ours'}", *our_overrides(args, seed)]
-                ours_trained = pool.submit(run_logged, "train.py", ours, out / "ours.log", env)
+                ours_trained = pool.submit(train_ours, out, our_overrides(args, seed), env)
                 if not args.concurrent:
                     ours_trained.result()
             data = peer_data(args, seed, out)
-            # a head kept from other settings would be compared as if of these: the peer's is older
-            # than data written again; ours records what trained it
-            if peer_head(out) is not None and newest_write(out / "peer", deep=True) <= newest_write(out / "data"):
-                raise SpecHeadsError(f"{out / 'peer'} was trained before its data was written again: remove it")
-            if ours_trained is None and not trained_as(out / "ours" / "head", args, seed):
-                raise SpecHeadsError(f"{out / 'ours' / 'head'} was trained with other settings: remove it")
-            if peer_head(out) is None:
+            if not kept_peer(args, seed, out, data):
                 print(f"peer: seed {seed}: the peer trains {args.steps} steps", file=sys.stderr)
-                run_logged("the peer's training", peer_command(args, seed, out, data), out / "peer.log", peer_env)
+                train_peer(args, seed, out, data, peer_env)
             if ours_trained is not None:
                 ours_trained.result()  # its failure is raised here, as one line
         heads = {"ours": out / "ours" / "head", "peer": peer_head(out)}
@@ -443,21 +505,15 @@ def recipe_main(args, results: dict, env: dict) -> int:
     results.update(recipe={"name": name, "overrides": extra}, unmatched=unmatched([*args.overrides, *extra]))
     for seed in args.seeds:
         base, out = args.out / f"seed-{seed}", root / f"seed-{seed}"
-        peer = peer_head(base)
-        if peer is None or kept_peer_data(args, seed, base) is None:
+        data = kept_peer_data(args, seed, base)
+        if data is None or not kept_peer(args, seed, base, data):
             raise SpecHeadsError(f"no peer head of these settings under {base}: run the comparison first")
         overrides = [*our_overrides(args, seed), *extra]
-        kept = out / "recipe.json"
-        if (out / "ours" / "head" / "config.json").is_file():
-            if not kept.is_file() or json.loads(kept.read_text()) != overrides:
-                raise SpecHeadsError(f"{out / 'ours' / 'head'} was trained with other settings: remove it")
-        else:
+        if not kept(out / "ours" / SETTINGS, overrides):
             print(f"peer: recipe {name}, seed {seed}: ours trains, the matched settings and {' '.join(extra)}",
                   file=sys.stderr)  # fmt: skip
-            out.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "train.py", f"output_dir={out / 'ours'}", *overrides]
-            run_logged("train.py", cmd, out / "ours.log", env)
-            write_json(kept, overrides)
+            train_ours(out, overrides, env)
+        peer = peer_head(base)
         heads = {"ours": out / "ours" / "head", "peer": peer}
         results["runs"][str(seed)] = {"heads": {k: str(v) for k, v in heads.items()}, "replay": {}}
         for questions in args.questions:
@@ -479,14 +535,16 @@ def replay_beside(heads: dict[str, Path], questions: Path, base: Path, out: Path
         with atomic_path(out / answers) as tmp:
             tmp.write_bytes((base / answers).read_bytes())
     peer = {"peer": heads["peer"]}
-    peers_report = replayed(base / f"replay-{questions.stem}.replay.json", peer, args.max_new_tokens) or {}
+    settings = replay_settings(questions, args.max_new_tokens)
+    peers_report = replayed(base / f"replay-{questions.stem}", peer, settings) or {}
     return {**replay({k: v for k, v in heads.items() if k not in peers_report}, questions, out, args.max_new_tokens),
             **peers_report}  # fmt: skip
 
 
 def data_settings(args, seed: int) -> dict:
     """What the peer's data of one seed is written from (kept beside it, to tell whether it is reused)."""
-    return {"overrides": our_overrides(args, seed), "eval_rows": args.eval_rows}
+    # schedule: schedule.json's layout, 2 since it names the data set's rows (data of layout 1 is written again)
+    return {"overrides": our_overrides(args, seed), "eval_rows": args.eval_rows, "schedule": 2}
 
 
 def kept_peer_data(args, seed: int, out: Path) -> dict | None:

@@ -374,6 +374,20 @@ def target_source(cfg: ModelConfig) -> tuple[str | Path, dict[str, Any]]:
     return source, kwargs
 
 
+def eos_token_ids(target: FrozenTarget) -> list[int]:
+    """Every token that ends an answer: the generation config's EOS ids and the tokenizer's."""
+    ids = set()
+    gen = getattr(target.model, "generation_config", None)
+    value = getattr(gen, "eos_token_id", None)
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if v is not None:
+            ids.add(int(v))
+    tok = target.tokenizer
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    return sorted(ids)
+
+
 def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenTarget:
     """Load the frozen target described by a ModelConfig."""
     device = device or resolve_device("auto")

@@ -81,10 +81,10 @@ from ..errors import SpecHeadsError
 from ..heads import read_head_config
 from ..heads.io import CONFIG_NAME, draft_precision
 from ..provenance import portable_path
-from ..target import synchronize
+from ..target import eos_token_ids, synchronize
 from .dynamic_trees import MAX_DEPTH, NODES, TOP_K, dynamic_choice, grow_along, rule_candidate
 from .hybrid_fit import accepted_text, calibrate_rule, score_rule, text_positions, time_lookup, walk_text
-from .inputs import encode_prompt, eos_token_ids, sampling_config
+from .inputs import encode_prompt, sampling_config
 from .questions import read_questions
 from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
 from .timing import isotonic, time_steps

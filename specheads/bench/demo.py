@@ -12,7 +12,8 @@ from ..config.infer import InferJobConfig
 from ..decode.baselines import hf_generate
 from ..decode.generate import speculative_generate
 from ..decode.policy import describe_policy
-from .inputs import encode_prompt, eos_token_ids, sampling_config
+from ..target import eos_token_ids
+from .inputs import encode_prompt, sampling_config
 from .session import method_drafter
 
 

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from ..chat_template import apply_chat
 from ..config.infer import InferJobConfig
 from ..decode.generate import SamplingConfig
-from ..target import FrozenTarget
 
 
 def encode_prompt(tokenizer, text: str, system: str | None = None, chat: bool = True) -> list[int]:
@@ -33,20 +32,6 @@ def encode_turns(
         return [int(i) for i in ids]
     text = "\n".join(t for pair in zip(user_turns, [*answers, ""]) for t in pair if t)
     return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
-
-
-def eos_token_ids(target: FrozenTarget) -> list[int]:
-    """Every token that ends an answer: the generation config's EOS ids and the tokenizer's."""
-    ids = set()
-    gen = getattr(target.model, "generation_config", None)
-    value = getattr(gen, "eos_token_id", None)
-    for v in value if isinstance(value, (list, tuple)) else [value]:
-        if v is not None:
-            ids.add(int(v))
-    tok = target.tokenizer
-    if tok is not None and tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    return sorted(ids)
 
 
 def sampling_config(settings: InferJobConfig, max_new_tokens: int, eos: Sequence[int]) -> SamplingConfig:

@@ -59,9 +59,9 @@ from ..decode.target_layers import check_layer_family, crop_layers, run_layers
 from ..decode.tree import spine_paths, static_tree
 from ..errors import SpecHeadsError
 from ..heads.vocab import build_draft_vocab
-from ..target import cache_root
+from ..target import cache_root, eos_token_ids
 from .calibrate import GATES, calibration_prompts, gated_depth, time_repeated, time_target
-from .inputs import eos_token_ids, sampling_config
+from .inputs import sampling_config
 from .trees import machine_description, machine_key, prompts_record, utc_now
 from .walk import walk
 

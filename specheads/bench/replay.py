@@ -38,9 +38,9 @@ from ..decode.tree import chain_paths
 from ..errors import SpecHeadsError
 from ..export import open_head, resolve_head_path
 from ..heads.io import draft_precision
-from ..target import target_identity
+from ..target import eos_token_ids, target_identity
 from .compared import head_label
-from .inputs import encode_turns, eos_token_ids, sampling_config
+from .inputs import encode_turns, sampling_config
 from .questions import read_questions
 from .runner import output_paths
 from .walk import walk

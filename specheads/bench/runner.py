@@ -36,9 +36,10 @@ from ..decode.baselines import Assistant, PlainDrafter, hf_generate
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
 from ..decode.policy import describe_policy, method_policy, policy_depth
 from ..heads.io import draft_precision
+from ..target import eos_token_ids
 from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
 from .compared import open_compared_heads, open_precision_variants, open_tree_variants
-from .inputs import encode_prompt, encode_turns, eos_token_ids, sampling_config
+from .inputs import encode_prompt, encode_turns, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
 from .questions import read_questions
 from .session import method_drafter

@@ -41,6 +41,16 @@ def installed_conf_dir() -> Path:
     return Path(locations[0])
 
 
+def model_option(name: str, conf_dir: Path | None = None) -> tuple[str, Any] | None:
+    """(option, its yaml) of the conf/model option whose `name` is `name` (model=OPTION selects it;
+    llama-70b's name is llama-3.3-70b), None when none is; conf_dir defaults to the installed configs."""
+    for path in sorted(((conf_dir or installed_conf_dir()) / "model").glob("*.yaml")):
+        data = OmegaConf.load(path)
+        if data.get("name") == name:
+            return path.stem, data
+    return None
+
+
 def register_configs() -> None:
     """Every primary's schema (conf/<primary>.yaml names it first) and every group's."""
     cs = ConfigStore.instance()

@@ -237,6 +237,31 @@ class DataConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    """On-policy distillation, a training stage for EAGLE-3 heads (Draft-OPD, Lei et al. 2026,
+    arXiv 2605.29343; specheads/train/on_policy.py): our speculative loop rolls out training prompts
+    with the current head and the frozen target, the head's drafting is replayed from each position
+    where verification rejected its draft, and the frozen target's distribution supervises the head
+    at every state its own drafts led to. Off by default: a run without it trains as before."""
+
+    enabled: bool = False  # turn the stage on (head=eagle3)
+    # the share of each optimizer step's loss that is on-policy: (1 - mix) x the supervised loss +
+    # mix x the on-policy loss; 1 = on-policy only
+    mix: float = 0.5
+    # optimizer steps between rollout refreshes with the current head (the first step of a run, or
+    # of a resumed one, rolls out); the replayed rows are kept in memory in between
+    refresh_every: int = 25
+    rollouts: int = 16  # training prompts rolled out at each refresh, all ranks together
+    max_new_tokens: int = 128  # tokens each rollout generates (fewer when it ends with EOS)
+    # the rollouts' sampling temperature: 0 = greedy, else lossless rejection sampling of the
+    # target's tokens (the head's drafts are its top-1 chain either way, as it drafts at inference)
+    temperature: float = 0.0
+    # tokens the head drafts over its own proposals from each rejection position (the replayed
+    # states the loss reads); null = head.ttt_steps. The rollouts' draft chain is head.ttt_steps long
+    draft_steps: int | None = None
+
+
+@dataclass
 class TrainConfig:
     """Optimisation and bookkeeping. These are small-run defaults; the embedded default run
     (`python train.py`: SmolLM2-135M + EAGLE-3) takes its steps from conf/recipe/, and cluster
@@ -279,6 +304,8 @@ class TrainConfig:
     # on new data, with a fresh optimizer and schedule); its family, target and shapes must match
     # this run's head fields. A run that resumes from its own checkpoint ignores it.
     init_from: str | None = None
+    # on-policy distillation from rollouts of the head itself (OnPolicyConfig); off by default
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..config import installed_conf_dir
+from ..config import model_option
 from ..config.export import ExportJobConfig
 from ..config.model import ModelConfig
 from ..errors import SpecHeadsError
@@ -23,12 +23,12 @@ from .model_card import model_card, read_bench_summary
 def model_config_for_target(name: str, conf_dir: Path | None = None) -> ModelConfig | None:
     """The conf/model option whose `name` is the head's target name (what train.py was run with);
     conf_dir defaults to the configs installed with specheads."""
-    for path in sorted(((conf_dir or installed_conf_dir()) / "model").glob("*.yaml")):
-        data = OmegaConf.load(path)
-        if data.get("name") == name:
-            data.pop("defaults", None)
-            return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), data))
-    return None
+    found = model_option(name, conf_dir)
+    if found is None:
+        return None
+    data = found[1]
+    data.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), data))
 
 
 def hub_id_of(model_cfg: ModelConfig | None, info: TargetInfo) -> str:

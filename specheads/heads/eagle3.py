@@ -90,22 +90,27 @@ class Eagle3Head(DraftVocabulary, AutoregressiveHead):
         row = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
         row[needed] = torch.arange(int(needed.sum()), device=needed.device)
         target_logits = self.target_logits(states["final"][needed])  # [N, V]
-        in_vocab_logits = target_logits[:, self.t2d]
-        in_vocab_top = self.t2d[target_logits.argmax(-1)]
-        every = self.spec.loss_positions == "all"
         outs = self.unrolled_batch(batch, self.input_features(states), steps)
         total = target_logits.new_zeros(())
         metrics = {}
         for j, (h, m, (b, t)) in enumerate(zip(outs, counted, where)):
-            r = row[b, t]
-            keep = in_vocab_top[r] | every  # a top token outside the draft vocabulary can't be drafted
-            n = keep.sum().clamp(min=1)
-            p = torch.softmax(in_vocab_logits[r], dim=-1)
-            logq = torch.log_softmax(self.draft_logits(h[m]), dim=-1)
-            per_position = position_loss(self.spec.loss_fn, p, logq, self.spec.lk_eta)
-            loss_j = (per_position * keep).sum() / n
+            loss_j, acc = self.step_loss(h[m], target_logits[row[b, t]])
             total = total + self.spec.ttt_decay**j * loss_j
-            acc = ((logq.argmax(-1) == p.argmax(-1)) & keep).sum() / n
             metrics[f"loss_{j}"] = loss_j.item()
             metrics[f"acc_{j}"] = acc.item()
         return total, metrics
+
+    def step_loss(self, h: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, top-1 accuracy) of draft outputs h [N, H] against the target's full-vocabulary
+        logits [N, V] at the same states: head.loss_fn between the target's distribution over the
+        draft vocabulary and the draft's, averaged over the positions head.loss_positions counts.
+        One unrolled step of `loss`, and what the on-policy stage (train/on_policy.py) trains on."""
+        keep = self.t2d[target_logits.argmax(-1)]  # a top token outside the draft vocabulary can't be drafted
+        keep = keep | (self.spec.loss_positions == "all")
+        n = keep.sum().clamp(min=1)
+        p = torch.softmax(target_logits[:, self.t2d], dim=-1)
+        logq = torch.log_softmax(self.draft_logits(h), dim=-1)
+        per_position = position_loss(self.spec.loss_fn, p, logq, self.spec.lk_eta)
+        loss = (per_position * keep).sum() / n
+        acc = ((logq.argmax(-1) == p.argmax(-1)) & keep).sum() / n
+        return loss, acc

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..config import model_option
 from ..config.train import TrainJobConfig
 from ..data.features import check_disk
 from ..errors import SpecHeadsError
@@ -228,12 +229,12 @@ def is_real(arch: TargetArch, cfg: TrainJobConfig) -> bool:
 
 
 def model_choice(cfg: TrainJobConfig) -> str:
-    """The model= choice the run was composed with (its conf/model/ file), else model.name."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return HydraConfig.get().runtime.choices.get("model") or cfg.model.name
-    return cfg.model.name
+    """The model= option of this target (its conf/model file, by the name it gives), else model.name."""
+    try:
+        found = model_option(cfg.model.name)
+    except SpecHeadsError:  # no installed configs: the name is what there is
+        found = None
+    return found[0] if found else cfg.model.name
 
 
 def make_data_commands(cfg: TrainJobConfig) -> list[str]:

@@ -28,6 +28,7 @@ from .arch import read_arch
 from .budget import check_epochs, check_real_target, dry_run
 from .checkpoint import Checkpoints
 from .metrics import MetricsLog, plot_metrics
+from .on_policy import build_stage, check_settings
 from .plan import check_fits, shard_decision
 from .sharded_target import check_shardable, frozen_parts_gathered, load_sharded_target
 from .state_source import OfflineStates, OnlineStates, StateSource
@@ -187,6 +188,7 @@ def train(cfg: TrainJobConfig) -> Path | None:
     """Run (or resume) the training job described by cfg. Returns output_dir/head on rank 0;
     with dry_run, prints the memory plan instead and returns None, having loaded nothing."""
     check_train_settings(cfg.train)
+    check_settings(cfg)  # train.on_policy
     check_loss_fn(cfg.head.loss_fn, cfg.head.lk_eta)  # before anything loads (HeadSpec checks it again)
     if cfg.dry_run:
         text = dry_run(cfg)
@@ -211,6 +213,11 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
     shard = shard_decision(cfg, d.world_size, on_gpu)
     if shard:
         check_shardable(cfg)
+        if cfg.train.on_policy.enabled:
+            raise SpecHeadsError(
+                "train.on_policy rolls out with the whole target on every rank, but this run shards it "
+                "(deepspeed.shard_target): set deepspeed.shard_target=false or drop train.on_policy"
+            )
     warning = check_fits(cfg, d.world_size, on_gpu, sharded=shard)
     if warning and d.is_main:
         print(warning, file=sys.stderr)
@@ -227,6 +234,8 @@ def train_in_group(cfg: TrainJobConfig, d: Dist) -> Path:
         head, source = head_and_states(cfg, target, d)
         init = {} if resuming else warm_started(cfg, head, target)
     trainer = Trainer(cfg, head, source, d, output_dir)
+    autocast = autocast_dtype(cfg.train.autocast, target.dtype)
+    trainer.on_policy = build_stage(cfg, head, target, source.rows("train"), d, autocast)  # None when off
     check_budget(cfg, trainer)
     trainer.init_record = init
     resumed = trainer.resume()

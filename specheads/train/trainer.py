@@ -33,6 +33,7 @@ from .batches import eval_batches, training_order
 from .checkpoint import Checkpoints
 from .deepspeed_config import deepspeed_config, param_groups
 from .metrics import MetricsLog
+from .on_policy import OnPolicyStage, replay_loss
 from .schedule import TimeBudget, warmup_cosine_scheduler
 from .state_source import StateSource
 
@@ -52,10 +53,12 @@ class HeadObjective(nn.Module):
         if adapter is not None:
             self.adapter = adapter
 
-    def forward(self, batch, states, evaluate: bool = False):
+    def forward(self, batch, states, evaluate: bool = False, on_policy: bool = False):
         device = batch["input_ids"].device.type
         # mixed precision: matmuls in `autocast`, weights, optimizer and losses stay in the head's dtype
         with torch.autocast(device, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            if on_policy:  # replayed rows of the on-policy stage (train.on_policy)
+                return replay_loss(self.head, batch, states)
             return self.head.evaluate(batch, states) if evaluate else self.head.loss(batch, states)
 
 
@@ -205,6 +208,9 @@ class Trainer:
         # the training record a head directory written at a checkpoint carries (train.save_heads);
         # set by train(cfg), which owns the run's provenance
         self.head_record: Callable[[Trainer], dict[str, Any]] | None = None
+        # the on-policy stage (train.on_policy), attached by train(cfg) when it is on; None: the
+        # supervised loss alone, as every run without the stage trains
+        self.on_policy: OnPolicyStage | None = None
 
     def total_steps(self) -> int:
         t = self.cfg.train
@@ -302,13 +308,19 @@ class Trainer:
         sums: dict[str, float] = {}
         tokens = 0
         self.head.steps_done = self.step
+        if self.on_policy is not None and self.on_policy.due(self.step):
+            self.on_policy.refresh(self.engine, self.step)
         for k in range(grad_accum):
             rows = self.batches[self.step * grad_accum + k]
             if self.packs is None:
                 batch, states = self.source.fetch("train", rows)
             else:
                 batch, states = self.source.fetch_packed("train", [self.packs[i] for i in rows])
-            loss, metrics = self.engine(batch, states)
+            if self.on_policy is None:
+                loss, metrics = self.engine(batch, states)
+            else:
+                loss, metrics, on_policy_tokens = self.on_policy.loss(self.engine, batch, states)
+                tokens += on_policy_tokens
             self.engine.backward(loss)
             self.engine.step()
             for key, value in {"loss": loss.item(), **metrics}.items():

@@ -28,7 +28,6 @@ from specheads.bench.calibrate import (
     time_target,
     with_sizes,
 )
-from specheads.bench.inputs import eos_token_ids
 from specheads.bench.questions import read_questions
 from specheads.bench.replay import accepted_length, best_paths, path_frequencies, rank_vectors
 from specheads.bench.session import Session
@@ -41,6 +40,7 @@ from specheads.decode.policy import DynamicTreeSpec, HybridPolicy, hybrid_policy
 from specheads.decode.tree import static_tree
 from specheads.heads import load_head, save_head
 from specheads.heads.io import draft_precision
+from specheads.target import eos_token_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,6 @@ import torch
 from conftest import ROOT, assert_first_two_tokens_follow, assert_other_numbers, assert_same_numbers, hf_greedy
 from test_generate import accepts_any_draft_in_support, first_two_probs, first_two_samples
 
-from specheads.bench.inputs import eos_token_ids
 from specheads.config.infer import DraftModelConfig
 from specheads.decode.baselines import Assistant, hf_generate
 from specheads.decode.draft_model import (
@@ -28,6 +27,7 @@ from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import DynamicTreeSpec
 from specheads.decode.tree import chain_paths, static_tree
 from specheads.errors import SpecHeadsError
+from specheads.target import eos_token_ids
 from specheads.tiny import SPECIAL_TOKENS, byte_tokenizer
 from specheads.tiny import tiny_target as tiny_target_builder
 

@@ -17,7 +17,6 @@ from conftest import (
     quick_head,
 )
 
-from specheads.bench.inputs import eos_token_ids
 from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import (
     EagleDrafter,
@@ -42,7 +41,7 @@ from specheads.kernels.linear_layout import (
     packing_available,
     uninstall,
 )
-from specheads.target import FrozenTarget
+from specheads.target import FrozenTarget, eos_token_ids
 from specheads.tiny import tiny_target as build_tiny
 
 FAMILIES = ["medusa", "eagle", "eagle3", "hydra", "peagle", "dflash"]
