@@ -141,3 +141,25 @@ def test_a_disk_that_fills_during_a_checkpoint_ends_in_one_line(tmp_path, monkey
     monkeypatch.setattr(checkpoint, "save_rng", real)
     run.train(cfg)  # resumes from step 1
     assert (out / "head" / "model.safetensors").is_file()
+
+
+def test_the_recipe_table_of_the_your_model_page_is_the_plans():
+    """docs/your-model.md's time on 8 H100 and offline disk per recipe are what dry_run=true gives
+    now (a changed recipe or throughput model fails here until the page is written again)."""
+    from test_plan import ROOT
+
+    from specheads.train.plan import make_plan
+
+    text = (ROOT / "docs" / "your-model.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `") and not line.startswith("| `model=`")]
+    recipes = sorted(p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml") if not p.stem.startswith("smollm2"))
+    assert len(rows) == len(recipes)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        model, head = cells[0].strip("`"), cells[1].strip("`")
+        assert f"{model}_{head}" in recipes, row
+        cfg = job(f"model={model}", f"head={head}", "plan.gpu_memory=80GB")
+        arch = read_arch(cfg.model)
+        eight = next(t for t in timings(cfg, arch, 80 * 10**9, "h100") if t.gpus == 8)
+        assert cells[-2] == f"{eight.seconds / 3600:.1f} h ({eight.seconds * 8 / 3600:.0f} GPU-h)", row
+        assert cells[-1] == f"{make_plan(cfg, arch, None, 1).disk / 1e12:.1f} TB", row
