@@ -41,6 +41,13 @@ def one_line_errors(main):
     return wrapper
 
 
+def first_line(err: BaseException) -> str:
+    """An exception's first line of text (its type's name when it has none): what a one-line
+    error quotes of a library's multi-line message."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def debugging() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("SPECHEADS_DEBUG") == "1"
 

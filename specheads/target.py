@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .chat_template import chat_record, set_thinking
 from .config.model import ModelConfig
-from .errors import SpecHeadsError
+from .errors import SpecHeadsError, first_line
 from .numerics import relative_error, same_numbers
 from .tiny import TINY_PREFIX
 
@@ -408,7 +408,7 @@ def load_target(cfg: ModelConfig, device: torch.device | None = None) -> FrozenT
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise SpecHeadsError(f"cannot load target {path!r}: {first}") from err
     set_thinking(tokenizer, cfg.thinking)  # resolved once: every chat rendering reads it from here
     target = FrozenTarget(model.to(device), tokenizer, name=cfg.name, revision=cfg.revision)
@@ -427,7 +427,7 @@ def load_tokenizer(cfg: ModelConfig):
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first_line(err)
             raise SpecHeadsError(f"cannot load the tokenizer of target {cfg.path!r}: {first}") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

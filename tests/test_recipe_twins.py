@@ -9,17 +9,20 @@ export with its check against the engine's loader. Commands run in this process 
 runs them (conftest.run_script), the two ranks under torchrun."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, run_script, write_questions
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from specheads.config import register_configs, typed
+from specheads.config.distill import DistillConfig
 from specheads.target import load_target
 from specheads.train.arch import read_arch
 from specheads.train.budget import timings
@@ -120,9 +123,8 @@ def twin_run(request, tmp_path_factory):
         mp.setenv("HF_HUB_OFFLINE", "1")  # nothing is downloaded: a twin names no Hub repo
         prompts = write_questions(work / "prompts.jsonl", [f"Say {i}." for i in range(16)])
         twin = recipe_cfg(recipe, *twin_model(recipe))
-        target = load_target(twin.model, device=__import__("torch").device("cpu"))
-        distill_defaults = __import__("specheads.config.distill", fromlist=["DistillConfig"]).DistillConfig()
-        server = FakeServer(target, distill_defaults)
+        target = load_target(twin.model, device=torch.device("cpu"))
+        server = FakeServer(target, DistillConfig())
         try:
             for words in distill_commands(recipe, prompts, server.url):
                 ok(run_script("distill.py", *words, cwd=work))
@@ -138,7 +140,7 @@ def twin_run(request, tmp_path_factory):
             capture_output=True,
             text=True,
             timeout=600,
-            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
+            env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
         )
         assert proc.returncode == 0, "\n".join(l for l in proc.stderr.splitlines() if "error" in l.lower())[-4000:]
         yield recipe, work, proc, train

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..errors import SpecHeadsError
+from ..errors import SpecHeadsError, first_line
 from .shards import completed_shard_files, is_distill_output
 from .sharegpt import ROLES as SHAREGPT_ROLES
 from .sharegpt import SOURCE_NAME as SHAREGPT_SOURCE
@@ -151,7 +151,7 @@ def _hub_rows(name: str, split: str, config: str | None = None) -> Iterable[tupl
     try:
         loaded = datasets.load_dataset(name, config, split=split)
     except Exception as err:  # network, missing repo, bad split: all are the user's input
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         which = f"config {config!r}, " if config else ""
         raise SpecHeadsError(f"cannot load data set {name!r} ({which}split {split!r}): {first}") from None
     for i, row in enumerate(loaded):

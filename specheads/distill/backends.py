@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from ..config.distill import DistillConfig
 from ..config.model import ModelConfig
 from ..data.chat import render
-from ..errors import SpecHeadsError
+from ..errors import SpecHeadsError, first_line
 from ..target import TargetInfo, load_tokenizer, target_source
 from .generation import generate
 from .identity import weights_for_check
@@ -141,7 +141,7 @@ def load_tokenizer_target(cfg: ModelConfig) -> TokenizerTarget:
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise SpecHeadsError(f"cannot load the tokenizer of target {cfg.path!r}: {first}") from err
     info = TargetInfo.from_hf_config(config, name=cfg.name, revision=cfg.revision)
     return TokenizerTarget(tokenizer, info, source=cfg)

@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import SpecHeadsError
+from ..errors import SpecHeadsError, first_line
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -80,8 +80,3 @@ def push_to_hub(
     except Exception as err:
         raise SpecHeadsError(f"upload to {repo_id} failed: {type(err).__name__}: {first_line(err)}") from None
     return str(getattr(info, "commit_url", None) or f"https://huggingface.co/{repo_id}")
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -30,7 +30,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..atomic import write_directory
-from ..errors import SpecHeadsError
+from ..errors import SpecHeadsError, first_line
 from ..target import FrozenTarget, TargetInfo, forward_masks
 from .base import shifted, within
 from .medusa import MedusaHead
@@ -239,7 +239,7 @@ def fold_adapter(target: FrozenTarget, source: Path) -> None:
         with quiet_peft():
             PeftModel.from_pretrained(target.model, str(source)).merge_and_unload()
     except (ValueError, OSError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise SpecHeadsError(f"cannot apply the adapter {source} to the target: {first}") from None
     setattr(target.model.config, MERGED_KEY, digest)
 

@@ -30,7 +30,7 @@ from ..errors import SpecHeadsError
 from ..heads import HEADS
 from ..target import cache_root
 from .arch import TargetArch, read_arch
-from .plan import FEATURE_BYTES, UNKNOWN_TOKENS, Gpus, Plan, feature_tokens, gb, make_plan, parse_memory, state_count
+from .plan import UNKNOWN_TOKENS, Gpus, Plan, feature_tokens, gb, make_plan, parse_memory
 from .plan import dry_run as memory_plan
 from .throughput import DEFAULT_GPU, FIT, GPUS, Work, tokens_per_second
 
@@ -212,14 +212,13 @@ def disk_lines(cfg: TrainJobConfig, arch: TargetArch) -> list[str]:
 def dry_run(cfg: TrainJobConfig) -> str:
     """train.py dry_run=true: the memory plan, the time per GPU count, the disk; nothing loaded."""
     arch = read_arch(cfg.model)
-    *table, verdict = memory_plan(cfg).split("\n")  # the verdict stays the last line (docs/contracts.md)
+    *table, verdict = memory_plan(cfg, arch).split("\n")  # the verdict stays the last line (docs/contracts.md)
     text = "\n".join([*table, *time_lines(cfg, arch), *disk_lines(cfg, arch)[1:], "", verdict])
     directory = feature_directory(cfg)
     if directory is not None:  # a cache the disk cannot hold: the plan, then the refusal
         plan = make_plan(cfg, arch, None, 1)
-        per_token = state_count(plan.spec, arch.info) * arch.info.hidden_size * FEATURE_BYTES
         print(text, flush=True)
-        check_disk(nearest_existing(directory), int(plan.disk), plan.tokens, per_token)
+        check_disk(nearest_existing(directory), int(plan.disk), plan.tokens, int(plan.disk) // max(plan.tokens, 1))
         return ""
     return text
 

@@ -406,11 +406,12 @@ def planned_gpus(cfg: TrainJobConfig, world: int | None = None) -> Gpus | None:
     return Gpus(count, memory, "declared" if declared else "visible")
 
 
-def dry_run(cfg: TrainJobConfig) -> str:
-    """train.py dry_run=true: the plan for the declared or visible GPUs, nothing loaded."""
+def dry_run(cfg: TrainJobConfig, arch: TargetArch | None = None) -> str:
+    """train.py dry_run=true: the plan for the declared or visible GPUs, nothing loaded (`arch`:
+    the target's sizes when the caller has read them already)."""
     gpus = planned_gpus(cfg)
     world = gpus.count if gpus else (cfg.plan.gpus or 1)
-    return format_plan(make_plan(cfg, read_arch(cfg.model), gpus, world))
+    return format_plan(make_plan(cfg, arch or read_arch(cfg.model), gpus, world))
 
 
 def shard_decision(cfg: TrainJobConfig, world: int, on_gpu: bool) -> bool:
