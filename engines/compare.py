@@ -42,7 +42,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from specheads.atomic import write_json, write_text
+from specheads.bench.record import results_record
+from specheads.bench.trees import machine_record
 from specheads.data.questions import DEV_QUESTIONS
 from specheads.errors import SpecHeadsError, one_line_errors
 
@@ -637,6 +641,9 @@ def run(args: argparse.Namespace) -> dict:
         "vllm": vllm,
         "infer": by_chain,
     }
+    ran = {**{fam: p for fam, p in heads.items()}, **dict(args.given)}
+    machine = machine_record(torch.device("cpu"), kernels=False)
+    report["record"] = results_record("vllm", ran, args.questions, len(questions), machine)
     write_json(out / "engines.json", report)
     header = (
         f"vLLM (CPU build) vs infer.py: {len(questions)} questions of {args.questions.name}, "

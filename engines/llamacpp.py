@@ -32,7 +32,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from specheads.atomic import write_json, write_text
+from specheads.bench.record import results_record
+from specheads.bench.trees import machine_record
 from specheads.data.questions import DEV_QUESTIONS
 from specheads.errors import SpecHeadsError, one_line_errors
 
@@ -353,6 +357,8 @@ def run(args: argparse.Namespace) -> dict:
     runs = {k: (sum(len(r["k"][k]["accepted"]) for r in rows), sum(r["k"][k]["seconds"] for r in rows)) for k in args.k}
     report["cost"] = cost_model(forward_s, weight_bytes, gb_s, report["by_k"], runs)
     report.update({"target": str(target_gguf), "head": str(args.head), "draft": str(draft), "rows": rows})
+    machine = {**machine_record(torch.device("cpu"), kernels=False), "threads": args.threads}
+    report["record"] = results_record("llamacpp", {"eagle3": args.head}, args.questions, len(questions), machine)
     write_json(out / "llamacpp.json", report)
     table = format_table(report, args)
     write_text(out / "llamacpp.md", table)

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STATE = Path(os.environ.get("SPECHEADS_SERVE_STATE", ROOT / "runs" / "serve"))
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-# Measured on the 2-core CPU machine (BENCHMARKS.md "Writing the data"): fp32 like the target,
+# Measured on the 2-core CPU machine (docs/studies/2026-11-24-distill-backends.md): fp32 like the target,
 # eager mode (graph capture gains nothing on CPU), room for many sequences in flight.
 DEFAULT_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", "128"]
 KV_CACHE_GIB = "6"
@@ -99,7 +99,7 @@ def start(args: argparse.Namespace) -> int:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     # vLLM's CPU build reserves one core for its front end by default: on a 2-core machine that
     # halves the engine. Bind the engine's OpenMP threads to every core instead (measured faster,
-    # BENCHMARKS.md "Writing the data"), and preload the Intel OpenMP runtime vLLM asks for.
+    # docs/studies/2026-11-24-distill-backends.md), and preload the Intel OpenMP runtime vLLM asks for.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))

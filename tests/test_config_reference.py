@@ -106,7 +106,7 @@ def test_the_links_into_the_page_name_its_headings(reference):
     assert "{#" not in page
     slugs = {reference.slug(line.lstrip("#").strip()) for line in page.splitlines() if line.startswith("#")}
     links = set(re.findall(r"\]\(#([^)]+)\)", page))
-    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+    for doc in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
         links |= set(re.findall(r"configuration\.md#([\w-]+)", doc.read_text()))
     assert links and links <= slugs, sorted(links - slugs)
 

@@ -1,11 +1,12 @@
 """The commands the documents show run as written, and each result has one home.
 
 Every `train.py`, `distill.py`, `infer.py` and `specheads.export` command in a fenced ```bash
-block of the README, the guides and BENCHMARKS.md is composed with `--cfg job` (Hydra prints the
-composed config and exits before any model is loaded; an unknown key or a wrong type fails in one
-line with exit status 2), and every `make` target named there exists in the Makefile.
-docs/history.md is left out: it keeps each dated study's commands as they were run, with the keys
-of their day. docs/configuration.md is generated and shows no commands.
+block of the README, the guides, BENCHMARKS.md and the study pages of docs/studies/ from
+CHECKED_FROM on is composed with `--cfg job` (Hydra prints the composed config and exits before any
+model is loaded; an unknown key or a wrong type fails in one line with exit status 2), and every
+`make` target named there exists in the Makefile. The studies dated before CHECKED_FROM (the
+results history they came from was never checked) are left out: they keep each study's commands as
+they were run, with the keys of their day. docs/configuration.md is generated and shows no commands.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ import tomllib
 from hydra.core.global_hydra import GlobalHydra
 
 ROOT = Path(__file__).resolve().parents[1]
+# The first day of the studies that BENCHMARKS.md kept, and checked, before they moved to
+# docs/studies/ (YYYY-MM-DD-slug.md); every later study is checked too.
+CHECKED_FROM = "2026-11-27"
 DOCUMENTS = [
     ROOT / "README.md",
     ROOT / "BENCHMARKS.md",
-    *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in ("history.md", "configuration.md")),
+    *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "configuration.md"),
+    *sorted(p for p in (ROOT / "docs" / "studies").glob("*.md") if p.name == "index.md" or p.name >= CHECKED_FROM),
 ]
 SCRIPTS = {"train.py", "distill.py", "infer.py"}
 MODULES = {"specheads.export"}
@@ -44,7 +49,7 @@ LAUNCHERS = {"deepspeed", "torchrun"}
 SEPARATORS = {"&&", "||", ";", "|", "&"}
 # Commands shown that --cfg job cannot check as written, each with the reason (matched by a word).
 NOT_COMPOSED = {
-    "head=$1": "BENCHMARKS.md's three families at equal training cost: a shell loop gives the head and lr",
+    "head=$1": "docs/studies/2026-11-27-families-equal-cost-h200.md: a shell loop gives the head and lr",
 }
 BLOCK = re.compile(r"^(?P<indent>[ \t]*)```bash[ \t]*\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
 
@@ -191,9 +196,12 @@ def test_documented_make_target_exists(words):
 
 
 def test_the_readme_and_quickstart_commands_are_found():
-    """The extraction itself: the README's tour and the quickstart are among the commands checked."""
+    """The extraction itself: the README's tour, the quickstart and the studies from CHECKED_FROM on
+    are among the commands checked, the older studies not."""
     ids = [p.id for p in documented("command")]
     assert any(i.startswith("README.md:") for i in ids)
+    assert any(i.startswith(f"docs/studies/{CHECKED_FROM}-") for i in ids)
+    assert not any(i.startswith("docs/studies/") and i[len("docs/studies/") :] < CHECKED_FROM for i in ids)
     assert any(i.startswith("docs/quickstart.md:") for i in ids)
     assert any(p.id.startswith("docs/quickstart.md:") for p in documented("make"))
 
@@ -242,8 +250,30 @@ def test_the_readmes_results_table_is_benchmarks_headline_table_and_no_other():
     tool = readme_results()
     readme, benchmarks = (ROOT / "README.md").read_text(), (ROOT / "BENCHMARKS.md").read_text()
     assert tool.included(readme, benchmarks) == readme, "run .venv/bin/python tools/readme_results.py"
-    assert tool.included(readme, benchmarks.replace("| 2.44 |", "| 2.45 |").replace("**2.44**", "**2.45**")) != readme
+    headline = benchmarks.index(tool.HEADLINE_BEGIN)
+    figure = re.compile(r"\| (\d+\.\d+) \|").search(benchmarks, headline)  # the headline table's first figure
+    edited = benchmarks[: figure.start(1)] + str(float(figure.group(1)) + 1) + benchmarks[figure.end(1) :]
+    assert tool.included(readme, edited) != readme
     rows = copied_result_rows(readme)
     assert not rows, "README.md copies a results table by hand:\n" + "\n".join(rows)
     assert copied_result_rows(readme.replace(tool.INCLUDED_BEGIN, "")), "the row pattern finds no table: stale"
     assert "BENCHMARKS.md#current-results" in readme
+
+
+def test_every_study_has_a_dated_page_and_a_row_in_the_studies_index():
+    """docs/studies/: one page a study, YYYY-MM-DD-slug.md under a dated title, each listed once in
+    index.md's table (the site's nav follows that table, tools/mkdocs_hooks.py); BENCHMARKS.md
+    keeps only its current results and links the index."""
+    folder = ROOT / "docs" / "studies"
+    pages = sorted(p.name for p in folder.glob("*.md") if p.name != "index.md")
+    assert pages, "no study pages"
+    for name in pages:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d-[a-z0-9-]+\.md", name), name
+        title = (folder / name).read_text().split("\n", 1)[0]
+        assert re.fullmatch(rf"# .+ \({name[:10]}\)", title), f"{name}: {title}"
+    rows = re.findall(r"^\| (\d{4}-\d\d-\d\d) \| \[[^\]]+\]\(([^)]+\.md)\)", (folder / "index.md").read_text(), re.M)
+    assert sorted(page for _, page in rows) == pages
+    assert all(page.startswith(date) for date, page in rows)
+    assert [date for date, _ in rows] == sorted((date for date, _ in rows), reverse=True), "index.md: newest first"
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    assert "docs/studies/index.md" in benchmarks and "\n### " not in benchmarks.split("\n## Studies", 1)[1]

@@ -76,6 +76,7 @@ from ..decode.policy import (
     text_settings,
     tree_config_from,
 )
+from ..decode.suffix import TextDraft
 from ..decode.tree import TreeLayout, pruned_tree, static_tree
 from ..errors import SpecHeadsError
 from ..heads import read_head_config
@@ -83,9 +84,19 @@ from ..heads.io import CONFIG_NAME, draft_precision
 from ..provenance import portable_path
 from ..target import eos_token_ids, synchronize
 from .dynamic_trees import MAX_DEPTH, NODES, TOP_K, dynamic_choice, grow_along, rule_candidate
-from .hybrid_fit import accepted_text, calibrate_rule, score_rule, text_positions, time_lookup, walk_text
+from .hybrid_fit import (
+    accepted_text,
+    calibrate_rule,
+    score_rule,
+    text_drafts,
+    text_positions,
+    time_lookup,
+    verified_nodes,
+    walk_text,
+)
 from .inputs import encode_prompt, sampling_config
 from .questions import read_questions
+from .record import weights_sha256
 from .replay import accepted_length, best_paths, path_frequencies, rank_vectors
 from .timing import isotonic, time_steps
 from .trees import (
@@ -364,6 +375,8 @@ def hybrid_choice(
     text_nodes: Sequence[int] = TEXT_NODES,
     *,
     lengths: Sequence[int],
+    drafts: Sequence[TextDraft],
+    truths: Sequence[Sequence[int]],
 ) -> list[dict]:
     """Every hybrid setting scored: expected tau, tokens per second. head_rows: the head-only rows
     (nodes, paths, draft_ms; optionally min_path_prob, the depth gate the head's part is drafted
@@ -374,7 +387,9 @@ def hybrid_choice(
     A setting is (head nodes n, text nodes g) and a text-alone rule: none, or (m, L): where the
     text's last m tokens (or more) occurred before (alone[m] = text_acceptance's for trigger m
     drafted something), the step verifies the text's L nodes alone, with no head drafting; every
-    other step verifies the merged tree, which accepts max(A_head(n), A_text(g)). Under a gate the
+    other step verifies the merged tree, which accepts max(A_head(n), A_text(g)) and is priced at
+    the size the loop verifies (hybrid_fit.verified_nodes: drafts, the text's draft at each
+    position, its first g nodes merged; truths, the true continuation there). Under a gate the
     head's part is drafted as gate_choice counts it: at each position as deep as gated_depth says,
     accepting at most that deep, verifying and drafting that many levels' nodes. Each setting
     walks the answers as the loop steps through them (walk.walk: a step accepting a drafts is
@@ -416,10 +431,11 @@ def hybrid_choice(
             if h["nodes"] == 0 and g == 0:
                 continue
             step_acc, step_cost = [], []
-            for a_h, nodes, drafting, a_t in zip(head_acc, head_nodes, head_s, text):
+            for a_h, nodes, drafting, a_t, draft, truth in zip(head_acc, head_nodes, head_s, text, drafts, truths):
                 used = min(g, len(a_t) - 1)
                 step_acc.append(max(a_h, a_t[used]))
-                step_cost.append(cost(1 + nodes + used) + drafting + (lookup_s if g else 0.0))
+                merged = verified_nodes(nodes, truth[:a_h], draft.chains(used))
+                step_cost.append(cost(merged) + drafting + (lookup_s if g else 0.0))
             rules = [(0, 0, *score(step_acc, step_cost))]
             if h["nodes"]:  # without a head there is nothing to skip
                 # under a rule the text is looked up at every step, to see whether it fires
@@ -471,6 +487,7 @@ def score_hybrid_setting(
         return None
     nodes = max(max(TEXT_NODES), g, size)  # as calibrate_hybrid lists them
     text, alone = text_acceptance(source, prompts, contexts, nodes, [trigger] if size else [])
+    drafts, truths = text_drafts(source, prompts, contexts, nodes)
     head = []
     if paths:
         draft_s = draft_by_depth(paths)
@@ -487,6 +504,8 @@ def score_hybrid_setting(
         top_probs,
         (g,),
         lengths=answer_lengths(prompts, contexts),
+        drafts=drafts,
+        truths=truths,
     )
     rule = (size, trigger) if size and paths else (0, 0)
     found = [r for r in rows if r["head_nodes"] == len(paths) and (r["text_alone"], r["text_alone_ngram"]) == rule]
@@ -514,12 +533,15 @@ def calibrate_hybrid(
     sizes = list(TEXT_NODES[1:]) if t.text_alone is None else [t.text_alone] if t.text_alone else []
     # the merged tree's text part is the trigger-1 rule's text too: listed once, long enough for both
     text, alone = text_acceptance(source, prompts, contexts, max(top, *sizes), triggers if sizes else [])
+    drafts, truths = text_drafts(source, prompts, contexts, max(top, *sizes))  # what each merged step merges
     target_s = with_sizes(
         target, step_context(prompts, contexts), target_s, hybrid_sizes(max(r["nodes"] for r in rows))
     )
     lookup_s = time_lookup(source, prompts, contexts, top) if lookup_s is None else lookup_s
     lengths = answer_lengths(prompts, contexts)
-    scored = hybrid_choice(vectors, text, rows, target_s, lookup_s, alone, sizes, top_probs, lengths=lengths)
+    scored = hybrid_choice(
+        vectors, text, rows, target_s, lookup_s, alone, sizes, top_probs, lengths=lengths, drafts=drafts, truths=truths
+    )
     best = max(scored, key=lambda r: r["tokens_per_s"])
     plain = 1 / target_s[1]
     head_best = max(r["tokens_per_s"] for r in rows)
@@ -721,6 +743,67 @@ def keep_calibration(t: TreeConfig, head, before: tuple[str, list, dict], out: T
     return tree_config_from(t, paths, record)
 
 
+@dataclasses.dataclass(frozen=True)
+class Before:
+    """The calibration before (bench.trees.existing_calibration), as this run would draft it: an
+    explicit gate or text-alone rule wins over its own. Empty when there is none to weigh
+    (tree.replace=always)."""
+
+    name: str = ""  # where it comes from, as the lines printed name it
+    paths: list | None = None  # its static tree (default_tree)
+    record: dict = dataclasses.field(default_factory=dict)
+    gate: float = 0.0  # its static tree's depth gate
+    dynamic: dict | None = None  # its dynamic tree, where tree=default drafts it
+    hybrid: dict | None = None  # its hybrid split
+
+    @property
+    def rule(self) -> dict:
+        return (self.hybrid or {}).get("rule") or {}
+
+    def depths(self) -> list[int]:
+        """The depths of its trees' paths: the static tree, the split's head part, the rule's tree."""
+        paths = [*(self.paths or []), *((self.hybrid or {}).get("paths") or []), *(self.rule.get("paths") or [])]
+        return [len(p) for p in paths]
+
+
+@dataclasses.dataclass
+class Answers:
+    """The target's greedy answers to the calibration prompts and the head's acceptance along them."""
+
+    source: str  # where the prompts come from (prompts_record)
+    texts: list[str]
+    prompts: list[list[int]]
+    contexts: list[list[int]]  # prompt + answer
+    ranks: list  # rank vectors as deep as `reach` (the trees before are scored on them)
+    vectors: list  # rank vectors cut to the searched depth (the new trees)
+    top_probs: list  # the head's top-1 probabilities along the answers (the depth gate)
+
+
+@dataclasses.dataclass
+class Costs:
+    """What the steps cost here: target forwards by query size, and the head's drafting of a tree
+    (timed once per tree, with the real drafter, on the longest answer's first half)."""
+
+    target: object
+    head: object
+    target_s: dict[int, float]
+    context: list[int]  # the mean context the loop's steps verify after
+    prompt: list[int]  # where a draft step is timed
+    hybrid_sizes: set[int]  # the hybrid's verification sizes, new and before (with_sizes)
+    drafting: dict[tuple, float] = dataclasses.field(default_factory=dict)  # tree paths -> seconds
+
+    def draft_time(self, paths) -> float:
+        key = tuple(tuple(p) for p in paths)
+        if key not in self.drafting:
+            self.drafting[key] = time_draft(self.target, self.head, static_tree([list(p) for p in key]), self.prompt)
+        return self.drafting[key]
+
+    def draft_by_depth(self, paths) -> dict[int, float]:
+        """Drafting cut at each depth: what a depth gate saves where it stops early."""
+        tree = static_tree([list(p) for p in paths])
+        return {d: self.draft_time(pruned_tree(tree, d).paths) for d in range(1, tree.layout.max_depth + 1)}
+
+
 def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> TreeConfig:
     """Measure, choose, (store), and return the chosen tree as a TreeConfig: static, or dynamic
     when a floored dynamic tree is expected to be faster (its `paths` are still the best static
@@ -736,20 +819,78 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     target, head = session.target, session.head
     kernels = getattr(session, "layouts", None) is not None
     head_dir = Path(session.head_dir) if session.head_dir is not None else None
-    before = existing_calibration(head, head_dir, target, kernels)
-    recorded = search_space(before[2]) if before is not None else {}
+    existing = existing_calibration(head, head_dir, target, kernels)
+    settings = searched_settings(settings, existing, out)
+    t = settings.tree
+    before = calibration_before(existing, t)
+    depth, reach = searched_depths(head, t.depth, before)
+    answers = measure_acceptance(settings, target, head, depth, reach)
+    needed = int(before.record.get("positions") or 0)
+    if len(answers.vectors) < needed:
+        report_too_few_positions(len(answers.vectors), needed, before.name, t, out)
+        return keep_calibration(t, head, existing, out)
+    freq = path_frequencies(answers.vectors, t.top_k)
+    candidates = [n for n in SIZES if n <= min(t.max_nodes, len(freq))] or [1]
+    old_tree = before_tree(before, reach)
+    costs = time_costs(target, head, answers, candidates, old_tree, before)
+    gates = GATES if t.min_path_prob is None else (t.min_path_prob,)
+    rows = score_static_trees(answers, freq, candidates, costs, gates)
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    old_static = score_before_static(answers, before, old_tree, costs)
+    plain = 1 / costs.target_s[1]
+    report_static_trees(rows, best, plain, costs.target_s, len(answers.vectors), len(answers.prompts), target, out)
+    old_rule_dynamic = before.rule.get("dynamic")
+    dynamic, old_dyn, dynamic_candidate = choose_dynamic(
+        target, head, answers, depth, t, gates, costs, before, old_rule_dynamic, out
+    )
+    use_dynamic = dynamic is not None and (t.dynamic == "only" or dynamic["tokens_per_s"] > best["tokens_per_s"])
+    report_dynamic(dynamic, plain, use_dynamic, out)
+    hybrid_s, new_text, lookup_s, text, hybrid, rule, rule_score = choose_hybrid(
+        target, settings, answers, rows, costs, before, dynamic, dynamic_candidate, out
+    )
+    record = new_record(t, head, head_dir, target, kernels, answers, depth, best, plain, hybrid, dynamic, use_dynamic)
+    paths = best["paths"]
+    if existing is not None and t.replace != "always":  # each part weighed against the one before
+        scored = (answers, costs, hybrid_s, new_text, lookup_s, text, reach, dynamic_candidate)
+        new_split = new_split_score(t, scored, hybrid)
+        parts = {
+            "tree": (dynamic if use_dynamic else best, old_dyn if before.dynamic is not None else old_static),
+            # the hybrid as it drafts: its adaptive rule where it has one, else its fixed split
+            "hybrid": (rule_score if rule is not None else new_split, score_before_split(before, t, scored)),
+        }
+        kept = parts_kept(parts)
+        report_weighed(before.name, kept, parts, plain, len(answers.vectors), out)
+        if len(kept) == len(parts):
+            return keep_calibration(t, head, existing, out)
+        paths = keep_parts(record, kept, parts, before, old_static, plain, paths)
+    elif existing is not None:
+        out.write(f"tree=auto: the new calibration replaces {existing[0]} (tree.replace=always)\n")
+    head.calibration = record
+    store_calibration(t, head, head_dir, target, kernels, paths, record, out)
+    out.flush()
+    return tree_config_from(t, paths, record)
+
+
+def searched_settings(settings: InferJobConfig, existing: tuple | None, out: TextIO) -> InferJobConfig:
+    """The settings with tree=auto's search resolved: a key left None searches as the calibration
+    before did (search_space), else its SEARCH_DEFAULTS value; one line names the keys taken."""
+    recorded = search_space(existing[2]) if existing is not None else {}
     taken = {k: v for k, v in recorded.items() if getattr(settings.tree, k) is None}
     if taken:
         out.write(
-            f"tree=auto searches as {before[0]} did: "
+            f"tree=auto searches as {existing[0]} did: "
             + ", ".join(f"tree.{k}={v}" for k, v in taken.items())
             + " (give a key to search otherwise)\n"
         )
-    settings = dataclasses.replace(settings, tree=resolve_search(settings.tree, recorded))
-    t = settings.tree
-    # the calibration before, as this run would draft it (an explicit gate or text-alone rule wins)
-    weigh = before is not None and t.replace != "always"
-    old_paths, old = (before[1], before[2]) if weigh else (None, {})
+    return dataclasses.replace(settings, tree=resolve_search(settings.tree, recorded))
+
+
+def calibration_before(existing: tuple | None, t: TreeConfig) -> Before:
+    """The calibration before as this run would draft it (an explicit gate or text-alone rule
+    wins); empty when there is none, or tree.replace=always replaces it unweighed."""
+    if existing is None or t.replace == "always":
+        return Before(gate=t.min_path_prob if t.min_path_prob is not None else 0.0)
+    name, old_paths, old = existing
     old_gate = t.min_path_prob if t.min_path_prob is not None else float(old.get("min_path_prob") or 0.0)
     old_dynamic = old.get("dynamic") if old.get("policy") == "dynamic" else None
     if old_dynamic is not None and t.min_path_prob is not None:
@@ -760,13 +901,22 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             t.min_path_prob if t.min_path_prob is not None else old_hybrid.get("min_path_prob")
         )
         old_hybrid.update({k: getattr(t, k) for k in ("text_alone", "text_alone_ngram") if getattr(t, k) is not None})
+    return Before(name, old_paths, old, old_gate, old_dynamic, old_hybrid)
+
+
+def searched_depths(head, searched: int, before: Before) -> tuple[int, int]:
+    """(depth, reach): the deepest new tree (the searched depth, at most what the head drafts), and
+    how deep the ranks are measured: as deep as the trees before reach too (up to what the head
+    drafts), since they are scored as deep as they draft, the new trees on ranks cut to `depth`."""
     limit = head.max_draft_depth(head.spec)
-    depth = min(t.depth, limit) if limit is not None else t.depth
-    # ranks as deep as the trees before reach too (up to what the head drafts): they are scored as
-    # deep as they draft, the new trees on ranks cut to the searched depth
-    old_rule_paths = ((old_hybrid or {}).get("rule") or {}).get("paths") or []
-    old_depths = [len(p) for p in [*(old_paths or []), *((old_hybrid or {}).get("paths") or []), *old_rule_paths]]
-    reach = max([depth, *(d for d in old_depths if limit is None or d <= limit)])
+    depth = min(searched, limit) if limit is not None else searched
+    return depth, max([depth, *(d for d in before.depths() if limit is None or d <= limit)])
+
+
+def measure_acceptance(settings: InferJobConfig, target, head, depth: int, reach: int) -> Answers:
+    """The target's greedy answers to the calibration prompts, and the head's rank vectors and
+    top-1 probabilities along them (teacher-forced, `reach` deep)."""
+    t = settings.tree
     source, texts, prompts = calibration_prompts(settings, target.tokenizer)
     if not prompts:
         raise SpecHeadsError("tree=auto needs at least one calibration prompt")
@@ -780,60 +930,62 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
     if not ranks:
         raise SpecHeadsError("tree=auto: the calibration answers were empty")
     vectors = [v[:depth] for v in ranks] if reach > depth else ranks
-    n_pos = len(vectors)
-    needed = int(old.get("positions") or 0)
-    if n_pos < needed:
-        out.write(
-            f"tree=auto: too few positions to decide: {n_pos} measured here, {before[0]} was measured on {needed}; "
-            f"raise tree.calibration_prompts (now {t.calibration_prompts}) or tree.calibration_tokens (now "
-            f"{t.calibration_tokens}) to measure at least {needed} (tree.replace=always replaces it regardless); "
-            "nothing changed, this run drafts with it\n"
-        )
-        return keep_calibration(t, head, before, out)
-    freq = path_frequencies(vectors, t.top_k)
-    candidates = [n for n in SIZES if n <= min(t.max_nodes, len(freq))] or [1]
-    old_tree = static_tree([list(p) for p in old_paths]) if old_paths and max(map(len, old_paths)) <= reach else None
+    return Answers(source, texts, prompts, contexts, ranks, vectors, top_probs)
+
+
+def report_too_few_positions(n_pos: int, needed: int, name: str, t: TreeConfig, out: TextIO) -> None:
+    out.write(
+        f"tree=auto: too few positions to decide: {n_pos} measured here, {name} was measured on {needed}; "
+        f"raise tree.calibration_prompts (now {t.calibration_prompts}) or tree.calibration_tokens (now "
+        f"{t.calibration_tokens}) to measure at least {needed} (tree.replace=always replaces it regardless); "
+        "nothing changed, this run drafts with it\n"
+    )
+
+
+def before_tree(before: Before, reach: int):
+    """The static tree before, where its ranks were measured (no deeper than `reach`), else None."""
+    old_paths = before.paths
+    return static_tree([list(p) for p in old_paths]) if old_paths and max(map(len, old_paths)) <= reach else None
+
+
+def time_costs(target, head, answers: Answers, candidates, old_tree, before: Before) -> Costs:
+    """Every verification size priced, new and before (the trees', their depth cuts', the hybrid's),
+    timed in one run (with_sizes), and the drafting timer."""
     old_sizes = {pruned_tree(old_tree, d).size for d in range(1, old_tree.layout.max_depth + 1)} if old_tree else set()
-    if old_dynamic is not None:
-        old_sizes.add(int(old_dynamic["total_tokens"]) + 1)
-    # the hybrid's sizes too, new and before: every verification size timed in one run (with_sizes)
-    top = max(TEXT_NODES)
-    need = hybrid_sizes(max(candidates))
-    if old_hybrid is not None:
-        g, alone = int(old_hybrid.get("ngram_nodes") or 0), int(old_hybrid.get("text_alone") or 0)
-        need |= {1 + len(old_hybrid.get("paths") or []) + g, 1 + alone}
-    lengths = answer_lengths(prompts, contexts)
-    context = step_context(prompts, contexts)
+    if before.dynamic is not None:
+        old_sizes.add(int(before.dynamic["total_tokens"]) + 1)
+    need = hybrid_sizes(max(candidates)) | before_hybrid_sizes(before.hybrid)
+    context = step_context(answers.prompts, answers.contexts)
     target_s = time_target(target, context, sorted({1, *(n + 1 for n in candidates), *old_sizes, *need}))
-    longest = max(contexts, key=len)
-    prompt = longest[: max(len(longest) // 2, 1)]
-    drafting: dict[tuple, float] = {}  # tree paths -> seconds of its drafting
+    longest = max(answers.contexts, key=len)
+    return Costs(target, head, target_s, context, longest[: max(len(longest) // 2, 1)], need)
 
-    def draft_time(paths) -> float:
-        key = tuple(tuple(p) for p in paths)
-        if key not in drafting:
-            drafting[key] = time_draft(target, head, static_tree([list(p) for p in key]), prompt)
-        return drafting[key]
 
-    def draft_by_depth(paths) -> dict[int, float]:
-        """Drafting cut at each depth: what a depth gate saves where it stops early."""
-        tree = static_tree([list(p) for p in paths])
-        return {d: draft_time(pruned_tree(tree, d).paths) for d in range(1, tree.layout.max_depth + 1)}
+def before_hybrid_sizes(old_hybrid: dict | None) -> set[int]:
+    """The verification sizes of the hybrid split before: its merged tree and its text alone."""
+    if old_hybrid is None:
+        return set()
+    g, alone = int(old_hybrid.get("ngram_nodes") or 0), int(old_hybrid.get("text_alone") or 0)
+    return {1 + len(old_hybrid.get("paths") or []) + g, 1 + alone}
 
-    gates = GATES if t.min_path_prob is None else (t.min_path_prob,)
+
+def score_static_trees(answers: Answers, freq, candidates, costs: Costs, gates) -> list[dict]:
+    """Each candidate size's best static tree (the n most frequent paths) under the depth gate that
+    serves it best."""
     rows = []
+    lengths = answer_lengths(answers.prompts, answers.contexts)
     for n in tqdm(candidates, desc="calibration: draft cost", unit="tree", file=sys.stderr):
         paths = best_paths(freq, n)
         tree = static_tree(paths)
-        draft_s = draft_by_depth(paths)
-        scored = gate_choice(vectors, top_probs, paths, target_s, draft_s, gates, lengths=lengths)
+        draft_s = costs.draft_by_depth(paths)
+        scored = gate_choice(answers.vectors, answers.top_probs, paths, costs.target_s, draft_s, gates, lengths=lengths)
         gated = max(scored, key=lambda r: r["tokens_per_s"])
         rows.append(
             {
                 "nodes": n,
                 "depth": tree.layout.max_depth,
                 "tau": gated["tau"],
-                "target_ms": 1e3 * target_s[n + 1],
+                "target_ms": 1e3 * costs.target_s[n + 1],
                 "draft_ms": 1e3 * draft_s[tree.layout.max_depth],
                 "min_path_prob": gated["min_path_prob"],
                 "tokens_per_s": gated["tokens_per_s"],
@@ -841,16 +993,23 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
                 "draft_s": draft_s,  # seconds by depth drafted: what the gate saves (the hybrid's head part too)
             }
         )
-    best = max(rows, key=lambda r: r["tokens_per_s"])
-    # the static tree before under its gate, on the same positions and costs
-    old_static = (
-        gate_choice(ranks, top_probs, old_paths, target_s, draft_by_depth(old_paths), (old_gate,), lengths=lengths)[0]
-        if old_tree is not None
-        else None
-    )
-    plain = 1 / target_s[1]
+    return rows
+
+
+def score_before_static(answers: Answers, before: Before, old_tree, costs: Costs) -> dict | None:
+    """The static tree before under its gate, on the same positions and costs (None: not scorable)."""
+    if old_tree is None:
+        return None
+    draft_s = costs.draft_by_depth(before.paths)
+    lengths = answer_lengths(answers.prompts, answers.contexts)
+    return gate_choice(
+        answers.ranks, answers.top_probs, before.paths, costs.target_s, draft_s, (before.gate,), lengths=lengths
+    )[0]
+
+
+def report_static_trees(rows, best, plain: float, target_s, n_pos: int, n_prompts: int, target, out: TextIO) -> None:
     out.write(
-        f"tree calibration on {target.device} ({n_pos} positions, {len(prompts)} prompts); "
+        f"tree calibration on {target.device} ({n_pos} positions, {n_prompts} prompts); "
         f"plain decoding ~{plain:.1f} tokens/s\n"
     )
     # target/draft ms: the whole tree's; gate: the depth gate (min_path_prob) chosen with it, which
@@ -872,60 +1031,79 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
             f"{one['target_ms'] / (1e3 * target_s[1]):.2f}x a plain step, and the head's "
             f"acceptance (tau {best['tau']:.2f}) does not pay for it; train the head longer\n"
         )
-    old_rule_dynamic = ((old_hybrid or {}).get("rule") or {}).get("dynamic")
-    dynamic, old_dyn, dynamic_candidate = (
-        calibrate_dynamic(
-            target,
-            head,
-            prompts,
-            contexts,
-            depth,
-            t.top_k,
-            gates,
-            target_s,
-            prompt,
-            out,
-            t.dynamic != "off",
-            old_dynamic,
-            old_rule_dynamic,
-        )
-        if t.dynamic != "off" or old_dynamic is not None or old_rule_dynamic
-        else (None, None, None)
+
+
+def choose_dynamic(target, head, answers: Answers, depth, t: TreeConfig, gates, costs, before, old_rule_dynamic, out):
+    """calibrate_dynamic where a dynamic tree is searched or one before is scored, else nothing."""
+    if t.dynamic == "off" and before.dynamic is None and not old_rule_dynamic:
+        return None, None, None
+    return calibrate_dynamic(
+        target,
+        head,
+        answers.prompts,
+        answers.contexts,
+        depth,
+        t.top_k,
+        gates,
+        costs.target_s,
+        costs.prompt,
+        out,
+        t.dynamic != "off",
+        before.dynamic,
+        old_rule_dynamic,
     )
-    use_dynamic = dynamic is not None and (t.dynamic == "only" or dynamic["tokens_per_s"] > best["tokens_per_s"])
-    if dynamic is not None:
-        floor = (
-            f", nodes kept while their path has p >= {dynamic['min_path_prob']:g}" if dynamic["min_path_prob"] else ""
-        )
-        out.write(
-            f"dynamic tree: depth {dynamic['depth']}, top_k {dynamic['top_k']}, {dynamic['nodes']} nodes{floor}: "
-            f"tau {dynamic['tau']:.2f}, draft {dynamic['draft_ms']:.1f} ms, expected speedup "
-            f"{dynamic['tokens_per_s'] / plain:.2f}x{'  <- chosen: tree=default drafts it' if use_dynamic else ''}\n"
-        )
+
+
+def report_dynamic(dynamic: dict | None, plain: float, chosen: bool, out: TextIO) -> None:
+    if dynamic is None:
+        return
+    floor = f", nodes kept while their path has p >= {dynamic['min_path_prob']:g}" if dynamic["min_path_prob"] else ""
+    out.write(
+        f"dynamic tree: depth {dynamic['depth']}, top_k {dynamic['top_k']}, {dynamic['nodes']} nodes{floor}: "
+        f"tau {dynamic['tau']:.2f}, draft {dynamic['draft_ms']:.1f} ms, expected speedup "
+        f"{dynamic['tokens_per_s'] / plain:.2f}x{'  <- chosen: tree=default drafts it' if chosen else ''}\n"
+    )
+
+
+def choose_hybrid(target, settings, answers: Answers, rows, costs: Costs, before, dynamic, dynamic_candidate, out):
+    """The hybrid split and, over the suffix source, the adaptive rule: (verification costs,
+    the new text drafter, its lookup seconds, its positions (None: not the suffix source), the
+    split's record (with its rule), the rule, the rule's score)."""
+    t = settings.tree
+    a = answers
     # the hybrid splits, new and before, on the same verification costs (timed above) and lookup time
-    hybrid_s = with_sizes(target, context, target_s, need)
+    hybrid_s = with_sizes(target, costs.context, costs.target_s, costs.hybrid_sizes)
     new_text = text_policy(t)  # the text drafter the new split is scored, and drafts, with
-    lookup_s = time_lookup(new_text, prompts, contexts, top)
-    hybrid = calibrate_hybrid(target, settings, prompts, contexts, vectors, top_probs, rows, hybrid_s, out, lookup_s)
+    lookup_s = time_lookup(new_text, a.prompts, a.contexts, max(TEXT_NODES))
+    hybrid = calibrate_hybrid(
+        target, settings, a.prompts, a.contexts, a.vectors, a.top_probs, rows, hybrid_s, out, lookup_s
+    )
     # the adaptive rule drafts over the suffix source only: with another, the fixed split runs
-    text = (*text_positions(new_text, prompts, contexts), lookup_s) if new_text.source == "suffix" else None
+    text = (*text_positions(new_text, a.prompts, a.contexts), lookup_s) if new_text.source == "suffix" else None
     # the calibrated dynamic tree is one of the rule's head trees: hybrid may draft what spec drafts
     dyn_head = dynamic_candidate(dynamic_from(dynamic | {"total_tokens": dynamic["nodes"]})) if dynamic else None
     rule, rule_score = (
         calibrate_adaptive_rule(
-            settings, prompts, contexts, vectors, top_probs, rows, hybrid_s, hybrid, text, out, dyn_head
+            settings, a.prompts, a.contexts, a.vectors, a.top_probs, rows, hybrid_s, hybrid, text, out, dyn_head
         )
         if text is not None
         else (None, None)
     )
     if rule is not None:
         hybrid["rule"] = rule
+    return hybrid_s, new_text, lookup_s, text, hybrid, rule, rule_score
+
+
+def new_record(t, head, head_dir, target, kernels, answers: Answers, depth, best, plain, hybrid, dynamic, use_dynamic):
+    """The new calibration's record: what was searched and measured, the static tree chosen, the
+    hybrid split and the dynamic tree, and which of the two trees tree=default drafts."""
     record = {
         "calibrated_at": utc_now(),  # a cached tree older than the head's own calibration is not used
-        "prompts": prompts_record(source, texts),
+        "weights_sha256": weights_sha256(head_dir) if head_dir else None,  # the weights it was made for
+        "prompts": prompts_record(answers.source, answers.texts),
         "tokens": t.calibration_tokens,
         "search": {k: getattr(t, k) for k in SEARCH_DEFAULTS},  # what a later tree=auto searches again
-        "positions": n_pos,
+        "positions": len(answers.vectors),
         "depth": depth,
         "top_k": t.top_k,
         "max_nodes": t.max_nodes,
@@ -946,95 +1124,139 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         }
     # what tree=default drafts: the static tree (default_tree, also what engines export) or this dynamic one
     record["policy"] = "dynamic" if use_dynamic else "static"
-    paths = best["paths"]
-    if weigh:
-        # each part scored as the one before is: the tree tree=default drafts, and the hybrid split,
-        # each split with the text source it drafts with
-        old_text = text_policy(t, old_hybrid)
-        old_lookup = lookup_s if old_text == new_text else time_lookup(old_text, prompts, contexts, top)
-        new_split = score_hybrid_setting(
-            prompts, contexts, ranks, top_probs, hybrid, hybrid["min_path_prob"], hybrid_s, lookup_s, draft_by_depth, t
+    return record
+
+
+def new_split_score(t: TreeConfig, scored: tuple, hybrid: dict) -> dict | None:
+    """The new fixed split scored as the split before is (score_hybrid_setting)."""
+    answers, costs, hybrid_s, _, lookup_s, _, _, _ = scored
+    a = answers
+    return score_hybrid_setting(
+        a.prompts,
+        a.contexts,
+        a.ranks,
+        a.top_probs,
+        hybrid,
+        hybrid["min_path_prob"],
+        hybrid_s,
+        lookup_s,
+        costs.draft_by_depth,
+        t,
+    )
+
+
+def score_before_split(before: Before, t: TreeConfig, scored: tuple) -> dict | None:
+    """The hybrid before as it drafts, on the same positions and costs: its adaptive rule where it
+    has one (and it is scorable here), else its fixed split; None where neither can be scored.
+    Each with the text source it drafts with."""
+    answers, costs, hybrid_s, new_text, lookup_s, text, reach, dynamic_candidate = scored
+    a, old_hybrid = answers, before.hybrid
+    old_text = text_policy(t, old_hybrid)
+    old_lookup = lookup_s if old_text == new_text else time_lookup(old_text, a.prompts, a.contexts, max(TEXT_NODES))
+    old_rule = (old_hybrid or {}).get("rule") if old_text.source == "suffix" else None
+    old_rule_dynamic, old_rule_paths = before.rule.get("dynamic"), before.rule.get("paths") or []
+    # a stored rule's dynamic tree as grown here (None: not grown, e.g. deeper than the head drafts)
+    old_rule_head = dynamic_candidate(dynamic_from(old_rule_dynamic)) if old_rule and old_rule_dynamic else None
+    scorable = old_rule_head is not None if old_rule_dynamic else all(d <= reach for d in map(len, old_rule_paths))
+    if old_rule and scorable:
+        positions = text if old_text == new_text else (*text_positions(old_text, a.prompts, a.contexts), old_lookup)
+        return score_old_rule(
+            old_rule,
+            a.prompts,
+            a.contexts,
+            positions,
+            a.ranks,
+            a.top_probs,
+            hybrid_s,
+            costs.draft_by_depth,
+            old_rule_head,
         )
-        old_rule = (old_hybrid or {}).get("rule") if old_text.source == "suffix" else None
-        # a stored rule's dynamic tree as grown here (None: not grown, e.g. deeper than the head drafts)
-        old_rule_head = dynamic_candidate(dynamic_from(old_rule_dynamic)) if old_rule and old_rule_dynamic else None
-        scorable = old_rule_head is not None if old_rule_dynamic else all(d <= reach for d in map(len, old_rule_paths))
-        if old_rule and scorable:
-            positions = text if old_text == new_text else (*text_positions(old_text, prompts, contexts), old_lookup)
-            old_split = score_old_rule(
-                old_rule, prompts, contexts, positions, ranks, top_probs, hybrid_s, draft_by_depth, old_rule_head
-            )
-        elif old_hybrid is not None and all(d <= reach for d in map(len, old_hybrid.get("paths") or [])):
-            old_split = score_hybrid_setting(
-                prompts,
-                contexts,
-                ranks,
-                top_probs,
-                old_hybrid,
-                float(old_hybrid.get("min_path_prob") or 0.0),
-                hybrid_s,
-                old_lookup,
-                draft_by_depth,
-                t,
-            )
-        else:
-            old_split = None
-        parts = {
-            "tree": (dynamic if use_dynamic else best, old_dyn if old_dynamic is not None else old_static),
-            # the hybrid as it drafts: its adaptive rule where it has one, else its fixed split
-            "hybrid": (rule_score if rule is not None else new_split, old_split),
-        }
-        speed = {
-            part: [f"{r['tokens_per_s'] / plain:.2f}x" if r else "none" for r in pair] for part, pair in parts.items()
-        }
-        kept = [
-            part
-            for part, (new, was) in parts.items()
-            if was is not None and (new is None or was["tokens_per_s"] >= new["tokens_per_s"])
-        ]
-        told = "; ".join(f"{part} {speed[part][1]} against {speed[part][0]}" for part in parts)
-        if len(kept) == len(parts):
-            out.write(
-                f"tree=auto: {before[0]} is kept, expected as fast or faster on these {n_pos} positions "
-                f"(before against new: {told}); nothing stored (tree.replace=always stores the new one)\n"
-            )
-            return keep_calibration(t, head, before, out)
-        if "tree" in kept:
-            was = parts["tree"][1]
-            paths = old_paths
-            record.pop("dynamic", None)
-            record.update(
-                nodes=len(old_paths),
-                tau=round(old_static["tau"], 4) if old_static else old.get("tau"),
-                expected_speedup=round(old_static["tokens_per_s"] / plain, 4)
-                if old_static
-                else old.get("expected_speedup"),
-                min_path_prob=old_gate,
-                policy=old.get("policy", "static"),
-            )
-            if old_dynamic is not None:
-                record["dynamic"] = {
-                    **{k: old_dynamic[k] for k in ("depth", "top_k", "total_tokens", "min_path_prob")},
-                    "tau": round(was["tau"], 4),
-                    "expected_speedup": round(was["tokens_per_s"] / plain, 4),
-                }
-        if "hybrid" in kept:
-            was = parts["hybrid"][1]
-            record["hybrid"] = {
-                **old_hybrid,
+    if old_hybrid is not None and all(d <= reach for d in map(len, old_hybrid.get("paths") or [])):
+        return score_hybrid_setting(
+            a.prompts,
+            a.contexts,
+            a.ranks,
+            a.top_probs,
+            old_hybrid,
+            float(old_hybrid.get("min_path_prob") or 0.0),
+            hybrid_s,
+            old_lookup,
+            costs.draft_by_depth,
+            t,
+        )
+    return None
+
+
+def parts_kept(parts: dict) -> list[str]:
+    """The parts (tree, hybrid) the calibration before is expected as fast or faster in."""
+    return [
+        part
+        for part, (new, was) in parts.items()
+        if was is not None and (new is None or was["tokens_per_s"] >= new["tokens_per_s"])
+    ]
+
+
+def report_weighed(name: str, kept: list[str], parts: dict, plain: float, n_pos: int, out: TextIO) -> None:
+    """One line: the calibration before kept whole, or replaced but for the parts kept."""
+    told = compared_speeds(parts, plain)
+    if len(kept) == len(parts):
+        out.write(
+            f"tree=auto: {name} is kept, expected as fast or faster on these {n_pos} positions "
+            f"(before against new: {told}); nothing stored (tree.replace=always stores the new one)\n"
+        )
+        return
+    out.write(
+        f"tree=auto: the new calibration replaces {name}"
+        + (f" except its {' and '.join(kept)}" if kept else "")
+        + f", expected faster where it replaces it (before against new: {told})\n"
+    )
+
+
+def compared_speeds(parts: dict, plain: float) -> str:
+    """Each part's expected speedup, before against new, in words."""
+    speed = {part: [f"{r['tokens_per_s'] / plain:.2f}x" if r else "none" for r in pair] for part, pair in parts.items()}
+    return "; ".join(f"{part} {speed[part][1]} against {speed[part][0]}" for part in parts)
+
+
+def keep_parts(record: dict, kept: list[str], parts: dict, before: Before, old_static, plain: float, paths):
+    """The new record with the parts kept from the calibration before put back (and noted under
+    "kept"); returns the static tree stored: the one before where the tree is kept."""
+    old_paths, old, old_dynamic = before.paths, before.record, before.dynamic
+    if "tree" in kept:
+        was = parts["tree"][1]
+        paths = old_paths
+        record.pop("dynamic", None)
+        record.update(
+            nodes=len(old_paths),
+            tau=round(old_static["tau"], 4) if old_static else old.get("tau"),
+            expected_speedup=round(old_static["tokens_per_s"] / plain, 4)
+            if old_static
+            else old.get("expected_speedup"),
+            min_path_prob=before.gate,
+            policy=old.get("policy", "static"),
+        )
+        if old_dynamic is not None:
+            record["dynamic"] = {
+                **{k: old_dynamic[k] for k in ("depth", "top_k", "total_tokens", "min_path_prob")},
                 "tau": round(was["tau"], 4),
                 "expected_speedup": round(was["tokens_per_s"] / plain, 4),
             }
-        if kept:
-            record["kept"] = kept  # the parts kept from the calibration before (expected faster here)
-        out.write(
-            f"tree=auto: the new calibration replaces {before[0]}"
-            + (f" except its {' and '.join(kept)}" if kept else "")
-            + f", expected faster where it replaces it (before against new: {told})\n"
-        )
-    elif before is not None:
-        out.write(f"tree=auto: the new calibration replaces {before[0]} (tree.replace=always)\n")
-    head.calibration = record
+    if "hybrid" in kept:
+        was = parts["hybrid"][1]
+        record["hybrid"] = {
+            **before.hybrid,
+            "tau": round(was["tau"], 4),
+            "expected_speedup": round(was["tokens_per_s"] / plain, 4),
+        }
+    if kept:
+        record["kept"] = kept  # the parts kept from the calibration before (expected faster here)
+    return paths
+
+
+def store_calibration(t: TreeConfig, head, head_dir, target, kernels: bool, paths, record: dict, out: TextIO) -> None:
+    """Keep the calibration where tree.save says: the head directory (tree.save=head; this
+    machine's cached tree for the head then goes), this machine's cache (tree.save=cache), or
+    nowhere (none: this run only)."""
     if t.save == "head" and head_dir is not None:
         if store_default_tree(head, head_dir, paths, record):
             out.write(f"stored as the default tree of {head_dir} (tree.save=head)\n")
@@ -1050,5 +1272,3 @@ def calibrate_tree(settings: InferJobConfig, session, out: TextIO = sys.stdout) 
         # the head directory keeps its own tree: this one fits this machine only
         path = store_in_cache(cache_path(head_dir, target, kernels, record["head_dtype"]), paths, record)
         out.write(f"stored for this machine in {path}: tree=default uses it for this head here\n")
-    out.flush()
-    return tree_config_from(t, paths, record)

@@ -11,7 +11,7 @@ import torch
 from ..config.infer import InferJobConfig
 from ..decode.baselines import hf_generate
 from ..decode.generate import speculative_generate
-from ..decode.policy import describe_policy
+from ..decode.policy import describe_policy, plan_drafts
 from ..target import eos_token_ids
 from .inputs import encode_prompt, sampling_config
 from .session import method_drafter
@@ -85,7 +85,8 @@ def run_demo(settings: InferJobConfig, session, out: TextIO | None = None) -> di
     eos = eos_token_ids(target)
     cfg = sampling_config(settings, settings.max_new_tokens, eos)
     method = "spec" if head is not None else "draft" if session.draft is not None else "skip"
-    drafter, policy, _ = method_drafter(session, method, settings.tree)
+    plan = plan_drafts(head, settings.tree, () if method == "skip" else (method,))
+    drafter, policy, _ = method_drafter(session, method, plan)
     if method == "spec":
         who = f"{head.family} head"
     elif method == "draft":  # no head: the separate draft model drafts (draft.model)

@@ -34,6 +34,7 @@ from ..decode.drafters import HybridDrafter, make_hybrid_drafter
 from ..decode.hybrid_rule import TEXT_BUDGETS, AdaptiveRule, RuleParams
 from ..decode.policy import HybridPolicy
 from ..decode.suffix import TextDraft
+from ..decode.tree import TreeLayout, merge_chains
 from .timing import time_steps
 from .walk import answer_lengths, walk, walked_tau
 
@@ -48,6 +49,34 @@ def accepted_text(draft: TextDraft, truth: Sequence[int], budget: int) -> int:
     while k < len(truth) and tuple(truth[: k + 1]) in kept:
         k += 1
     return k
+
+
+def verified_nodes(head_nodes: float, head_path: Sequence[int], chains: Sequence[Sequence[int]]) -> float:
+    """Nodes a hybrid step verifies (root included): the head's tree of head_nodes nodes with the
+    text's chains hung below it by the loop's own tree.merge_chains (as HybridDrafter drafts it),
+    a node both drafted counted once. Of the head's tree calibration knows the tokens along the
+    true continuation only, its accepted drafts (head_path): the text shares those; the head's
+    other nodes carry tokens calibration never sees, so it counts them shared with nothing."""
+    known = [0, *head_path]  # the root's token is never compared: chains start below it
+    merged, _, _ = merge_chains(known, TreeLayout(tuple(range(-1, len(head_path)))), chains)
+    return 1 + head_nodes + len(merged) - len(known)
+
+
+def answer_truths(prompts: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+    """Per answer, per position (walk_text's order): the true continuation after the step's root."""
+    return [[list(full[t + 2 :]) for t in range(len(ids) - 1, len(full) - 2)] for ids, full in zip(prompts, contexts)]
+
+
+def text_drafts(
+    policy: HybridPolicy, prompts: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]], max_nodes: int
+) -> tuple[list[TextDraft], list[list[int]]]:
+    """At every answer position (walk_text's, flat in rank_vectors' order): the text drafter's best
+    max_nodes nodes (a hybrid step with g text nodes merges the first g) and the true continuation."""
+    reads, _ = walk_text(
+        policy, prompts, contexts, lambda drafter, truth: (drafter.text_draft(max_nodes, max_nodes), truth)
+    )
+    flat = [r for answer in reads for r in answer]
+    return [d for d, _ in flat], [t for _, t in flat]
 
 
 def walk_text(
@@ -178,14 +207,17 @@ def simulate(
     text_accepted: Sequence[Sequence[tuple[int, ...]]],
     head_accepted: Sequence[Sequence[int]],
     has_head: bool = True,
+    *,
+    truths: Sequence[Sequence[Sequence[int]]],
 ) -> dict:
     """The rule run along the answers (per answer, per position) as the loop runs it: at each step
     it chooses from the text's draft there and observes what its choice accepted, and the next
-    step is at the position after the accepted tokens' bonus (walk.walk). Its tau (the answers'
+    step is at the position after the accepted tokens' bonus (walk.walk). A step is priced at the
+    size of the tree it verifies (verified_nodes; truths: answer_truths'). Its tau (the answers'
     tokens per step), tokens per second, and how often it made each kind of choice."""
     rule = AdaptiveRule(params, has_head)
     lengths = [len(d) for d in drafts]
-    flat = [position for answer in zip(drafts, text_accepted, head_accepted) for position in zip(*answer)]
+    flat = [position for answer in zip(drafts, text_accepted, head_accepted, truths) for position in zip(*answer)]
     starts = set(itertools.accumulate(lengths[:-1], initial=0))
     cost_ms = 0.0
     kinds: dict[str, int] = {}
@@ -194,12 +226,13 @@ def simulate(
         nonlocal cost_ms
         if i in starts:  # a new request: the rule's estimates start afresh
             rule.start()
-        draft, acc, a_head = flat[i]
+        draft, acc, a_head, truth = flat[i]
         choice = rule.choose(draft)
         g = choice.text_nodes
         a_text = acc[g]
         got = max(a_head, a_text) if choice.head else a_text
-        nodes = 1 + g + (params.head_nodes if choice.head else 0)
+        head = (params.head_nodes, truth[:a_head]) if choice.head else (0, [])
+        nodes = verified_nodes(*head, draft.chains(g))
         cost_ms += params.verify(nodes) + (params.draft_ms if choice.head else 0) + (params.lookup_ms if g else 0)
         kind = ("head+text" if g else "head") if choice.head else ("text" if g else "plain")
         kinds[kind] = kinds.get(kind, 0) + 1
@@ -240,11 +273,12 @@ def calibrate_rule(
     drafts, text_acc, lookup_s = text
     none = [[0] * len(d) for d in drafts]
     params = fit_rule(drafts, text_acc, none, verify_ms, 0.0, 0, 1e3 * lookup_s)
-    best = (None, params, simulate(params, drafts, text_acc, none, has_head=False))
+    truths = answer_truths(prompts, contexts)
+    best = (None, params, simulate(params, drafts, text_acc, none, has_head=False, truths=truths))
     for tree, accepted in heads:
         per = per_answer(accepted, contexts, prompts)
         params = fit_rule(drafts, text_acc, per, verify_ms, tree["draft_ms"], tree["nodes"], 1e3 * lookup_s)
-        sim = simulate(params, drafts, text_acc, per)
+        sim = simulate(params, drafts, text_acc, per, truths=truths)
         if sim["tokens_per_s"] > best[2]["tokens_per_s"]:
             best = (tree, params, sim)
     return best
@@ -267,4 +301,5 @@ def score_rule(
         RuleParams.from_record(record), verify_ms=tuple(verify_ms), draft_ms=draft_ms, lookup_ms=1e3 * lookup_s
     )
     heads = per_answer(accepted, contexts, prompts) if accepted is not None else [[0] * len(d) for d in drafts]
-    return simulate(params, drafts, text_acc, heads, has_head=accepted is not None)
+    truths = answer_truths(prompts, contexts)
+    return simulate(params, drafts, text_acc, heads, has_head=accepted is not None, truths=truths)

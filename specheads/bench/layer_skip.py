@@ -19,7 +19,8 @@ how deep it drafts and where it stops, chosen by expected tokens per second on t
    have children to draft.
 3. Cost: a level of the reduced stack (the real drafter, timed right after a target forward, as in
    decoding) per level drafted, plus the target's verification of the root and the w nodes of
-   every level drafted (calibrate.time_target).
+   every level drafted (calibrate.time_target), both after the context tree=auto times at
+   (calibrate.step_context: the mean the loop's steps verify after).
 4. Search (the layer-selection idea of Draft & Verify and SWIFT, made greedy): each layer skipped
    alone is scored by how often the level-1 draft is still the target's token; layers are then
    skipped in that order, least harmful first, and for each count m (up to skip.max_share of the
@@ -60,7 +61,7 @@ from ..decode.tree import spine_paths, static_tree
 from ..errors import SpecHeadsError
 from ..heads.vocab import build_draft_vocab
 from ..target import cache_root, eos_token_ids
-from .calibrate import GATES, calibration_prompts, gated_depth, time_repeated, time_target
+from .calibrate import GATES, calibration_prompts, gated_depth, step_context, time_repeated, time_target
 from .inputs import sampling_config
 from .trees import machine_description, machine_key, prompts_record, utc_now
 from .walk import walk
@@ -309,8 +310,9 @@ def calibrate_layer_skip(
     for i in tqdm(range(num_layers), desc="layer skip: each layer alone", unit="layer", file=out):
         alone[i] = agreement(along([i], 1))
     order = sorted(range(num_layers), key=lambda i: (-alone[i], i))
-    longest = max((ids for ids, _ in contexts), key=len)
-    verify_s = time_target(target, longest, range(1, s.depth * s.width + 2))
+    # timed after the context tree=auto times at (step_context): speedups of both are comparable
+    context = step_context([ids[:st] for ids, st in contexts], [ids for ids, _ in contexts])
+    verify_s = time_target(target, context, range(1, s.depth * s.width + 2))
     rows = []
     candidates = [tuple(sorted(order[:m])) for m in range(1, most + 1)]
     old = tuple(before["layers"]) if before and before.get("layers") is not None else None
@@ -322,7 +324,7 @@ def calibrate_layer_skip(
     for skipped in tqdm(candidates, desc="layer skip: skip sets", unit="set", file=out):
         check_skipped(num_layers, skipped)
         walks[skipped] = alongs = along(skipped, s.depth)
-        level_s = time_level(target, skipped, longest, vocab=vocab)
+        level_s = time_level(target, skipped, context, vocab=vocab)
         row = {"layers": list(skipped), "agreement": agreement(alongs), "level_ms": 1e3 * level_s}
         rows.append(row | best_setting(alongs, level_s, verify_s, s.depth, s.width))
         if row["agreement"] < 0.05 and tuple(skipped) != old:
@@ -331,7 +333,7 @@ def calibrate_layer_skip(
     # FINALIST_REPEATS times each, and the choice is made on those timings
     for row in sorted(rows, key=lambda r: -r["tokens_per_s"])[:FINALISTS]:
         skipped = tuple(row["layers"])
-        level_s = time_level(target, skipped, longest, repeats=FINALIST_REPEATS, vocab=vocab)
+        level_s = time_level(target, skipped, context, repeats=FINALIST_REPEATS, vocab=vocab)
         row |= {"level_ms": 1e3 * level_s, "retimed": True}
         row |= best_setting(walks[skipped], level_s, verify_s, s.depth, s.width)
     best = max(rows, key=lambda r: r["tokens_per_s"])

@@ -42,7 +42,9 @@ from ..target import eos_token_ids, target_identity
 from .compared import head_label
 from .inputs import encode_turns, sampling_config
 from .questions import read_questions
+from .record import results_record
 from .runner import output_paths
+from .trees import machine_record
 from .walk import walk
 
 MISS = 1 << 30  # the rank of a true token outside a reduced draft vocabulary
@@ -381,6 +383,9 @@ def run_replay(settings: InferJobConfig, session, out: TextIO = sys.stdout) -> d
         "max_new_tokens": b.max_new_tokens,
         "heads": results,
     }
+    ran = {label: path for label, (_, _, path) in heads.items()}
+    machine = machine_record(target.device, kernels=session.layouts is not None)
+    report["record"] = results_record("replay", ran, b.questions, len(questions), machine)
     write_json(paths["replay"], report)
     if b.plots:
         from .plots import plot_replay, plot_replay_training

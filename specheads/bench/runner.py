@@ -34,7 +34,7 @@ from ..atomic import write_json
 from ..config.infer import InferJobConfig
 from ..decode.baselines import Assistant, PlainDrafter, hf_generate
 from ..decode.generate import SamplingConfig, speculative_generate, tau_of
-from ..decode.policy import describe_policy, method_policy, policy_depth
+from ..decode.policy import DraftPlan, describe_policy, plan_drafts, policy_depth
 from ..heads.io import draft_precision
 from ..target import eos_token_ids
 from .bandwidth import BandwidthProbe, format_bandwidth, summarize_bandwidth
@@ -42,6 +42,7 @@ from .compared import open_compared_heads, open_precision_variants, open_tree_va
 from .inputs import encode_prompt, encode_turns, sampling_config
 from .quality import agreement, format_agreement, read_reference, repeat_rate
 from .questions import read_questions
+from .record import results_record
 from .session import method_drafter
 from .trees import machine_record, warn_overlap
 
@@ -283,8 +284,9 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
     )
     paths = output_paths(b.output)
     paths["rows"].parent.mkdir(parents=True, exist_ok=True)
-    drafters = open_drafters(settings, session, questions)
-    assistant = assistant_for(settings, session) if "assisted" in b.methods else None
+    plan = plan_benchmark(settings, session)
+    drafters = open_drafters(settings, session, questions, plan)
+    assistant = assistant_for(settings, session, plan) if "assisted" in b.methods else None
     methods = list(b.methods) + [m for m in drafters if m not in b.methods]
     run = method_runner(settings, session.target, drafters, assistant)
     warm_up(run, settings, session.target, questions, methods, drafters)
@@ -294,21 +296,29 @@ def run_benchmark(settings: InferJobConfig, session, out: TextIO = sys.stdout) -
         report["memory_bandwidth"] = summarize_bandwidth(bandwidth, b.bandwidth_mib)
     report.update(method_reports(drafters, rows, session))
     report.update(output_checks(settings, session.target, rows, prompts, methods, reference))
+    ran = {m: path for m, (_, _, path) in drafters.items()}
+    report["record"] = results_record("bench", ran, b.questions, len(questions), report["machine"])
     write_outputs(report, paths, b.plots)
     print_report(report, paths, out)
     return report
 
 
-def open_drafters(settings: InferJobConfig, session, questions: Sequence[dict]) -> dict[str, tuple]:
+def plan_benchmark(settings: InferJobConfig, session) -> DraftPlan:
+    """What the benchmark's drafting methods draft, resolved once from the tree settings and the
+    session head's calibration (skip: the layer skip's own choice; draft also for `assisted`,
+    whose draft length it sets)."""
+    methods = settings.bench.methods
+    planned = [m for m in DRAFTING_METHODS if m != "skip" and (m in methods or m == "draft" and "assisted" in methods)]
+    return plan_drafts(session.head, settings.tree, planned, settings.bench.prompt_lookup_num_tokens)
+
+
+def open_drafters(settings: InferJobConfig, session, questions: Sequence[dict], plan: DraftPlan) -> dict[str, tuple]:
     """method -> (drafter, tree policy, what drafts) of every method drafting through our loop:
-    bench.methods' own (session.method_drafter) and bench.heads, bench.head_dtypes, bench.trees
-    beside them; one line for each whose tree was calibrated on questions measured here."""
+    bench.methods' own (session.method_drafter, the plan's policies) and bench.heads,
+    bench.head_dtypes, bench.trees beside them; one line for each whose tree was calibrated on
+    questions measured here."""
     b = settings.bench
-    drafters = {
-        m: method_drafter(session, m, settings.tree, b.prompt_lookup_num_tokens)
-        for m in DRAFTING_METHODS
-        if m in b.methods
-    }
+    drafters = {m: method_drafter(session, m, plan) for m in DRAFTING_METHODS if m in b.methods}
     drafters.update(open_compared_heads(b.heads, session))
     if b.head_dtypes:
         drafters.update(open_precision_variants(b.head_dtypes, session, drafters["spec"][1]))
@@ -550,13 +560,13 @@ def print_report(report: dict, paths: dict[str, Path], out: TextIO) -> None:
     out.flush()
 
 
-def assistant_for(settings: InferJobConfig, session) -> Assistant:
+def assistant_for(settings: InferJobConfig, session, plan: DraftPlan) -> Assistant:
     """The `assisted` method's settings: session's draft model drafting draft.assistant_tokens per
     step (else the draft method's depth); transformers re-encodes drafts as text (universal
     assisted decoding) only when the two vocabularies' sizes differ."""
     draft = session.draft
     d = settings.draft
-    tokens = d.assistant_tokens or policy_depth(method_policy(None, settings.tree, "draft"))
+    tokens = d.assistant_tokens or policy_depth(plan.policy("draft"))
     sizes = {m.config.get_text_config().vocab_size for m in (session.target.model, draft.model)}
     return Assistant(draft.model, tokens, d.assistant_schedule, draft.tokenizer if len(sizes) > 1 else None)
 

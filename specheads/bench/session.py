@@ -10,11 +10,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ..config.infer import InferJobConfig, TreeConfig
+from ..config.infer import InferJobConfig
 from ..config.model import ModelConfig
 from ..decode.draft_model import DraftModel, DraftModelDrafter, load_draft_model
 from ..decode.drafters import make_drafter, make_hybrid_drafter
-from ..decode.policy import DEFAULT_NGRAM_NODES, method_policy
+from ..decode.policy import DraftPlan
 from ..errors import SpecHeadsError
 from ..export import is_exported_dir, open_head, resolve_head_path
 from ..heads import read_head_config
@@ -45,14 +45,14 @@ class Session:
             route_draft_kernels(head, self.layouts)
 
 
-def method_drafter(session: Session, method: str, tree: TreeConfig, text_nodes: int = DEFAULT_NGRAM_NODES) -> tuple:
-    """(drafter, policy, what drafts) of a drafting method over the session: the policy
-    policy.method_policy resolves (skip: the layer skip's own choice), drafted by the session's
-    head, the text, its draft model or the target's skipped layers; what drafts: the head's path
-    or the draft model's name (None: the text or the target alone)."""
+def method_drafter(session: Session, method: str, plan: DraftPlan) -> tuple:
+    """(drafter, policy, what drafts) of a drafting method over the session: the policy the run's
+    plan resolved for it (policy.plan_drafts; skip: the layer skip's own choice), drafted by the
+    session's head, the text, its draft model or the target's skipped layers; what drafts: the
+    head's path or the draft model's name (None: the text or the target alone)."""
     if method == "skip":
         return session.skip.drafter(session.target), session.skip.policy, None
-    policy = method_policy(session.head, tree, method, text_nodes)
+    policy = plan.policy(method)
     if method == "spec":
         return make_drafter(session.head, policy), policy, str(session.head_dir)
     if method == "draft":

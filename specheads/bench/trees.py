@@ -32,6 +32,7 @@ from ..decode.policy import stored_dynamic
 from ..heads.io import CONFIG_NAME, draft_precision
 from ..kernels.linear_layout import cpu_isa, cpu_model
 from ..target import cache_root, target_identity
+from .record import short, weights_sha256
 
 CACHE_VERSION = 1
 
@@ -142,10 +143,41 @@ def remove_cached_tree(path: Path) -> bool:
     return True
 
 
+def calibrated_weights(calibration: dict | None) -> str | None:
+    """The weights digest a calibration was made for: its weights_sha256, else, for one carried
+    over from earlier weights, those; None when it names none (a record from before either)."""
+    calibration = calibration or {}
+    carried = calibration.get("carried_over") or {}
+    return calibration.get("weights_sha256") or carried.get("from_weights_sha256")
+
+
+def other_weights_line(calibration: dict | None, head_dir: str | Path) -> str | None:
+    """One line when the tree calibration a head drafts with was made for other weights than the
+    ones in its directory (its choices were measured on another head); None when they agree or
+    the record names no weights."""
+    made, here = calibrated_weights(calibration), weights_sha256(head_dir)
+    if made is None or here is None or (made == here and "carried_over" not in (calibration or {})):
+        return None
+    return (
+        f"warning: {head_dir}'s tree calibration was made for other weights ({short(made)}, these are "
+        f"{short(here)}): its tree and figures were measured on them; tree=auto calibrates it for these\n"
+    )
+
+
 def use_cached_tree(head, head_dir: str | Path, target, kernels: bool, out: TextIO = sys.stderr) -> bool:
     """tree=default: a tree calibrated for this head on this machine replaces the stored one (one
     line says so), unless it is older than the head's own calibration (config.json's, e.g. one
-    stored by tree.save=head since). False when none is used (the head's own tree stays)."""
+    stored by tree.save=head since). False when none is used (the head's own tree stays). Either
+    way, one line when the calibration drafted with was made for other weights (other_weights_line)."""
+    used = cached_tree(head, head_dir, target, kernels, out)
+    line = other_weights_line(getattr(head, "calibration", None), head_dir)
+    if line:
+        out.write(line)
+    return used
+
+
+def cached_tree(head, head_dir: str | Path, target, kernels: bool, out: TextIO) -> bool:
+    """use_cached_tree's choice between this machine's cached tree and the head's own."""
     path = cache_path(head_dir, target, kernels, draft_precision(head))
     stored = read_cache(path)
     if stored is None:

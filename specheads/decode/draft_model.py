@@ -18,11 +18,13 @@ step's drafting time), so that the cache then holds the committed sequence up to
 the root, one entry per position. The tree grows level by level (drafters.grow_tree): each level's
 nodes run through the draft model in one forward at their RoPE positions (prefix + depth), each
 seeing the committed sequence, its ancestors and itself through a tree attention mask
-(kv.tree_attention_bias), their keys and values appended after the committed entries. The drafted
-entries are cropped before draft() returns, and advance() queues the accepted tokens and the bonus
-token to be fed at the next draft, so the cache is again exactly the committed sequence, as if
-the draft model had read it one token at a time. A chain of K drafts is the static tree of K
-top-1 ranks; static, dynamic (EAGLE-2) and chain policies all work.
+(kv.tree_attention_masks: each layer's own, a sliding-window layer's window counted in the
+positions of its key slots, as the target's verification counts it), their keys and values
+appended after the committed entries. The drafted entries are cropped before draft() returns, and
+advance() queues the accepted tokens and the bonus token to be fed at the next draft, so the cache
+is again exactly the committed sequence, as if the draft model had read it one token at a time. A
+chain of K drafts is the static tree of K top-1 ranks; static, dynamic (EAGLE-2) and chain policies
+all work.
 
 Drafts are the draft model's top-ranked tokens (deterministic), so the verify rules treat them as
 one-hot proposals: greedy output is the target's own, and sampling follows the target's distribution
@@ -43,7 +45,7 @@ from ..errors import SpecHeadsError
 from ..numerics import relative_error, same_numbers
 from ..target import FrozenTarget, target_source
 from .drafters import DraftTable, grow_tree
-from .kv import cache_length, compact_cache, new_cache, tree_attention_bias
+from .kv import cache_length, compact_cache, new_cache, tree_attention_masks
 from .policy import TreePolicy
 from .tree import TreeLayout
 
@@ -222,6 +224,7 @@ class DraftModelDrafter:
         stable = cache_length(self.cache)  # the committed sequence, root included
         dtype, device = self.draft_model.dtype, self.draft_model.device
         slot: dict[int, int] = {}  # node id -> its cache slot
+        slot_positions: list[int] = []  # the RoPE position of every drafted slot, in slot order
 
         def child_logp(ids: list[int], table: DraftTable) -> torch.Tensor:
             new = [i for i in ids if i != 0]
@@ -235,9 +238,12 @@ class DraftModelDrafter:
                     while a > 0:
                         seen[r, slot[a] - stable] = True
                         a = table.parents[a]
-                # one query that sees every slot needs no mask (attention's one-query path)
-                mask = None if n == 1 and bool(seen.all()) else tree_attention_bias(seen, stable, dtype, device)
                 positions = [prefix_len + table.depths[i] for i in new]
+                slot_positions.extend(positions)
+                # a chain's one query sees every slot: the model's own masks, counting slots, count its positions
+                mask = None
+                if not (n == 1 and bool(seen.all())):
+                    mask = tree_attention_masks(self.model.config, seen, stable, dtype, device, slot_positions)
                 logp = self._forward([table.tokens[i] for i in new], positions, mask, last_only=False)
                 for r, i in enumerate(new):
                     slot[i] = past + r

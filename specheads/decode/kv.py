@@ -114,35 +114,56 @@ def tree_attention_bias(
     dtype: torch.dtype,
     device: torch.device,
     span: tuple[str, int] | None = None,
+    key_positions: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """[1, 1, N, prefix + N] additive mask: every node sees the prefix, its ancestors and itself,
-    within `span` (attention_spans) of its position prefix + depth (a node's depth is its number
-    of ancestors, the row's sum minus one).
+    """[1, 1, n, prefix + m] additive mask of n queries, the last n of m tree keys (n = m for a
+    verified tree): each sees the prefix and the tree keys its row of the [n, m] tree_mask allows,
+    within `span` (attention_spans) of its own position. Positions are counted per key slot: the
+    prefix's are 0..prefix-1, a tree key's is key_positions[j], by default prefix + depth (a square
+    tree_mask, where a node's depth is its number of ancestors, the row's sum minus one).
 
     Additive (0 / dtype min) rather than bool, because transformers' eager attention adds the
     mask to the scores while SDPA accepts either form.
     """
-    n = tree_mask.shape[0]
+    n, m = tree_mask.shape
     tree_mask = tree_mask.cpu()
     allowed = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), tree_mask], dim=1)
     if span is not None:
-        query = prefix_len + tree_mask.sum(1) - 1
-        key = torch.cat([torch.arange(prefix_len), query])
-        kind, size = span
-        if kind == "window":
-            allowed &= key[None] > query[:, None] - size
+        if key_positions is None:
+            tree_positions = prefix_len + tree_mask.sum(1) - 1
         else:
-            allowed &= key[None] // size == query[:, None] // size
+            tree_positions = torch.as_tensor(key_positions, dtype=torch.long)
+        key = torch.cat([torch.arange(prefix_len), tree_positions])
+        allowed &= within_span(span, tree_positions[m - n :], key)
     bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     return bias.to(device)[None, None]
 
 
-def tree_attention_masks(config, tree_mask: torch.Tensor, prefix_len: int, dtype: torch.dtype, device):
-    """verify_tree's attention_mask: tree_attention_bias for each layer type's span; one tensor
-    where every layer sees alike (every model's forward takes it), else one per layer type, the
-    dict that forwards of models mixing kinds of layers (gemma3, gpt-oss, llama4) take as theirs."""
+def within_span(span: tuple[str, int], query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """[queries, keys]: which key positions a query position sees through a ("window", w) or
+    ("chunk", c) span, as transformers' sliding-window and chunked masks count them."""
+    kind, size = span
+    if kind == "window":
+        return key[None] > query[:, None] - size
+    return key[None] // size == query[:, None] // size
+
+
+def tree_attention_masks(
+    config,
+    tree_mask: torch.Tensor,
+    prefix_len: int,
+    dtype: torch.dtype,
+    device,
+    key_positions: Sequence[int] | None = None,
+):
+    """A tree forward's attention_mask (verify_tree's, a draft model's): tree_attention_bias for
+    each layer type's span; one tensor where every layer sees alike (every model's forward takes
+    it), else one per layer type, the dict that forwards of models mixing kinds of layers (gemma3,
+    gpt-oss, llama4, qwen2) take as theirs."""
     spans = attention_spans(config)
-    masks = {t: tree_attention_bias(tree_mask, prefix_len, dtype, device, span) for t, span in spans.items()}
+    masks = {
+        t: tree_attention_bias(tree_mask, prefix_len, dtype, device, span, key_positions) for t, span in spans.items()
+    }
     return next(iter(masks.values())) if len(set(spans.values())) == 1 else masks
 
 

@@ -6,12 +6,15 @@ tree, else its family's fallback tree, else a dynamic tree; `auto` is resolved i
 calibration (bench/calibrate.py) first; either way a calibration record becomes tree settings in
 one place (tree_config_from).
 A hybrid policy (HybridPolicy) adds the continuations of the text's own repeats to a head's tree.
-method_policy resolves what each benchmark method (and the demo) drafts: every caller goes through it.
+plan_drafts resolves what a run drafts once, into a DraftPlan (the settings as drafted and each
+method's policy) that the benchmark's drafters, its report and the demo take; method_policy is
+that resolution for one method (the heads and trees a benchmark compares beside the main one).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..config.infer import TreeConfig, resolve_search
@@ -61,9 +64,8 @@ def check_depth(head, policy: TreePolicy) -> None:
 def fallback_policy(head, tree: TreeConfig) -> TreePolicy:
     """A head without a stored tree: its family's fallback tree, cut to the depth the head can
     draft and completed by the top-1 chain to that depth; else a dynamic tree. Either is gated by
-    tree.min_path_prob as any other tree is."""
+    tree.min_path_prob as any other tree is. `tree`: resolved (resolved_tree)."""
     gate = tree.min_path_prob or 0.0
-    tree = resolve_search(tree)  # depth and top_k left None: their defaults
     if head.fallback_tree is None:
         return DynamicTreeSpec(tree.depth, tree.top_k, tree.total_tokens, gate)
     limit = head.max_draft_depth(head.spec)
@@ -134,13 +136,25 @@ def named_tree(tree: TreeConfig) -> TreePolicy:
     raise SpecHeadsError(f"tree.kind={tree.kind} is resolved by calibration, not here")
 
 
-def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
-    """The tree to draft: tree.kind, or for `default` the head's calibrated dynamic tree or stored
-    tree, else a family default."""
-    tree = resolve_search(stored_settings(head, tree))  # depth and top_k left None: their defaults
+def resolved_tree(head, tree: TreeConfig) -> TreeConfig:
+    """The tree settings a head drafts: the head's stored calibration merged in (tree=default,
+    stored_settings) and the search keys left None filled (resolve_search: depth and top_k their
+    defaults)."""
+    return resolve_search(stored_settings(head, tree))
+
+
+def head_tree(head, tree: TreeConfig) -> TreePolicy:
+    """The tree a head drafts under resolved settings (resolved_tree): tree.kind, or for `default`
+    (no stored tree) its family's fallback."""
     policy = fallback_policy(head, tree) if tree.kind == "default" else named_tree(tree)
     check_depth(head, policy)
     return policy
+
+
+def tree_policy_for(head, tree: TreeConfig) -> TreePolicy:
+    """The tree to draft: tree.kind, or for `default` the head's calibrated dynamic tree or stored
+    tree, else a family default."""
+    return head_tree(head, resolved_tree(head, tree))
 
 
 def model_tree_policy(tree: TreeConfig) -> TreePolicy:
@@ -148,7 +162,11 @@ def model_tree_policy(tree: TreeConfig) -> TreePolicy:
     tree=default and tree=chain the top-1 chain of tree.depth tokens (5 unless set), tree=static
     its rank paths, tree=dynamic an EAGLE-2 tree, each gated by tree.min_path_prob (0 unless set)
     as a head's is. tree=auto calibrates heads only."""
-    tree = resolve_search(tree)
+    return model_tree(resolve_search(tree))
+
+
+def model_tree(tree: TreeConfig) -> TreePolicy:
+    """model_tree_policy under settings whose search keys are resolved (resolve_search)."""
     if tree.kind == "auto":
         raise SpecHeadsError("a draft model drafts tree=default, chain, static or dynamic, not tree=auto")
     return named_tree(dataclasses.replace(tree, kind="chain") if tree.kind == "default" else tree)
@@ -246,9 +264,13 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
     (tree.min_path_prob included) wins over a stored one, except the text source: a calibrated
     split drafts from the one it was scored with (text_policy: its record's, where stored).
     Without a head: text only."""
+    return head_and_text(head, tree.min_path_prob, resolved_tree(head, tree))
+
+
+def head_and_text(head, given_gate: float | None, tree: TreeConfig) -> HybridPolicy:
+    """hybrid_policy_for under resolved settings (resolved_tree); `given_gate`: tree.min_path_prob
+    as given, before the head's calibration set one (it overrides an adaptive rule's gate)."""
     stored = ((getattr(head, "calibration", None) or {}).get("hybrid") or {}) if head is not None else {}
-    given_gate = tree.min_path_prob
-    tree = stored_settings(head, tree)
     paths = tree.hybrid_paths
     gate = tree.hybrid_min_path_prob if tree.hybrid_min_path_prob is not None else tree.min_path_prob
     text = text_policy(tree, stored if calibrated_split(tree) else None)
@@ -260,7 +282,7 @@ def hybrid_policy_for(head, tree: TreeConfig) -> HybridPolicy:
     elif paths is not None:  # [] : the calibration gave the head no node
         policy = static_tree(paths, float(gate or 0.0)) if paths else None
     else:
-        policy = tree_policy_for(head, tree)
+        policy = head_tree(head, tree)
     if policy is not None:
         check_depth(head, policy)
     nodes = DEFAULT_NGRAM_NODES if tree.ngram_nodes is None else int(tree.ngram_nodes)
@@ -295,26 +317,60 @@ def stored_rule(stored_hybrid: dict, tree: TreeConfig, source: str) -> RuleParam
     return RuleParams.from_record(record)
 
 
-def method_policy(head, tree: TreeConfig, method: str, text_nodes: int = DEFAULT_NGRAM_NODES) -> Policy:
-    """What a benchmark method drafts under these tree settings: the one place a setting (and the
-    head's stored calibration, stored_settings) becomes a policy. spec: the head's tree; hybrid:
-    the head's tree and the text's repeats; lookup and suffix: that text source alone, text_nodes
-    nodes (bench.prompt_lookup_num_tokens); draft and skip: a model drafting for the target (a
-    draft model; the target skipping layers given by hand)."""
+@dataclass(frozen=True)
+class DraftPlan:
+    """What a run drafts, resolved once: the tree settings (tree.*, or the ones tree=auto just
+    chose) with the head's stored calibration merged in and the search defaults filled, and each
+    drafting method's policy under them. The benchmark's drafters, its report, the assistant's draft
+    length and the demo all take it, so no setting is resolved again downstream."""
+
+    given: TreeConfig  # the tree settings as given: an explicit key wins over a stored one
+    tree: TreeConfig  # as the head drafts them (resolved_tree)
+    policies: tuple[tuple[str, Policy], ...]  # (method, what it drafts), in the order asked
+
+    def policy(self, method: str) -> Policy:
+        for m, policy in self.policies:
+            if m == method:
+                return policy
+        raise SpecHeadsError(f"method {method} was not planned (planned: {', '.join(m for m, _ in self.policies)})")
+
+
+def plan_drafts(head, tree: TreeConfig, methods: Iterable[str], text_nodes: int = DEFAULT_NGRAM_NODES) -> DraftPlan:
+    """The DraftPlan of `methods` under these tree settings: the one place a setting (and the head's
+    stored calibration, stored_settings) becomes a policy. spec: the head's tree; hybrid: the head's
+    tree and the text's repeats; lookup and suffix: that text source alone, text_nodes nodes
+    (bench.prompt_lookup_num_tokens); draft and skip: a model drafting for the target (a draft
+    model; the target skipping layers given by hand), from the settings alone."""
+    searched = resolve_search(tree)  # the search keys commute with the stored calibration's merge
+    drafted = stored_settings(head, searched)
+    policies = tuple((m, planned_policy(head, tree, searched, drafted, m, text_nodes)) for m in methods)
+    return DraftPlan(tree, drafted, policies)
+
+
+def planned_policy(
+    head, given: TreeConfig, searched: TreeConfig, drafted: TreeConfig, method: str, text_nodes: int
+) -> Policy:
+    """One method's policy of plan_drafts: `searched` the settings' own (resolve_search), `drafted`
+    with the head's calibration merged in (resolved_tree)."""
     if method == "spec":
-        return tree_policy_for(head, tree)
+        return head_tree(head, drafted)
     if method == "hybrid":
-        return hybrid_policy_for(head, tree)
+        return head_and_text(head, given.min_path_prob, drafted)
     if method == "lookup":
-        return HybridPolicy(None, text_nodes, tree.ngram_max)
+        return HybridPolicy(None, text_nodes, given.ngram_max)
     if method == "suffix":
-        t = tree
+        t = given
         return HybridPolicy(
             None, text_nodes, t.ngram_max, source="suffix", suffix_match=t.suffix_match, suffix_history=t.suffix_history
         )
     if method in ("draft", "skip"):
-        return model_tree_policy(tree)
+        return model_tree(searched)
     raise SpecHeadsError(f"method {method} drafts no tree of its own")
+
+
+def method_policy(head, tree: TreeConfig, method: str, text_nodes: int = DEFAULT_NGRAM_NODES) -> Policy:
+    """What one benchmark method drafts under these tree settings (plan_drafts, for that method)."""
+    return plan_drafts(head, tree, (method,), text_nodes).policy(method)
 
 
 def describe_text_alone(nodes: int, trigger: int, ngram_max: int) -> str:

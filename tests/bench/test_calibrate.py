@@ -37,6 +37,7 @@ from specheads.decode.baselines import PlainDrafter
 from specheads.decode.drafters import HybridDrafter, make_drafter, make_hybrid_drafter
 from specheads.decode.generate import SamplingConfig, speculative_generate
 from specheads.decode.policy import DynamicTreeSpec, HybridPolicy, hybrid_policy_for, policy_depth, tree_policy_for
+from specheads.decode.suffix import TextDraft
 from specheads.decode.tree import static_tree
 from specheads.heads import load_head, save_head
 from specheads.heads.io import draft_precision
@@ -206,7 +207,22 @@ def test_the_text_alone_model_predicts_what_the_loop_accepts(trigger, source, ti
 
 
 def plain_hybrid_score(
-    vectors, text, alone, head, g, rule, target_s, lookup_s, tops=None, lengths=None, walked=True, alone_extra_s=0.0
+    vectors,
+    text,
+    alone,
+    head,
+    g,
+    rule,
+    target_s,
+    lookup_s,
+    tops=None,
+    lengths=None,
+    walked=True,
+    alone_extra_s=0.0,
+    *,
+    drafts,
+    truths,
+    merged=True,
 ):
     """One hybrid setting scored step by step as the loop steps along the answers (`lengths`
     positions each; None: one answer): (tau, tokens per second). At a step the text-alone rule
@@ -215,7 +231,10 @@ def plain_hybrid_score(
     With tops (the head's top-1 chain at each position) and a gate in the head row, the head's
     part is the tree cut to the depth the gate drafts there, verified and drafted (draft_s by
     depth) at that size. walked=False: every position a step (the scoring before);
-    alone_extra_s: seconds a text-alone step pays besides its verification and lookup."""
+    alone_extra_s: seconds a text-alone step pays besides its verification and lookup. A merged
+    step verifies the root, the head's nodes and those of the text's first g nodes (drafts' token
+    paths) that are not on the head's accepted path (truths' first a_h tokens); merged=False:
+    the two priced apart, the pricing before."""
     size, m = rule
     gate = head.get("min_path_prob", 0.0)
 
@@ -231,7 +250,10 @@ def plain_hybrid_score(
         a_h = max([k for k in range(1, len(vectors[i]) + 1) if vectors[i][:k] in tree], default=0)
         used = min(g, len(text[i]) - 1)
         looked_up = g > 0 or size > 0
-        return max(a_h, text[i][used]), interpolate(target_s, 1 + len(kept) + used) + drafting + lookup_s * looked_up
+        on_head = {tuple(truths[i][:k]) for k in range(1, a_h + 1)}
+        text_nodes = set(drafts[i].paths[:used]) - on_head if merged else drafts[i].paths[:used]
+        nodes = 1 + len(kept) + len(text_nodes)
+        return max(a_h, text[i][used]), interpolate(target_s, nodes) + drafting + lookup_s * looked_up
 
     tokens = seconds = steps = 0
     start = 0
@@ -265,10 +287,22 @@ def random_lengths(rng, n):
     return [b - a for a, b in zip([0, *cuts], [*cuts, n])]
 
 
+def random_text_draft(rng, nodes):
+    """A text draft of up to `nodes` token paths over the tokens 1-3, each path's prefixes before it."""
+    paths = []
+    for _ in range(rng.randint(0, nodes)):
+        path = (*rng.choice([(), *paths]), rng.choice([1, 2, 3]))
+        if path not in paths:
+            paths.append(path)
+    return TextDraft(tuple(paths), (0.5,) * len(paths))
+
+
 def check_hybrid_choice(score, seed, gated=False):
     rng = random.Random(seed)
     n = 40
     lengths = random_lengths(rng, n)
+    drafts = [random_text_draft(rng, max(TEXT_NODES)) for _ in range(n)]
+    truths = [[rng.choice([1, 2, 3]) for _ in range(6)] for _ in range(n)]
     vectors = [tuple(rng.choice([0, 0, 1, 2]) for _ in range(rng.randint(1, 3))) for _ in range(n)]
     tops = [tuple(rng.choice([0.2, 0.5, 0.9]) for _ in range(3)) for _ in range(n)]
     text = random_acceptance(rng, n, max(TEXT_NODES))
@@ -285,7 +319,17 @@ def check_hybrid_choice(score, seed, gated=False):
         rows[2].update(min_path_prob=0.4, draft_s={1: 1e-3, 2: 2.5e-3, 3: 4e-3})
         rows[1].update(min_path_prob=0.15, draft_s={1: 1e-3, 2: 3e-3})
     scored = hybrid_choice(
-        vectors, text, rows, target_s, 1e-4, alone, [4, 8, 16], tops if gated else None, lengths=lengths
+        vectors,
+        text,
+        rows,
+        target_s,
+        1e-4,
+        alone,
+        [4, 8, 16],
+        tops if gated else None,
+        lengths=lengths,
+        drafts=drafts,
+        truths=truths,
     )
     by_head = {r["nodes"]: r for r in [{"nodes": 0, "paths": [], "draft_ms": 0.0}, *rows]}
     rules = {(r["head_nodes"], r["ngram_nodes"], r["text_alone"], r["text_alone_ngram"]) for r in scored}
@@ -295,7 +339,18 @@ def check_hybrid_choice(score, seed, gated=False):
         assert r["min_path_prob"] == (head.get("min_path_prob", 0.0) if head["nodes"] else 0.0)
         rule = (r["text_alone"], r["text_alone_ngram"])
         tau, speed = score(
-            vectors, text, alone, head, r["ngram_nodes"], rule, target_s, 1e-4, tops=tops, lengths=lengths
+            vectors,
+            text,
+            alone,
+            head,
+            r["ngram_nodes"],
+            rule,
+            target_s,
+            1e-4,
+            tops=tops,
+            lengths=lengths,
+            drafts=drafts,
+            truths=truths,
         )
         assert r["tau"] == pytest.approx(tau) and r["tokens_per_s"] == pytest.approx(speed), r
 
@@ -314,8 +369,8 @@ def test_hybrid_choice_scores_a_gated_head_part_as_a_plain_step_by_step_count(se
 
 
 def test_the_gated_hybrid_check_fails_when_the_head_part_is_scored_ungated():
-    def ungated(*args, tops=None, lengths=None):
-        return plain_hybrid_score(*args, tops=None, lengths=lengths)
+    def ungated(*args, tops=None, **kwargs):
+        return plain_hybrid_score(*args, tops=None, **kwargs)
 
     assert fails_for_some_seed(lambda score, seed: check_hybrid_choice(score, seed, gated=True), ungated, range(5))
 
@@ -326,6 +381,16 @@ def test_the_hybrid_choice_check_fails_when_alone_steps_still_pay_the_head():
 
     with pytest.raises(AssertionError):
         check_hybrid_choice(head_always, 0)
+
+
+def test_the_hybrid_choice_check_fails_when_shared_nodes_are_priced_twice():
+    """The pricing before, the head's and the text's nodes counted apart where the two drafted the
+    same token path, is caught."""
+
+    def unmerged(*args, **kwargs):
+        return plain_hybrid_score(*args, **kwargs, merged=False)
+
+    assert fails_for_some_seed(check_hybrid_choice, unmerged, range(5))
 
 
 def test_the_hybrid_choice_check_fails_when_every_position_is_a_step():

@@ -4,7 +4,16 @@ the priors against their plain formulas."""
 import pytest
 from conftest import random_requests, tree_accepts
 
-from specheads.bench.hybrid_fit import MAX_TEXT, MIN_EXPECTED, fit_rule, per_answer, simulate, text_positions
+from specheads.bench.hybrid_fit import (
+    MAX_TEXT,
+    MIN_EXPECTED,
+    answer_truths,
+    fit_rule,
+    per_answer,
+    simulate,
+    text_positions,
+    verified_nodes,
+)
 from specheads.decode.hybrid_rule import TEXT_BUDGETS, AdaptiveRule, RuleParams
 from specheads.decode.policy import HybridPolicy
 from specheads.decode.suffix import SuffixIndex, TextDraft
@@ -51,8 +60,9 @@ def test_the_priors_follow_their_plain_formulas(seed):
     ys = [max(x, a[g]) - max(h, params.text_expected(d, g)) for d, a, x, g in used]
     slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs) if any(xs) else 0.0
     assert params.overlap == pytest.approx(min(max(slope, 0.0), 1.0))
-    sim = simulate(params, drafts, accepted, heads)
-    assert same(sim, plain_simulation(params, drafts, accepted, heads)) and sim["tau"] >= 1.0
+    truths = answer_truths(prompts, contexts)
+    sim = simulate(params, drafts, accepted, heads, truths=truths)
+    assert same(sim, plain_simulation(params, drafts, accepted, heads, truths)) and sim["tau"] >= 1.0
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -97,26 +107,38 @@ def same(sim, expected) -> bool:
     )
 
 
-def plain_simulation(params, drafts, text_accepted, head_accepted, has_head=True, walked=True):
+def plain_nodes(head_nodes, head_tokens, draft, g):
+    """Nodes a step verifies, counted plainly: the root, the head's nodes, and the text's first g
+    nodes (token paths below the root) that are not on the head's accepted path (head_tokens)."""
+    on_head = {tuple(head_tokens[:k]) for k in range(1, len(head_tokens) + 1)}
+    return 1 + head_nodes + len(set(draft.paths[:g]) - on_head)
+
+
+def plain_simulation(params, drafts, text_accepted, head_accepted, truths, has_head=True, walked=True, merged=True):
     """The rule run as the loop runs it, written plainly: per answer a fresh rule; at the step's
     position it chooses, the step accepts the longer of what its drafted sources accept, the rule
     observes it, and the next step is that many positions on plus one (walked=False: every
-    position a step, the scoring before)."""
+    position a step, the scoring before; merged=False: the head's and the text's nodes priced
+    apart, the pricing before)."""
     rule = AdaptiveRule(params, has_head)
     tokens = steps = 0
     cost_ms = 0.0
     kinds = {}
-    for answer in zip(drafts, text_accepted, head_accepted):
+    for answer in zip(drafts, text_accepted, head_accepted, truths):
         rule.start()
         n, i = len(answer[0]), 0
         while i < n:
-            draft, acc, a_head = (x[i] for x in answer)
+            draft, acc, a_head, truth = (x[i] for x in answer)
             choice = rule.choose(draft)
             a_text = acc[choice.text_nodes]
             got = max(a_head, a_text) if choice.head else a_text
             steps += 1
             tokens += min(1 + got, n - i) if walked else 1 + got  # nothing past the answer's end
-            nodes = 1 + choice.text_nodes + (params.head_nodes if choice.head else 0)
+            head_nodes, head_tokens = (params.head_nodes, truth[:a_head]) if choice.head else (0, [])
+            if merged:
+                nodes = plain_nodes(head_nodes, head_tokens, draft, choice.text_nodes)
+            else:
+                nodes = 1 + head_nodes + len(draft.paths[: choice.text_nodes])
             cost_ms += params.verify(nodes) + (params.draft_ms if choice.head else 0.0)
             cost_ms += params.lookup_ms if choice.text_nodes else 0.0
             kind = ("head+text" if choice.text_nodes else "head") if choice.head else "text"
@@ -127,6 +149,17 @@ def plain_simulation(params, drafts, text_accepted, head_accepted, has_head=True
     return {"tau": tokens / steps if steps else 1.0, "tokens_per_s": 1e3 * tokens / cost_ms, "choices": kinds}
 
 
+def test_a_node_both_sources_drafted_is_verified_once():
+    """Head [a, b, c] accepted along the truth and text [a, b, c, d]: the merged tree holds the
+    root, the head's 3 nodes and the text's d, 5 tokens (priced 1 + 3 + 4 = 8 before); a text
+    chain off the head's path shares nothing."""
+    a, b, c, d = 11, 12, 13, 14
+    assert verified_nodes(3, [a, b, c], [[a, b, c, d]]) == 5
+    assert verified_nodes(3, [a, b, c], [[b, c]]) == 6
+    assert verified_nodes(5, [a], [[a, b], [a, c, d]]) == 1 + 5 + 3
+    assert verified_nodes(0, [], [[a, b]]) == 3
+
+
 def copied_run():
     """Two answers without text repeats whose head accepts long runs (an answer copying its prompt):
     a rule that always drafts the head's tree (verification costs the same for every size)."""
@@ -134,19 +167,20 @@ def copied_run():
     head = [[5, 5, 5, 5, 5, 5, 0, 0], [2, 0, 9, 1]]
     drafts = [[TextDraft()] * len(h) for h in head]
     text = [[(0,) * (MAX_TEXT + 1)] * len(h) for h in head]
-    return params, drafts, text, head
+    truths = [[list(range(20))] * len(h) for h in head]
+    return params, drafts, text, head, truths
 
 
 def test_simulate_walks_each_answer_as_the_loop_steps():
     """Answer 1 (8 positions): a step at 0 accepts 5, then 6 and 7 accept none: 3 steps for 8
     tokens; answer 2 (4 positions): 0 accepts 2, 3 accepts what is left: 2 steps for 4 tokens.
     Per position it was (6 * 6 + 1 + 1 + 3 + 1 + 10 + 2) / 12 = 4.5 tokens a step."""
-    params, drafts, text, head = copied_run()
-    sim = simulate(params, drafts, text, head)
+    params, drafts, text, head, truths = copied_run()
+    sim = simulate(params, drafts, text, head, truths=truths)
     assert sim["choices"] == {"head": 5}
     assert sim["tau"] == pytest.approx(12 / 5) and sim["tokens_per_s"] == pytest.approx(1e3 * 12 / (5 * 10.0))
-    assert same(sim, plain_simulation(params, drafts, text, head))
-    every_position = plain_simulation(params, drafts, text, head, walked=False)
+    assert same(sim, plain_simulation(params, drafts, text, head, truths))
+    every_position = plain_simulation(params, drafts, text, head, truths, walked=False)
     assert every_position["tau"] == pytest.approx(54 / 12) != sim["tau"]  # the scoring before: not what runs
 
 
@@ -159,18 +193,24 @@ def test_simulate_is_the_plain_walked_loop_on_random_requests(seed):
     drafts, accepted = text_positions(SUFFIX, prompts, contexts)
     heads = [[rng.choice([0, 1, 2, 6]) for _ in d] for d in drafts]
     params = fit_rule(drafts, accepted, heads, (10.0, 11.0, 12.0, 13.0), draft_ms=1.0, head_nodes=3, lookup_ms=0.1)
-    sim = simulate(params, drafts, accepted, heads)
-    assert same(sim, plain_simulation(params, drafts, accepted, heads))
+    truths = answer_truths(prompts, contexts)
+    sim = simulate(params, drafts, accepted, heads, truths=truths)
+    assert same(sim, plain_simulation(params, drafts, accepted, heads, truths))
 
 
-def test_the_simulate_check_tells_the_per_position_count_apart():
+@pytest.mark.parametrize("old", [{"walked": False}, {"merged": False}])
+def test_the_simulate_check_tells_the_scoring_before_apart(old):
+    """The check can fail: every position counted as a step, or a node both sources drafted
+    priced twice, differs from simulate on some requests."""
     differs = 0
     for seed in range(10):
         rng, prompts, contexts = random_requests(seed)
         drafts, accepted = text_positions(SUFFIX, prompts, contexts)
         heads = [[rng.choice([0, 1, 2, 6]) for _ in d] for d in drafts]
         params = fit_rule(drafts, accepted, heads, (10.0, 11.0, 12.0, 13.0), 1.0, 3, 0.1)
+        truths = answer_truths(prompts, contexts)
         differs += not same(
-            simulate(params, drafts, accepted, heads), plain_simulation(params, drafts, accepted, heads, walked=False)
+            simulate(params, drafts, accepted, heads, truths=truths),
+            plain_simulation(params, drafts, accepted, heads, truths, **old),
         )
     assert differs

@@ -117,6 +117,37 @@ def test_auto_calibrates_once_then_uses_the_stored_choice(tiny_target, tmp_path,
     assert "too few to decide" in out.getvalue() and json.loads(path.read_text()) == stored
 
 
+def test_verification_and_levels_are_timed_after_the_context_tree_auto_times_at(tiny_target, tmp_path, monkeypatch):
+    """One verification context for every calibration: layer skip times the target and its levels
+    after calibrate.step_context's context (the mean the loop's steps verify after), as tree=auto
+    does, not after the longest prompt."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    made, timed = [], []
+    real_context, real_target, real_level = layer_skip.step_context, layer_skip.time_target, layer_skip.time_level
+
+    def context(prompts, contexts):
+        made.append((max(map(len, contexts)), real_context(prompts, contexts)))
+        return made[-1][1]
+
+    def target(t, ctx, *args, **kwargs):
+        timed.append(list(ctx))
+        return real_target(t, ctx, *args, **kwargs)
+
+    def level(t, skipped, ctx, *args, **kwargs):
+        timed.append(list(ctx))
+        return real_level(t, skipped, ctx, *args, **kwargs)
+
+    monkeypatch.setattr(layer_skip, "step_context", context)
+    monkeypatch.setattr(layer_skip, "time_target", target)
+    monkeypatch.setattr(layer_skip, "time_level", level)
+    resolve_layer_skip(
+        validate(settings(tmp_path, layers="auto", max_share=0.4, depth=2)), tiny_target, False, io.StringIO()
+    )
+    ((longest, chosen),) = made
+    assert len(timed) >= 2 and all(ctx == chosen for ctx in timed)
+    assert len(chosen) < longest  # the mean context, shorter than the longest calibration context
+
+
 def test_a_draft_vocabulary_is_counted_from_the_data_and_stored_with_the_choice(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     data = write_conversations(tmp_path / "chats.jsonl")

@@ -441,3 +441,38 @@ def test_each_method_drafts_what_the_resolver_resolves(tmp_path, tiny_target, mo
         assert (report["tree"] if m == "spec" else report[m]["tree"]) == describe_policy(resolved)
     hybrid = used["hybrid"][0]
     assert hybrid.inner.policy == hybrid.policy.head  # the head part drafts the resolved head tree
+
+
+def test_a_benchmark_resolves_what_it_drafts_once(tmp_path, tiny_target, monkeypatch):
+    """One benchmark run merges the head's stored calibration into the tree settings once and
+    fills their search keys once, into one DraftPlan that every drafting method (and the
+    assistant's draft length) takes."""
+    import specheads.decode.policy as policy
+
+    head = build_head(HeadConfig(family="eagle3", draft_vocab_size=320), tiny_target)
+    head.default_tree, head.calibration = [[0], [1], [0, 0]], json.loads(json.dumps(CALIBRATION))
+    calls = {"stored_settings": 0, "resolve_search": 0, "DraftPlan": 0}
+
+    def counted(name):
+        real = getattr(policy, name)
+
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(policy, name, count)
+
+    for name in calls:
+        counted(name)
+    settings = InferJobConfig(
+        bench=BenchConfig(
+            questions=str(numbered_questions(tmp_path / "q.jsonl", 1)),
+            output=str(tmp_path / "res.jsonl"),
+            max_new_tokens=4,
+            methods=["spec", "hybrid", "lookup", "suffix"],
+            warmup=0,
+            plots=False,
+        ),
+    )
+    run_benchmark(settings, Session(tiny_target, head, tmp_path / "head", {}), out=io.StringIO())
+    assert calls == {"stored_settings": 1, "resolve_search": 1, "DraftPlan": 1}

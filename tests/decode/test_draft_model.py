@@ -316,3 +316,83 @@ def test_rewind_redoes_the_last_drafting_step(drafter_class, tiny_target, made):
     second = drafter.draft(9, prompt.shape[1] + 2, 4)
     drafter.rewind(2)
     assert (drafter.draft(9, prompt.shape[1] + 2, 4) == second) == (drafter_class is DraftModelDrafter)
+
+
+WINDOW = 4  # shorter than the prompt: the drafted nodes' windows leave its start out
+
+
+def windowed_draft(model_type):
+    """A tiny random draft model (seed 0) with sliding-window layers: qwen2 a full layer first and
+    windowed ones after it (a mask per layer type), mistral every layer windowed (one mask)."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    sizes = dict(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=WINDOW,
+    )
+    if model_type == "qwen2":
+        config = Qwen2Config(**sizes, use_sliding_window=True, max_window_layers=1)
+        assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    else:
+        config = MistralConfig(**sizes)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    return DraftModel(model, byte_tokenizer(), model_type, 320)
+
+
+def recorded_draft(drafter, root, prefix_len, monkeypatch):
+    """One draft() step, returning every node's log-probs as the drafter computed them (node id ->
+    row) and the table of its nodes."""
+    import specheads.decode.draft_model as draft_model
+
+    rows = {}
+
+    def recording(root, child_logp, *rest):
+        def logp(ids, table):
+            out = child_logp(ids, table)
+            rows.update(zip(ids, out))
+            return out
+
+        return grow_tree(root, logp, *rest)
+
+    monkeypatch.setattr(draft_model, "grow_tree", recording)
+    tokens, _ = drafter.draft(root, prefix_len, 4)
+    return rows, drafter.table, tokens
+
+
+def one_token_logp(model, context, vocab):
+    """The model's log-probs after `context`, read one token at a time through its own KV cache
+    (transformers' sliding-window layers, which drop the keys past the window)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for token in context:
+            logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits
+    return torch.log_softmax(logits[0, -1, :vocab].float(), dim=-1)
+
+
+@pytest.mark.parametrize("policy", ["tree", "dynamic"])
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_a_sliding_window_draft_sees_what_its_one_token_decoding_sees(model_type, policy, monkeypatch):
+    """Each drafted node's log-probs are the draft model's own after the committed text and the
+    node's path read one token at a time, at two steps past the window: each layer's tree mask
+    keeps to its layer's window, counted in the positions of the key slots (a mask without the
+    window lets the tree see keys the model's own decoding has dropped)."""
+    draft = windowed_draft(model_type)
+    drafter = DraftModelDrafter(draft, POLICIES[policy])
+    text, root = list(PROMPTS[1]), 7
+    drafter.start(torch.tensor([text]), {}, root)
+    for _step in range(2):
+        rows, table, tokens = recorded_draft(drafter, root, len(text), monkeypatch)
+        assert len({table.depths[i] for i in rows}) < len(rows) and len(text) > WINDOW  # branching, past the window
+        for i, row in rows.items():
+            assert_same_numbers(row, one_token_logp(draft.model, text + path(table, i), draft.vocab_size))
+        text += tokens[:2]  # the root and its first child accepted, 9 the bonus
+        drafter.advance({}, tokens[:2], 9)
+        root = 9

@@ -158,3 +158,26 @@ def test_an_explicit_min_path_prob_gates_the_fallback_tree(tiny_target, family):
     assert isinstance(policy, StaticTree) and policy.min_path_prob == 0.05
     assert "p >= 0.05" in describe_policy(policy)
     assert tree_policy_for(head, TreeConfig(kind="default")).min_path_prob == 0.0
+
+
+def test_a_plan_resolves_the_settings_once_and_drafts_what_each_method_resolves(tiny_target, monkeypatch):
+    """plan_drafts merges the head's calibration into the tree settings once for every method it
+    plans, into one frozen DraftPlan, and each method's policy is the one method_policy resolves."""
+    import dataclasses
+
+    import specheads.decode.policy as policy
+
+    eagle = build_head(HeadConfig(family="eagle"), tiny_target)
+    eagle.default_tree = [[0], [1]]
+    eagle.calibration = {"min_path_prob": 0.05, "hybrid": {"paths": [[0], [0, 0]], "min_path_prob": 0.2}}
+    methods = ("spec", "hybrid", "lookup", "suffix", "draft")
+    expected = {m: policy.method_policy(eagle, TreeConfig(), m, 6) for m in methods}
+    real, merged = policy.stored_settings, []
+    monkeypatch.setattr(policy, "stored_settings", lambda head, tree: merged.append(tree) or real(head, tree))
+    plan = policy.plan_drafts(eagle, TreeConfig(), methods, 6)
+    assert len(merged) == 1 and plan.tree.kind == "static" and plan.tree.min_path_prob == 0.05
+    assert {m: plan.policy(m) for m in methods} == expected
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.tree = TreeConfig()
+    with pytest.raises(SpecHeadsError, match="not planned"):
+        plan.policy("skip")

@@ -4,7 +4,7 @@ a Medusa head train on it, and greedy speculative output is the target's own for
 branching tree; a hybrid (a recurrent state beside attention) verifies chains and refuses trees in
 one line. Each lossless check is shown failing on a wrong variant: a tree mask without the layers'
 windows, a recurrent state not rewound. docs/heads.md's supported-targets table is written from
-the same facts (test_the_docs_table_is_the_matrix)."""
+what these tests saw pass (OBSERVED; test_the_docs_table_is_the_matrix)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from conftest import (
     ROOT,
     WINDOWED_TYPES,
     assert_first_two_tokens_follow,
+    assert_other_numbers,
     assert_same_numbers,
     greedy_sequences,
     head_states,
@@ -24,6 +25,7 @@ from conftest import (
     overfit,
 )
 from test_generate import first_two_probs, first_two_samples
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 import specheads.decode.generate as generate
@@ -45,6 +47,10 @@ CHAIN = static_tree(chain_paths(4))
 TREE = static_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
 EOS = 258  # the byte tokenizer's <|im_end|>, the tiny targets' EOS
 NEW = 24
+FAMILY_NAMES = {"eagle3": "EAGLE-3", "medusa": "Medusa"}
+# per type, the docs table's cells as the tests above saw them hold (a test adds its cells after
+# its last assertion); the table is written from these, not from the type lists
+OBSERVED: dict[str, dict[str, str]] = {}
 
 
 def tiny(model_type):
@@ -120,6 +126,12 @@ def test_heads_train_and_draft_the_target_greedy_output(model_type, matrix):
             res = spec_output(target, head, TREE, prompt)
             assert res.output_ids == ref, (family, "tree")
             assert max(res.tree_sizes) == TREE.size
+    hybrid = model_type in HYBRID_TYPES
+    OBSERVED.setdefault(model_type, {}).update(
+        trains=", ".join(FAMILY_NAMES[f] for f in heads),
+        lossless="chains" if hybrid else "chains and trees",
+        trees="refused (recurrent state)" if hybrid else "yes",
+    )
 
 
 def without_windows(config):
@@ -143,6 +155,59 @@ def test_the_tree_mask_applies_each_layers_window(model_type, matrix, monkeypatc
     assert spec_output(target, heads["eagle3"], TREE, prompt).output_ids == ref
     monkeypatch.setattr(kv, "attention_spans", without_windows)
     assert spec_output(target, heads["eagle3"], TREE, prompt).output_ids != ref
+
+
+def shifted_spans(shift):
+    """attention_spans with every window and chunk `shift` positions wider: the off-by-one variants
+    of the tree mask unless shift is 0."""
+
+    def spans(config):
+        return {t: s and (s[0], s[1] + shift) for t, s in real_spans(config).items()}
+
+    return spans
+
+
+def verified_logits(target, prompt, tokens, layout):
+    """The target's logits at each node of a tree verified (kv.verify_tree) after `prompt`."""
+    cache = kv.new_cache(target.model)
+    with torch.no_grad():
+        target.model(input_ids=prompt, cache=cache, use_cache=True)
+        return kv.verify_tree(target, tokens, layout, prompt.shape[1], cache).logits[0].float()
+
+
+def one_token_logits(model, context):
+    """The model's logits after `context`, read one token at a time through its own KV cache
+    (transformers' sliding-window and chunked layers, which drop the keys they no longer see)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for token in context:
+            logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits
+    return logits[0, -1].float()
+
+
+def node_path(layout, i):
+    """The node ids from the root to node i."""
+    return node_path(layout, layout.parents[i]) + [i] if i >= 0 else []
+
+
+@pytest.mark.parametrize("model_type", WINDOWED_TYPES)
+def test_verification_sees_what_one_token_decoding_sees(model_type, monkeypatch):
+    """Each node's verification logits (a 12-token prompt, longer than the window or chunk of 8)
+    are the model's own after the prompt and the node's path read one token at a time; a mask
+    whose windows or chunks are one position wider or narrower gives other logits."""
+    target = tiny(model_type)
+    ids = torch.randint(0, 256, (1, 12 + TREE.size), generator=torch.Generator().manual_seed(0))
+    prompt, tokens, layout = ids[:, :12], ids[0, 12:].tolist(), TREE.layout
+    own = torch.stack(
+        [
+            one_token_logits(target.model, prompt[0].tolist() + [tokens[j] for j in node_path(layout, i)])
+            for i in range(layout.size)
+        ]
+    )
+    for shift in (0, -1, 1):
+        monkeypatch.setattr(kv, "attention_spans", shifted_spans(shift))
+        verified = verified_logits(target, prompt, tokens, layout)
+        (assert_same_numbers if shift == 0 else assert_other_numbers)(verified, own)
 
 
 def keeps_the_rejected_state(target, cache, prefix_len, tokens, path, saved):
@@ -204,6 +269,7 @@ def test_sampled_tokens_follow_the_target_distribution(model_type, matrix):
     counts, accepted = first_two_samples(target, drafter, prompt, n, temperature, top_p)
     assert accepted[0] < n * 0.9 and accepted[1] + accepted[2] > n * 0.1, accepted
     assert_first_two_tokens_follow(counts, *first_two_probs(target, prompt, temperature, top_p), n)
+    OBSERVED.setdefault(model_type, {})["sampling"] = "yes (chains)" if model_type in HYBRID_TYPES else "yes"
 
 
 # -- the supported-targets table of docs/heads.md -------------------------------------------------
@@ -219,8 +285,9 @@ def kinds_of(config) -> str:
     return ", ".join(kinds + [f"{t} (recurrent)" for t in recurrent])
 
 
-def supported_targets_table() -> str:
-    """The table, one row per tested type, from the facts the tests above check."""
+def supported_targets_table(observed: dict[str, dict[str, str]]) -> str:
+    """The table, one row per tested type: its training, lossless, tree and sampling cells are what
+    the tests above saw pass (observed, as OBSERVED holds it); a cell no test saw says so."""
     from specheads.tiny import tiny_config
 
     columns = ["type", "layers (tiny test model)", "trains", "greedy lossless", "trees", "sampling"]
@@ -229,19 +296,35 @@ def supported_targets_table() -> str:
     for model_type in MATRIX_TYPES:
         config = tiny_config(model_type, num_hidden_layers=LAYERS)
         experts = " + experts" if model_type in MOE_TYPES or getattr(config, "num_experts_per_tok", None) else ""
-        recurrent = recurrent_layer_types(config)
-        trees = "refused (recurrent state)" if recurrent else "yes"
-        lossless = "chains" if recurrent else "chains and trees"
+        seen = observed.get(model_type, {})
+        cells = [seen.get(k, "not checked") for k in ("trains", "lossless", "trees", "sampling")]
         architecture, served = VLLM_TARGETS[model_type]
         export = f"yes ({architecture})" if served else f"refused ({architecture} lacks SupportsEagle3)"
-        sampling = ("yes (chains)" if recurrent else "yes") if model_type in SAMPLED else "not checked"
-        cells = [f"`{model_type}`", kinds_of(config) + experts, "EAGLE-3, Medusa", lossless, trees, sampling, export]
-        rows.append("| " + " | ".join(cells) + " |")
+        rows.append("| " + " | ".join([f"`{model_type}`", kinds_of(config) + experts, *cells, export]) + " |")
     return "\n".join(rows)
 
 
-def test_the_docs_table_is_the_matrix():
+def written_table() -> str:
     text = (ROOT / "docs" / "heads.md").read_text()
     assert TABLE_START in text and TABLE_END in text
-    written = text.split(TABLE_START)[1].split(TABLE_END)[0].strip()
-    assert written == supported_targets_table(), "docs/heads.md's table is stale; write:\n" + supported_targets_table()
+    return text.split(TABLE_START)[1].split(TABLE_END)[0].strip()
+
+
+def test_the_docs_table_is_the_matrix():
+    """Runs after the matrix tests of this file (pytest keeps a file's order, and --dist loadfile
+    keeps a file in one process): their outcomes write the table."""
+    if set(OBSERVED) != set(MATRIX_TYPES) or not all("sampling" in OBSERVED[t] for t in SAMPLED):
+        pytest.skip("the matrix tests did not all run in this process: the table is written from their outcomes")
+    table = supported_targets_table(OBSERVED)
+    assert written_table() == table, "docs/heads.md's table is stale; write:\n" + table
+
+
+def test_a_check_that_did_not_pass_leaves_its_cell_unclaimed():
+    """The table has teeth: with one type's tree check unseen, its row says so and the written table differs."""
+    if "qwen3_moe" not in OBSERVED:
+        pytest.skip("the matrix tests did not run in this process")
+    partial = {t: dict(cells) for t, cells in OBSERVED.items()}
+    del partial["qwen3_moe"]["trees"]
+    table = supported_targets_table(partial)
+    assert "| `qwen3_moe` | full + experts | EAGLE-3, Medusa | chains and trees | not checked |" in table
+    assert table != written_table()

@@ -1,0 +1,71 @@
+"""BENCHMARKS.md's current results and README's table are the records in results/, of today's heads."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from specheads.bench.record import short, weights_sha256
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import results_tables  # noqa: E402
+
+RECORDS = sorted((ROOT / "results").glob("*.json"))
+SHIPPED = sorted(p.parent for p in (ROOT / "heads").glob("*/model.safetensors"))
+
+
+def records() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in RECORDS}
+
+
+def test_the_tables_are_made_from_the_records():
+    assert results_tables.main(["--check"]) == 0
+
+
+def test_every_shipped_head_has_a_record_of_its_own_weights():
+    measured = {entry["weights_sha256"] for r in records().values() for entry in r["record"]["heads"].values()}
+    missing = [p.name for p in SHIPPED if weights_sha256(p) not in measured]
+    assert not missing, f"shipped heads without a results record of their weights: {missing}"
+
+
+@pytest.mark.parametrize("name", [p.stem for p in RECORDS])
+def test_a_record_of_a_shipped_head_names_the_weights_shipped_now(name):
+    """A record that ran heads/NAME measured the weights there now: else it is of weights no longer
+    shipped, and the run is made again (or its record removed)."""
+    for label, entry in records()[name]["record"]["heads"].items():
+        here = ROOT / entry["dir"]
+        if entry["dir"].startswith("heads/") and here.is_dir():
+            assert entry["weights_sha256"] == weights_sha256(here), f"results/{name}.json: {label} is stale"
+
+
+def test_each_table_row_names_the_weights_of_its_record():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    blocks = re.findall(r"<!-- results: ([\w.-]+) -->\n(.*?)<!-- results end -->", text, re.S)
+    assert {name for name, _ in blocks} == {p.stem for p in RECORDS}
+    for name, block in blocks:
+        ran = {short(e["weights_sha256"]) for e in records()[name]["record"]["heads"].values()}
+        shown = set(re.findall(r"`([0-9a-f]{12})`", block)) - {short(records()[name]["record"]["questions"]["sha256"])}
+        assert shown and shown <= ran, f"{name}: the table names {shown - ran}, the record ran {ran}"
+
+
+def test_a_table_naming_other_weights_fails_the_check(tmp_path, monkeypatch):
+    """The check has teeth: one digit of a table's digest changed and it fails."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    cell = re.search(r"\| `([0-9a-f]{12})` \|", text)  # a table's weights cell, not the prose's
+    digest = cell.group(1)
+    wrong = digest[:-1] + ("0" if digest[-1] != "0" else "1")
+    fake = tmp_path / "BENCHMARKS.md"
+    fake.write_text(text[: cell.start(1)] + wrong + text[cell.end(1) :])
+    assert results_tables.generated(fake.read_text()) != fake.read_text()
+    assert results_tables.generated(text) == text
+
+
+def test_a_missing_record_is_one_line():
+    with pytest.raises(SystemExit, match="results/nowhere.json, which is not there"):
+        results_tables.generated("<!-- results: nowhere -->\n<!-- results end -->")
