@@ -1253,8 +1253,11 @@ def test_expected_tau_is_what_the_loop_measures_on_the_calibration_prompts(monke
     vectors, text, rows, target_s, lookup_s, alone, _, tops = args
     head_row = next((r for r in rows if r["paths"] == hybrid["paths"]), {"nodes": 0, "paths": [], "draft_ms": 0.0})
     split_of = (vectors, text, alone, head_row, hybrid["ngram_nodes"], (hybrid["text_alone"], split.alone_ngram))
-    walked, _ = plain_hybrid_score(*split_of, target_s, lookup_s, tops, kwargs["lengths"])
-    every_position, _ = plain_hybrid_score(*split_of, target_s, lookup_s, tops, kwargs["lengths"], walked=False)
+    texts_of = {"drafts": kwargs["drafts"], "truths": kwargs["truths"]}
+    walked, _ = plain_hybrid_score(*split_of, target_s, lookup_s, tops, kwargs["lengths"], **texts_of)
+    every_position, _ = plain_hybrid_score(
+        *split_of, target_s, lookup_s, tops, kwargs["lengths"], walked=False, **texts_of
+    )
     assert walked == pytest.approx(hybrid["tau"], abs=1e-4) and every_position - walked > 1.0
     paths = frozenset(tuple(p) for p in chosen.paths)
     depth = max(map(len, paths))
