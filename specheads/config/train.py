@@ -75,13 +75,54 @@ class HeadConfig:
     # into every layer's keys and values
 
     # dflash: the block's slots (training blocks have block_size slots; a draft forward always runs
-    # the whole block and drafts up to block_size - 1 tokens)
+    # the whole block and drafts up to block_size - 1 tokens, dspark with sample_from_anchor block_size)
     block_size: int = 8
     dflash_layers: int = 2  # its decoder layers (also how many target layers it reads by default)
-    # the loss weight of block slot k >= 1: exp(-(k - 1) / gamma) (the DFlash paper: 4 for blocks of 8)
+    # the loss weight of the draft at depth d (DFlash's slot d): exp(-(d - 1) / gamma) (the DFlash
+    # paper: 4 for blocks of 8)
     dflash_gamma: float = 4.0
     # blocks per training sequence, at random anchors redrawn every step (fewer where fewer fit)
     anchors_per_sequence: int = 64
+    # dspark (DSpark, arXiv 2607.05147; also reads the dflash fields above): DFlash's block with a
+    # Markov head, a low-rank bias on each slot's logits from the token drafted before it, and a
+    # confidence head that stops a block's drafting early
+
+    # dspark: slot 0, which holds the bonus token, drafts the token after it, so a block drafts
+    # block_size tokens (speculators' and DeepSpec's default); false drafts from slot 1 on, as DFlash
+    sample_from_anchor: bool = True
+    # the Markov bias's rank r: bias = markov_w2(markov_w1[previous token]), an r-wide embedding of
+    # every token and a map from it to the vocabulary's logits (speculators' names)
+    markov_rank: int = 256
+    # vanilla = the bias of the previous token alone; gated = its embedding scaled by a sigmoid gate
+    # over the slot's state and that embedding (speculators' stateless variants)
+    markov_head_type: str = "vanilla"
+    # a linear head on each slot's state predicting its acceptance rate, 1 - TV(target, draft)
+    # (speculators' target); the block's cumulative acceptance is the product along its chain
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True  # the confidence head also reads the previous token's Markov embedding
+    confidence_head_alpha: float = 1.0  # the weight of the confidence head's binary cross-entropy in the loss
+    # drafting stops at the first depth where the product of the predicted acceptance rates, along
+    # the block's top-1 chain, is below this (0: never; a tree is cut at that depth)
+    confidence_threshold: float = 0.0
+    # dflash2 (also reads the dflash fields above): DFlash's block with a dynamic grouped convolution
+    # before and after each attention and MLP sublayer, over the block's slots only, and a low-rank
+    # selector reranking the LM head's top-k candidates of each slot (vLLM's qwen3_dflash2.py)
+
+    # dflash2: the convolution's taps: slot i mixes slots i, i-1, ..., i-k+1 of its own block
+    # (backward only, never across blocks), speculators' and vLLM's conv_kernel_size
+    conv_kernel_size: int = 2
+    # hidden channels per group sharing one dynamic kernel weight per tap (must divide the hidden
+    # size; the groups are hidden_size / conv_group_size), vLLM's conv_group_size
+    conv_group_size: int = 16
+    # the candidate selector's rank r: a candidate c after token p at a slot of state h scores
+    # logit(c) + sum_r predecessor[p, r] * (W h)[r] * successor[c, r], vLLM's selector_rank
+    selector_rank: int = 256
+    # the LM head's candidates per slot that the selector reranks (the draft's support;
+    # a tree's branches at a node), vLLM's selector_top_k
+    selector_top_k: int = 16
+    # the weight of the selector's cross-entropy over each slot's top-k candidates (where
+    # the data's token is among them) added to DFlash's loss
+    selector_loss_weight: float = 1.0
     # hydra (also reads num_heads, num_layers, shared_lm_head and medusa_decay above)
 
     # Hydra++ teacher distillation: soft CE against the target's next-token distribution
@@ -125,11 +166,13 @@ class HeadConfig:
 
 
 # The HeadConfig fields each family reads; a head's config.json holds these and COMMON_HEAD_FIELDS
-# only (an EAGLE-3 head has no LoRA rank). Hydra and Medusa-2 extend Medusa.
+# only (an EAGLE-3 head has no LoRA rank). Hydra and Medusa-2 extend Medusa, DSpark and DFlash2
+# extend DFlash.
 COMMON_HEAD_FIELDS = ("family", "layer_ids", "draft_vocab_size", "eval_depth")
 _MEDUSA = ("num_heads", "num_layers", "shared_lm_head", "medusa_decay")
 _EAGLE_LAYER = ("num_decoder_layers", "intermediate_size", "fc_bias")
 _EAGLE3_NORMS = ("norm_before_fc", "norm_before_residual", "norm_output")
+_DFLASH = ("intermediate_size", "block_size", "dflash_layers", "dflash_gamma", "anchors_per_sequence", "mask_token_id")
 FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
     "medusa": _MEDUSA,
     "hydra": (*_MEDUSA, "hydra_teacher_loss", "hydra_prefix_layer", "intermediate_size"),
@@ -169,13 +212,24 @@ FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
         "loss_fn",
         "lk_eta",
     ),
-    "dflash": (
-        "intermediate_size",
-        "block_size",
-        "dflash_layers",
-        "dflash_gamma",
-        "anchors_per_sequence",
-        "mask_token_id",
+    "dflash": _DFLASH,
+    "dspark": (
+        *_DFLASH,
+        "sample_from_anchor",
+        "markov_rank",
+        "markov_head_type",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+        "confidence_head_alpha",
+        "confidence_threshold",
+    ),
+    "dflash2": (
+        *_DFLASH,
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "selector_loss_weight",
     ),
     "early_exit": ("exit_layer", "adapter_mlp", "intermediate_size", "draft_vocab"),
 }

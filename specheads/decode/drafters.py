@@ -277,17 +277,48 @@ class ParallelDecoderDrafter(EagleDrafter):
     tree at once (the later depths from the mask token), so the tree is grown from per-depth top-k as
     Medusa's is. The draft cache keeps the accepted entries only (DFlash: their context keys/values)."""
 
-    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accepted rows to feed with this draft (ids, features), kept for rewind."""
         if self.pending is None:
             raise RuntimeError("draft() called twice without advance() or rewind()")
         ids, feats = self.pending
         self.pending = None
         self.last_fed = (ids, feats)
+        return ids, feats
+
+    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        ids, feats = self.take_pending()
         depth = min(max_depth, policy_depth(self.policy))
         logp = torch.log_softmax(self.head.parallel_logits(ids, feats, self.cache, depth).float(), dim=-1)
 
         def child_logp(nodes: list[int], table: DraftTable) -> torch.Tensor:
             return logp[torch.tensor([table.depths[i] for i in nodes], device=logp.device)]
+
+        self.table = DraftTable()
+        return grow_tree(root, child_logp, self.head.draft_to_target, self.policy, max_depth, self.table)
+
+
+class MarkovBlockDrafter(ParallelDecoderDrafter):
+    """DSpark: one draft forward feeds the accepted rows and runs the block (heads/dspark.py); a
+    node's children at depth d + 1 then come from that depth's slot with the Markov bias of the
+    node's own token (the root's, the bonus token's), so a path's drafts depend on each other as a
+    chain's do, each level's nodes biased in one call. The block stops at the first depth whose
+    predicted cumulative acceptance (the product of the slots' predicted acceptance rates) along its
+    top-1 chain is below head.confidence_threshold: the tree is cut there (at depth 0 the root
+    alone is verified).
+
+    DFlash2 drafts through the same block protocol (heads/dflash2.py SelectorBlock): a node's
+    children are its depth's slot's top-k LM-head candidates in the selector's order after the
+    node's token, the others at -inf; its blocks are never cut."""
+
+    def draft(self, root: int, prefix_len: int, max_depth: int) -> tuple[list[int], TreeLayout]:
+        ids, feats = self.take_pending()
+        block = self.head.draft_block(ids, feats, self.cache, min(max_depth, policy_depth(self.policy)))
+        max_depth = min(max_depth, block.stop_depth(root))
+
+        def child_logp(nodes: list[int], table: DraftTable) -> torch.Tensor:
+            logits = block.logits([table.depths[i] + 1 for i in nodes], [table.tokens[i] for i in nodes])
+            return torch.log_softmax(logits.float(), dim=-1)
 
         self.table = DraftTable()
         return grow_tree(root, child_logp, self.head.draft_to_target, self.policy, max_depth, self.table)
@@ -530,6 +561,7 @@ DRAFTERS = {
     "autoregressive": EagleDrafter,
     "sequential": SequentialDrafter,
     "parallel_decoder": ParallelDecoderDrafter,
+    "markov_block": MarkovBlockDrafter,
     "early_exit": EarlyExitDrafter,
 }
 

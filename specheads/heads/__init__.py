@@ -2,6 +2,8 @@
 
 from .base import DraftHead, check_compatible
 from .dflash import DFlashHead
+from .dflash2 import DFlash2Head
+from .dspark import DSparkHead
 from .eagle import AutoregressiveHead, EagleHead
 from .eagle3 import Eagle3Head
 from .early_exit import EarlyExitHead
@@ -17,7 +19,9 @@ from .spec import HeadSpec
 __all__ = [
     "HEADS",
     "AutoregressiveHead",
+    "DFlash2Head",
     "DFlashHead",
+    "DSparkHead",
     "DraftCache",
     "DraftHead",
     "Eagle3Head",

@@ -33,8 +33,10 @@ class DraftHead(nn.Module):
     title: ClassVar[str] = ""  # the family's name in prose (model cards)
     # How inference drafts a tree: "parallel" (every depth from the last accepted target state),
     # "sequential" (level by level, a node's children from the head of its depth given the node's
-    # path), "autoregressive" (a draft decoder run level by level) or "parallel_decoder" (a draft
-    # decoder filling every depth in one forward, P-EAGLE and DFlash); decode picks the drafter by it.
+    # path), "autoregressive" (a draft decoder run level by level), "parallel_decoder" (a draft
+    # decoder filling every depth in one forward, P-EAGLE and DFlash) or "markov_block" (DSpark: one
+    # block forward, then each node's children biased by the node's token; DFlash2: reranked by its
+    # candidate selector after the node's token); decode picks the drafter by it.
     draft_kind: ClassVar[str] = ""
     # The static tree (rank paths) drafted when the head stores no default_tree; None: a dynamic tree.
     fallback_tree: ClassVar[tuple[tuple[int, ...], ...] | None] = None

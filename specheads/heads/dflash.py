@@ -24,6 +24,8 @@ cross-entropy on the data's token at slot k by exp(-(k-1)/gamma).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,11 +111,31 @@ class DFlashLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, h, context: tuple[torch.Tensor, torch.Tensor], k_norm, cos, sin, mask):
-        attn = self.self_attn
-        q, k, v = attn.block_qkv(self.input_layernorm(h), k_norm, cos, sin)
-        k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
-        h = h + attn.output(attn.attend(q, k, v, mask))
+        h = h + self.attention(self.input_layernorm(h), context, k_norm, cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention(self, x, context: tuple[torch.Tensor, torch.Tensor], k_norm, cos, sin, mask):
+        """The attention sublayer's output for the normed block states x: its queries over the
+        context's keys and values, then the block's."""
+        attn = self.self_attn
+        q, k, v = attn.block_qkv(x, k_norm, cos, sin)
+        k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
+        return attn.output(attn.attend(q, k, v, mask))
+
+
+@dataclass
+class TrainingBlocks:
+    """The blocks of one training forward (packed_hidden), [B, N] per element: its final-normed state
+    h [B, N, H], its anchor, the depth it drafts (1: the token after the bonus token; < 1: a slot
+    that drafts nothing), where the token it drafts sits, whether that token is in the element's own
+    document (`inside`) and whether the loss counts it (`kept`: inside and an assistant token)."""
+
+    h: torch.Tensor
+    anchor: torch.Tensor
+    depth: torch.Tensor
+    where: torch.Tensor
+    inside: torch.Tensor
+    kept: torch.Tensor
 
 
 class DFlashHead(DraftHead):
@@ -130,9 +152,13 @@ class DFlashHead(DraftHead):
         self.fc = nn.Linear(len(spec.layer_ids) * h, h, bias=False)
         self.hidden_norm = LlamaRMSNorm(h, eps=eps)
         self.k_norm = LlamaRMSNorm(info.head_dim, eps=eps)  # tied across layers (module docstring)
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(spec.dflash_layers))
+        self.layers = nn.ModuleList(self.new_layer(config) for _ in range(spec.dflash_layers))
         self.norm = LlamaRMSNorm(h, eps=eps)
         self.rotary = Rotary(config)
+
+    def new_layer(self, config) -> DFlashLayer:
+        """One decoder layer of the draft (DFlash2 wraps its sublayers in convolutions)."""
+        return DFlashLayer(config)
 
     @classmethod
     def prepare_spec(cls, spec: HeadSpec, target: FrozenTarget) -> None:
@@ -147,8 +173,14 @@ class DFlashHead(DraftHead):
         )
 
     @classmethod
+    def draft_slot0(cls, spec: HeadSpec) -> int:
+        """The block slot that drafts depth 1 (the token after the bonus token, which slot 0 holds);
+        slot k drafts depth k - draft_slot0 + 1."""
+        return 1
+
+    @classmethod
     def max_draft_depth(cls, spec: HeadSpec) -> int | None:
-        return spec.block_size - 1
+        return spec.block_size - cls.draft_slot0(spec)
 
     def init_from_target(self) -> None:
         """The draft's final norm feeds the target's LM head as the target's final norm does: start from it."""
@@ -163,6 +195,11 @@ class DFlashHead(DraftHead):
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.target_logits(h)  # the target's LM head over the draft's final-normed state
+
+    def slot_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The draft logits [..., V] of drafting slots with final-normed states h [..., H]; prev [...]:
+        the token before the one each drafts, which DFlash's independent slots do not read."""
+        return self.draft_logits(h)
 
     def new_cache(self) -> DraftCache:
         """The context keys and values of each layer (never the block's)."""
@@ -184,9 +221,15 @@ class DFlashHead(DraftHead):
 
     # -- inference -------------------------------------------------------------------------
     def parallel_logits(self, input_ids, features, cache: DraftCache, positions: int) -> torch.Tensor:
+        """Feed the accepted rows into the context cache (block_states), then draft from one block:
+        [positions, V] logits."""
+        h = self.block_states(input_ids, features, cache)
+        return self.draft_logits(h[0, 1 : 1 + max(positions, 1)])
+
+    def block_states(self, input_ids, features, cache: DraftCache) -> torch.Tensor:
         """Feed the accepted rows (fused features [1, n, H] of the next n context positions, and
         input_ids [1, n]: the token after each, the last one the target's bonus token) into the
-        context cache, then draft from one block: [positions, V] logits.
+        context cache, then run one block after them: its final-normed states [1, block_size, H].
 
         The block always has the trained block_size slots: inside it attention goes both ways, so a
         shorter block would change every draft; a shallower tree takes the first rows."""
@@ -198,8 +241,7 @@ class DFlashHead(DraftHead):
             context.append(cache.append(i, k, v))
         b = self.spec.block_size
         ids = torch.cat([input_ids[:, -1:], input_ids.new_full((1, b - 1), self.spec.mask_token_id)], dim=1)
-        h = self.block_forward(ids, torch.arange(start + n, start + n + b, device=device)[None], context, None)
-        return self.draft_logits(h[0, 1 : 1 + max(positions, 1)])
+        return self.block_forward(ids, torch.arange(start + n, start + n + b, device=device)[None], context, None)
 
     # -- training --------------------------------------------------------------------------
     def packed_hidden(
@@ -231,7 +273,8 @@ class DFlashHead(DraftHead):
         mask = block_attention_mask(doc0, doc, anchor, block)[:, None]
         return self.block_forward(ids, pos0.gather(1, anchor) + 1 + slot, context, mask), anchor, slot, doc
 
-    def loss(self, batch, states):
+    def training_blocks(self, batch, states) -> TrainingBlocks:
+        """Draw this step's anchors and run all their blocks in one forward (packed_hidden)."""
         input_ids = batch["input_ids"]
         t = input_ids.shape[1]
         doc0 = documents(batch)
@@ -252,24 +295,32 @@ class DFlashHead(DraftHead):
         h, anchor, slot, doc = self.packed_hidden(
             input_ids, self.input_features(states), anchors, doc0, positions(batch)
         )
-        where = (anchor + 1 + slot).clamp(max=t - 1)  # slot k predicts token anchor + 1 + k
-        kept = (
-            (slot >= 1)
-            & (doc >= 0)
-            & (anchor + 1 + slot < t)
-            & counted.gather(1, where)
-            & (doc0.gather(1, where) == doc)
-        )
-        depth = slot[kept] - 1
-        labels = input_ids.gather(1, where)[kept]
-        logits = self.draft_logits(h[kept])
+        depth = slot - self.draft_slot0(self.spec) + 1
+        where = (anchor + 1 + depth).clamp(max=t - 1)  # depth d drafts token anchor + 1 + d
+        inside = (depth >= 1) & (doc >= 0) & (anchor + 1 + depth < t) & (doc0.gather(1, where) == doc)
+        return TrainingBlocks(h, anchor, depth, where, inside, inside & counted.gather(1, where))
+
+    def loss(self, batch, states):
+        blocks = self.training_blocks(batch, states)
+        input_ids, kept = batch["input_ids"], blocks.kept
+        labels = input_ids.gather(1, blocks.where)[kept]
+        logits = self.slot_logits(blocks.h[kept], input_ids.gather(1, blocks.where - 1)[kept])
+        return self.decayed_loss(logits, labels, blocks.depth[kept])
+
+    def depth_weight(self, depth: torch.Tensor) -> torch.Tensor:
+        """The loss weight of a draft at depth d (1, 2, ...): exp(-(d - 1) / gamma)."""
+        return torch.exp(-(depth - 1).float() / self.spec.dflash_gamma)
+
+    def decayed_loss(self, logits, labels, depth):
+        """The cross-entropy of drafts at depths `depth` (1, 2, ...) weighted exp(-(depth - 1) / gamma),
+        and per-depth metrics."""
         ce = F.cross_entropy(logits, labels, reduction="none")
-        weight = torch.exp(-depth.to(ce.dtype) / self.spec.dflash_gamma)
+        weight = self.depth_weight(depth)
         total = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
         hit = logits.argmax(-1) == labels
         metrics = {}
-        for d in range(self.spec.block_size - 1):
-            at = depth == d
+        for d in range(self.max_draft_depth(self.spec)):
+            at = depth == d + 1
             n = at.sum().clamp(min=1)
             metrics[f"loss_{d}"] = ((ce * at).sum() / n).item()
             metrics[f"acc_{d}"] = ((hit & at).sum() / n).item()
@@ -277,9 +328,11 @@ class DFlashHead(DraftHead):
 
     def teacher_forced_logits(self, input_ids, states, depth, doc0=None, pos0=None):
         """Every position an anchor (in chunks): [B, T, V] per depth 1..depth; at depth d position t
-        holds slot d of the block anchored at t, the draft for token t+1+d. doc0, pos0 [B, T]: a
+        holds the slot drafting depth d of the block anchored at t, the draft for token t+1+d (the
+        token before it, which a DSpark slot reads, taken from the sequence). doc0, pos0 [B, T]: a
         packed row's documents and positions (None: one document per row)."""
-        depth = min(depth, self.spec.block_size - 1)
+        depth = min(depth, self.max_draft_depth(self.spec))
+        slot0 = self.draft_slot0(self.spec)
         b, t = input_ids.shape
         features = self.input_features(states)
         if doc0 is None:
@@ -289,8 +342,8 @@ class DFlashHead(DraftHead):
             chunk = torch.arange(start, min(start + TEACHER_FORCED_CHUNK, t), device=input_ids.device)
             h, _, _, _ = self.packed_hidden(input_ids, features, [chunk] * b, doc0, pos0)
             h = h.view(b, len(chunk), self.spec.block_size, -1)
-            for d in range(depth):
-                logits = self.draft_logits(h[:, :, d + 1])
+            for d in range(depth):  # depth d + 1 drafts token t+2+d after token t+1+d
+                logits = self.slot_logits(h[:, :, slot0 + d], shifted(input_ids, 1 + d)[:, chunk])
                 if outs[d] is None:
                     outs[d] = logits.new_empty(b, t, logits.shape[-1])
                 outs[d][:, chunk] = logits

@@ -7,6 +7,8 @@ from ..errors import SpecHeadsError
 from ..target import FrozenTarget, target_identity
 from .base import DraftHead
 from .dflash import DFlashHead
+from .dflash2 import DFlash2Head
+from .dspark import DSparkHead
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
 from .early_exit import EarlyExitHead
@@ -25,6 +27,8 @@ HEADS: dict[str, type[DraftHead]] = {
     Medusa2Head.family: Medusa2Head,
     PEagleHead.family: PEagleHead,
     DFlashHead.family: DFlashHead,
+    DSparkHead.family: DSparkHead,
+    DFlash2Head.family: DFlash2Head,
     EarlyExitHead.family: EarlyExitHead,
 }
 

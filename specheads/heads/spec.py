@@ -11,9 +11,14 @@ from ..errors import SpecHeadsError
 from ..target import TargetInfo
 from .objectives import check_loss_fn
 
-FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2", "peagle", "dflash", "early_exit")
+FAMILIES = ("medusa", "eagle", "eagle3", "hydra", "medusa2", "peagle", "dflash", "dspark", "dflash2", "early_exit")
 # the families of the EAGLE-3 draft (fused target layers, a reduced draft vocabulary)
 FUSED_FAMILIES = ("eagle3", "peagle")
+# the families of DFlash's block drafter (heads/dflash.py; DSpark adds its Markov and confidence heads,
+# DFlash2 its in-block convolutions and candidate selector)
+BLOCK_FAMILIES = ("dflash", "dspark", "dflash2")
+# DSpark's Markov heads this project drafts with (speculators' names; its recurrent "rnn" is not one)
+MARKOV_HEAD_TYPES = ("vanilla", "gated")
 
 
 @dataclass
@@ -57,8 +62,8 @@ class HeadSpec(HeadConfig):
             spec.eval_depth = max(spec.eval_depth, spec.ttt_steps)
         elif family == "peagle":
             spec.eval_depth = spec.parallel_depths
-        elif family == "dflash":
-            spec.eval_depth = spec.block_size - 1
+        elif family in BLOCK_FAMILIES:  # a block's drafts: block_size - 1, block_size when slot 0 drafts too
+            spec.eval_depth = spec.block_size - (0 if family == "dspark" and spec.sample_from_anchor else 1)
         spec.validate(info)
         return spec
 
@@ -85,8 +90,12 @@ class HeadSpec(HeadConfig):
             raise SpecHeadsError(f"{self.family} needs at least one fused layer id")
         if self.family == "peagle":
             self.validate_parallel()
-        if self.family == "dflash":
+        if self.family in BLOCK_FAMILIES:
             self.validate_block()
+        if self.family == "dspark":
+            self.validate_markov()
+        if self.family == "dflash2":
+            self.validate_dflash2(info)
         for name in ("num_heads", "num_layers", "num_decoder_layers", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
@@ -118,7 +127,47 @@ class HeadSpec(HeadConfig):
         if not self.dflash_gamma > 0:
             raise SpecHeadsError(f"head.dflash_gamma must be > 0, got {self.dflash_gamma}")
         if not self.layer_ids:
-            raise SpecHeadsError("dflash needs at least one target layer id")
+            raise SpecHeadsError(f"{self.family} needs at least one target layer id")
+
+    def validate_markov(self) -> None:
+        if self.markov_rank < 1:
+            raise SpecHeadsError(
+                f"head.markov_rank must be >= 1 (a dspark head always has its Markov head; head=dflash drafts "
+                f"without one), got {self.markov_rank}"
+            )
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise SpecHeadsError(
+                f"head.markov_head_type must be {' or '.join(MARKOV_HEAD_TYPES)}, got {self.markov_head_type!r}"
+            )
+        if not self.confidence_head_alpha >= 0:
+            raise SpecHeadsError(f"head.confidence_head_alpha must be >= 0, got {self.confidence_head_alpha}")
+        if not 0 <= self.confidence_threshold < 1:
+            raise SpecHeadsError(f"head.confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
+        if self.confidence_threshold > 0 and not self.enable_confidence_head:
+            raise SpecHeadsError(
+                f"head.confidence_threshold={self.confidence_threshold} needs the confidence head "
+                "(head.enable_confidence_head=true)"
+            )
+
+    def validate_dflash2(self, info: TargetInfo) -> None:
+        if self.conv_kernel_size < 1:
+            raise SpecHeadsError(
+                f"head.conv_kernel_size must be >= 1 (1: no mixing of slots), got {self.conv_kernel_size}"
+            )
+        if self.conv_group_size < 1 or info.hidden_size % self.conv_group_size:
+            raise SpecHeadsError(
+                f"head.conv_group_size must divide the target's hidden size {info.hidden_size} (channels per "
+                f"convolution group), got {self.conv_group_size}"
+            )
+        for name in ("selector_rank", "selector_top_k"):
+            if getattr(self, name) < 1:
+                raise SpecHeadsError(f"head.{name} must be >= 1, got {getattr(self, name)}")
+        if self.selector_top_k > info.vocab_size:
+            raise SpecHeadsError(
+                f"head.selector_top_k must be at most the vocabulary size {info.vocab_size}, got {self.selector_top_k}"
+            )
+        if not self.selector_loss_weight >= 0:
+            raise SpecHeadsError(f"head.selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
 
     def validate_lora(self) -> None:
         if self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
@@ -156,8 +205,8 @@ class HeadSpec(HeadConfig):
 
 def default_layer_ids(family: str, num_layers: int, draft_layers: int = 1) -> list[int]:
     """Our convention (residual stream entering layer k). Medusa/EAGLE-1/Hydra read the final state;
-    DFlash reads `draft_layers` layers spread over the target's depth."""
-    if family == "dflash":
+    DFlash and DSpark read `draft_layers` layers spread over the target's depth."""
+    if family in BLOCK_FAMILIES:
         return spread_layer_ids(num_layers, draft_layers)
     if family in FUSED_FAMILIES:
         # EAGLE-3 / vLLM default aux layers: low, mid, high, always three (repeats on a shallow

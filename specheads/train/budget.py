@@ -28,6 +28,7 @@ from ..config.train import TrainJobConfig
 from ..data.features import check_disk
 from ..errors import SpecHeadsError
 from ..heads import HEADS
+from ..heads.spec import BLOCK_FAMILIES
 from ..target import cache_root
 from .arch import TargetArch, read_arch
 from .plan import UNKNOWN_TOKENS, Gpus, Plan, feature_tokens, gb, make_plan, parse_memory
@@ -75,14 +76,14 @@ def draft_passes(plan: Plan) -> float:
         return spec.ttt_steps
     if spec.family == "peagle":  # COD sampling's expected rows per position
         return 1 + sum(max(spec.depth_keep_rate**d, spec.depth_min_rate) for d in range(1, spec.parallel_depths))
-    if spec.family == "dflash":  # anchors x block rows over the sequence
+    if spec.family in BLOCK_FAMILIES:  # anchors x block rows over the sequence
         return spec.block_size * min(spec.anchors_per_sequence, plan.length) / plan.length
     return 1.0
 
 
 def head_layers(plan: Plan) -> int:
     spec = plan.spec
-    if spec.family == "dflash":
+    if spec.family in BLOCK_FAMILIES:
         return spec.dflash_layers
     if HEADS[spec.family].draft_kind in ("autoregressive", "parallel_decoder"):
         return spec.num_decoder_layers

@@ -29,7 +29,7 @@ import torch
 from ..config.train import TrainJobConfig
 from ..errors import SpecHeadsError
 from ..heads import HEADS, DraftHead
-from ..heads.spec import FUSED_FAMILIES, HeadSpec
+from ..heads.spec import BLOCK_FAMILIES, FUSED_FAMILIES, HeadSpec
 from ..target import TargetInfo, resolve_dtype
 from .arch import TargetArch, read_arch
 
@@ -139,7 +139,7 @@ def activations(
     if online:
         layers = info.num_layers if head.adapts_target else 1
         total += layers * layer_activations(info, n, weight_bytes, h, info.intermediate_size)
-    if spec.family == "dflash":
+    if spec.family in BLOCK_FAMILIES:
         return total + dflash_activations(info, spec, batch, length, weight_bytes, packed)
     if head.draft_kind == "early_exit":  # one adapter layer over the layer-L states, the target's LM head
         adapter = layer_activations(info, n, weight_bytes, h, spec.intermediate_size if spec.adapter_mlp else 0)
@@ -176,7 +176,8 @@ def dflash_activations(
     """DFlash: the fused context (fc input and output, its keys and values in every layer), one
     forward over anchors x block_size rows (at most one anchor per position; a packed row draws
     anchors_per_sequence for each of its conversations, so up to one per position), its masked
-    attention over context + rows, and the fp32 logits with their log-softmax of the drafting rows."""
+    attention over context + rows, and the fp32 logits with their log-softmax of the drafting rows
+    (DSpark: also its Markov bias and the target's logits there, for its confidence targets)."""
     h, n = info.hidden_size, batch * length
     rows = batch * (length if packed else min(spec.anchors_per_sequence, length)) * spec.block_size
     kv = info.num_key_value_heads * info.head_dim
@@ -184,7 +185,8 @@ def dflash_activations(
     layers = spec.dflash_layers * layer_activations(info, rows, weight_bytes, h, spec.intermediate_size)
     per_query = rows // batch + length
     scores = rows * info.num_attention_heads * per_query * SCORE_BYTES * spec.dflash_layers + rows * per_query
-    return context + layers + scores + 2 * rows * info.vocab_size * 4
+    logits = (4 if spec.family == "dspark" else 2) * rows * info.vocab_size * 4
+    return context + layers + scores + logits
 
 
 @dataclass(frozen=True)

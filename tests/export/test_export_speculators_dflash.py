@@ -86,8 +86,8 @@ def test_wrong_variants_are_refused(tiny_target, tmp_path, change, message):
 def test_another_speculators_type_is_refused(tiny_target, tmp_path):
     src = make_head_dir(tiny_target, tmp_path / "head", "dflash")
     out = export_head(src, "speculators", tmp_path / "out").path
-    edit_config(out, lambda c: c.update(speculators_model_type="dflash2"))  # provenance still says speculators
-    with pytest.raises(SpecHeadsError, match="speculators_model_type 'dflash2' is not one specheads reads"):
+    edit_config(out, lambda c: c.update(speculators_model_type="mtp"))  # provenance still says speculators
+    with pytest.raises(SpecHeadsError, match="speculators_model_type 'mtp' is not one specheads reads"):
         load_exported(out, tiny_target)
     with pytest.raises(SpecHeadsError, match="drafts 1..7 tokens"):
         export_head(src, "speculators", tmp_path / "long", num_speculative_tokens=8)

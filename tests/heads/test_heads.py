@@ -77,8 +77,10 @@ def test_head_spec_is_the_head_config_resolved(tiny_target):
 
 def test_registry_has_every_family():
     # hydra: tests/heads/test_hydra.py; medusa2 (which adapts its target): tests/heads/test_medusa2.py;
-    # early_exit (which drafts with the target's own layers): tests/heads/test_early_exit.py
-    assert sorted(HEADS) == sorted(FAMILIES + ["hydra", "medusa2", "early_exit"])
+    # early_exit (which drafts with the target's own layers): tests/heads/test_early_exit.py;
+    # dspark (DFlash's block with Markov and confidence heads): tests/heads/test_dspark.py;
+    # dflash2 (DFlash's block with in-block convolutions and a candidate selector): tests/heads/test_dflash2.py
+    assert sorted(HEADS) == sorted(FAMILIES + ["hydra", "medusa2", "early_exit", "dspark", "dflash2"])
 
 
 def test_eagle3_default_layers_match_vllm_convention():

@@ -43,6 +43,8 @@ FAMILIES = {
     "eagle3": dict(ttt_steps=3, draft_vocab_size=200),
     "peagle": dict(parallel_depths=3, depth_keep_rate=1.0, depth_min_rate=1.0, draft_vocab_size=200),
     "dflash": dict(block_size=4, anchors_per_sequence=1000),
+    "dspark": dict(block_size=4, anchors_per_sequence=1000, markov_rank=8, markov_head_type="gated"),
+    "dflash2": dict(block_size=4, anchors_per_sequence=1000, conv_kernel_size=3, selector_rank=8, selector_top_k=40),
     "early_exit": dict(exit_layer=3, adapter_mlp=True),
 }
 CAPACITY = 44  # a packed row's tokens: two or three of the conversations below, and some padding
@@ -179,6 +181,16 @@ ATTENTION_LEAKS = {
     "early_exit": (early_exit, "document_causal_mask", lambda real: causal_over_the_row),
     "peagle": (peagle, "packed_depth_mask", lambda real: lambda doc, *rest: real(one_doc(doc), *rest)),
     "dflash": (
+        dflash,
+        "block_attention_mask",
+        lambda real: lambda ctx, elem, *rest: real(one_doc(ctx), one_doc(elem), *rest),
+    ),
+    "dspark": (
+        dflash,
+        "block_attention_mask",
+        lambda real: lambda ctx, elem, *rest: real(one_doc(ctx), one_doc(elem), *rest),
+    ),
+    "dflash2": (
         dflash,
         "block_attention_mask",
         lambda real: lambda ctx, elem, *rest: real(one_doc(ctx), one_doc(elem), *rest),

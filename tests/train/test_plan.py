@@ -77,6 +77,9 @@ def gpus(count, memory):
         HeadConfig(family="hydra", num_heads=3, num_layers=2, shared_lm_head=True, hydra_prefix_layer=True),
         HeadConfig(family="dflash"),
         HeadConfig(family="dflash", dflash_layers=3, block_size=4, intermediate_size=96),
+        HeadConfig(family="dspark"),
+        HeadConfig(family="dspark", markov_rank=16, markov_head_type="gated", confidence_head_with_markov=False),
+        HeadConfig(family="dspark", enable_confidence_head=False),
     ],
     ids=lambda c: f"{c.family}-{c.num_decoder_layers}-{c.num_layers}-{c.shared_lm_head}-{c.draft_vocab_size}",
 )
