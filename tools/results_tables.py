@@ -25,7 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "engines"))
 
+from compare import FORMATS  # noqa: E402  (each vLLM run's format and the family it exports)
 from readme_results import included  # noqa: E402
 
 from specheads.atomic import write_json, write_text  # noqa: E402
@@ -114,24 +116,33 @@ def replay_table(report: dict) -> str:
 
 
 def vllm_table(report: dict) -> str:
+    """One row per run: loaded, greedy outputs equal to vLLM plain, acceptance length in vLLM and in
+    infer.py on the same prompts (agree: within the two's counting), tokens/s at batch 1 and batched."""
     heads = report["record"]["heads"]
+    batch = report.get("batch", "n")
     lines = [
         "| run | weights (sha256) | loaded | = vLLM plain | vLLM acceptance | infer.py acceptance | agree | "
-        "tokens/s (batch 1) | x vLLM plain |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"tokens/s (batch 1) | x vLLM plain | tokens/s (batch {batch}) | x vLLM plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    def length(acceptance):
+        return num((acceptance or {}).get("mean_acceptance_length"), ".2f")
+
     for row in report["rows"]:
-        fam = next((f for f in heads if row["run"].startswith(f)), None)
-        weights = f"`{short(heads[fam]['weights_sha256'])}`" if fam else "-"
-
-        def num(x, fmt):
-            return "-" if x is None else format(x, fmt)
-
+        fam = FORMATS.get(re.sub(r"-k\d+$", "", row["run"]), (None,))[0]  # a head's run is named by its format
+        weights = f"`{short(heads[fam]['weights_sha256'])}`" if fam in heads else "-"
+        same = row.get("identical")
+        agree = "-" if row.get("agree") is None else "yes" if row["agree"] else "NO"
         lines.append(
             f"| {row['run']} | {weights} | {'yes' if row['loaded'] else 'NO'} | "
-            f"{num(row.get('identical'), '')} | {num(row.get('vllm_acceptance'), '.3f')} | "
-            f"{num(row.get('infer_acceptance'), '.3f')} | {'-' if row.get('agree') is None else row['agree']} | "
-            f"{num(row.get('tokens_per_s_batch1'), '.1f')} | {num(row.get('speedup_batch1'), '.2f')} |"
+            f"{f'{same[0]}/{same[1]}' if same else '-'} | {length(row.get('vllm_acceptance'))} | "
+            f"{length(row.get('infer_acceptance'))} | {agree} | "
+            f"{num(row.get('tokens_per_s_batch1'), '.1f')} | {num(row.get('speedup_batch1'), '.2f')} | "
+            f"{num(row.get('tokens_per_s_batch'), '.1f')} | {num(row.get('speedup_batch'), '.2f')} |"
         )
     return "\n".join(lines) + "\n"
 
