@@ -69,3 +69,14 @@ def test_a_table_naming_other_weights_fails_the_check(tmp_path, monkeypatch):
 def test_a_missing_record_is_one_line():
     with pytest.raises(SystemExit, match="results/nowhere.json, which is not there"):
         results_tables.generated("<!-- results: nowhere -->\n<!-- results end -->")
+
+
+@pytest.mark.parametrize("name", [p.stem for p in RECORDS])
+def test_a_record_names_no_path_of_the_machine_that_ran_it(name):
+    text = (ROOT / "results" / f"{name}.json").read_text()
+    assert not re.findall(r'"/(?:root|work|home|tmp)/[^"]*"', text), f"results/{name}.json keeps a local path"
+
+
+def test_adding_a_report_makes_its_paths_portable():
+    kept = results_tables.kept({"head": "/tmp/elsewhere/run/head", "rows": [1], "n": {"q": str(ROOT / "README.md")}})
+    assert kept == {"head": "head", "n": {"q": "README.md"}}

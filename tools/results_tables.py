@@ -32,6 +32,7 @@ from readme_results import included  # noqa: E402
 
 from specheads.atomic import write_json, write_text  # noqa: E402
 from specheads.bench.record import short  # noqa: E402
+from specheads.provenance import portable_path  # noqa: E402
 
 RESULTS = ROOT / "results"
 BEGIN = re.compile(r"<!-- results: ([\w.-]+) -->\n")
@@ -190,11 +191,14 @@ def generated(text: str) -> str:
 
 
 def kept(report: dict) -> dict:
-    """A run's report as results/ keeps it: without per-question rows, outputs and texts."""
+    """A run's report as results/ keeps it: without per-question rows, outputs and texts, and with
+    no path of the machine that ran it (provenance.portable_path, as a recorded command has them)."""
     if isinstance(report, dict):
         return {k: kept(v) for k, v in report.items() if k not in DROPPED}
     if isinstance(report, list):
         return [kept(v) for v in report]
+    if isinstance(report, str) and report.startswith("/"):
+        return portable_path(report)
     return report
 
 
