@@ -359,3 +359,23 @@ class DFlashHead(DraftHead):
             hits.append(logits.argmax(-1) == shifted(greedy, 1 + j))
             seen.append(shifted(batch["loss_mask"].bool(), 2 + j, False) & within(batch, 2 + j))
         return chain_metrics(torch.stack(hits).flatten(1), torch.stack(seen).flatten(1))
+
+
+class ChainedBlock:
+    """A drafted block whose slot logits depend on the token drafted before (DSpark's Markov bias,
+    DFlash2's selector): `h` holds its drafting slots' states [D, H] and `logits(depths, prev)` the
+    draft logits at each depth after each previous token. chain is the top-1 walk through it (a
+    chain is vLLM's greedy walk for both)."""
+
+    h: torch.Tensor
+
+    def logits(self, depths: list[int], prev: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def chain(self, root: int) -> tuple[list[int], torch.Tensor]:
+        """The top-1 chain after `root` (the bonus token): its D tokens and their logits [D, V]."""
+        tokens, rows = [root], []
+        for d in range(1, len(self.h) + 1):
+            rows.append(self.logits([d], [tokens[-1]])[0])
+            tokens.append(int(rows[-1].argmax()))
+        return tokens[1:], torch.stack(rows)

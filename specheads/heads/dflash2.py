@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..target import TargetInfo
-from .dflash import DFlashHead, DFlashLayer
+from .dflash import ChainedBlock, DFlashHead, DFlashLayer
 from .spec import HeadSpec
 
 
@@ -227,7 +227,7 @@ class DFlash2Head(DFlashHead):
         }
 
 
-class SelectorBlock:
+class SelectorBlock(ChainedBlock):
     """One drafted block for MarkovBlockDrafter: the final-normed states [D, H] of its drafting
     slots (depths 1..D) and their unary logits, reranked after each node's token as the tree grows."""
 
@@ -245,14 +245,6 @@ class SelectorBlock:
         """[n, V]: the draft logits at each depth after each previous token (-inf off the candidates)."""
         at = torch.tensor(depths, device=self.h.device) - 1
         return self.head.reranked_logits(self.unary[at], self.h[at], torch.tensor(prev, device=self.h.device))
-
-    def chain(self, root: int) -> tuple[list[int], torch.Tensor]:
-        """vLLM's greedy walk after `root` (the bonus token): its D tokens and their logits [D, V]."""
-        tokens, rows = [root], []
-        for d in range(1, len(self.h) + 1):
-            rows.append(self.logits([d], [tokens[-1]])[0])
-            tokens.append(int(rows[-1].argmax()))
-        return tokens[1:], torch.stack(rows)
 
     def stop_depth(self, root: int) -> int:
         """The deepest depth to draft: the whole block (DFlash2 has no confidence stop)."""

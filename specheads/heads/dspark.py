@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..target import TargetInfo
-from .dflash import DFlashHead
+from .dflash import ChainedBlock, DFlashHead
 from .spec import HeadSpec
 
 
@@ -162,7 +162,7 @@ class DSparkHead(DFlashHead):
         return torch.minimum(q, p).sum(dim=-1)
 
 
-class DraftBlock:
+class DraftBlock(ChainedBlock):
     """One drafted block: the final-normed states [D, H] of its drafting slots (depths 1..D) and their
     DFlash logits, to which each node's Markov bias is added as the tree grows."""
 
@@ -182,14 +182,6 @@ class DraftBlock:
         not the block's up to it)."""
         at = torch.tensor(depths, device=self.h.device) - 1
         return torch.sigmoid(self.head.confidence_logits(self.h[at], torch.tensor(prev, device=self.h.device)))
-
-    def chain(self, root: int) -> tuple[list[int], torch.Tensor]:
-        """The top-1 chain after `root` (the bonus token): its D tokens and their logits [D, V]."""
-        tokens, rows = [root], []
-        for d in range(1, len(self.h) + 1):
-            rows.append(self.logits([d], [tokens[-1]])[0])
-            tokens.append(int(rows[-1].argmax()))
-        return tokens[1:], torch.stack(rows)
 
     def stop_depth(self, root: int) -> int:
         """The deepest depth to draft: the last before the first one where the predicted cumulative
