@@ -39,6 +39,7 @@ from specheads.bench.record import results_record
 from specheads.bench.trees import machine_record
 from specheads.data.questions import DEV_QUESTIONS
 from specheads.errors import SpecHeadsError, one_line_errors
+from specheads.kernels.linear_layout import cpu_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "engines"))
@@ -51,6 +52,10 @@ AGREE = 0.05  # llama.cpp's mean acceptance length against our replay's, same he
 # fraction of the top logit's magnitude: llama.cpp's batched (verification) and one-token kernels
 # quantize activations to 8 bits in different groupings, which moves a logit by about that much.
 NEAR_TIE = 0.01
+# b11434 repacks the weights for AMX where the processor has it, and its AMX matmul then ends in a
+# segmentation fault on the embedded target before the first token (Intel Xeon with AMX-INT8): on
+# such a processor --repack auto leaves the weights as stored (-nr), the AVX-512 kernels
+AMX_CRASH_ISA = "amx_int8"
 END_OF_TEXT = " [end of text]"
 
 PROMPT_TOKEN = re.compile(r"^\S+ I\s+(\d+) -> '")
@@ -210,9 +215,14 @@ def run_quiet(cmd: Sequence[str]) -> tuple[str, str]:
     return proc.stdout, proc.stderr
 
 
+def repack_flags(repack: bool) -> list[str]:
+    """llama-completion's and llama-speculative-simple's flag for the weights left unrepacked."""
+    return [] if repack else ["--no-repack"]
+
+
 def llama_plain(bin_dir: Path, target: Path, prompt: str, args) -> tuple[str, dict, list[int]]:
     cmd = [bin_dir / "llama-completion", "-m", target, "-p", prompt, "-n", args.max_new_tokens, "--temp", "0"]
-    cmd += ["-t", args.threads, "-no-cnv", "--verbose-prompt", "--seed", "0"]
+    cmd += ["-t", args.threads, "-no-cnv", "--verbose-prompt", "--seed", "0", *repack_flags(args.repack)]
     stdout, log = run_quiet(cmd)
     return stdout, plain_stats(log), prompt_tokens(log)
 
@@ -220,16 +230,18 @@ def llama_plain(bin_dir: Path, target: Path, prompt: str, args) -> tuple[str, di
 def llama_eagle3(bin_dir: Path, target: Path, draft: Path, prompt: str, k: int, args) -> tuple[str, dict]:
     cmd = [bin_dir / "llama-speculative-simple", "-m", target, "-md", draft, "--spec-type", "draft-eagle3"]
     cmd += ["--spec-draft-n-max", k, "--spec-draft-p-min", "0", "-p", prompt, "-n", args.max_new_tokens]
-    cmd += ["--temp", "0", "-t", args.threads, "-td", args.threads, "--seed", "0", "-v"]
+    cmd += ["--temp", "0", "-t", args.threads, "-td", args.threads, "--seed", "0", "-v", *repack_flags(args.repack)]
     stdout, log = run_quiet(cmd)
     return stdout, speculative_stats(log)
 
 
-def llama_bench(bin_dir: Path, target: Path, sizes: Sequence[int], threads: int) -> tuple[dict[int, float], int]:
+def llama_bench(
+    bin_dir: Path, target: Path, sizes: Sequence[int], threads: int, repack: bool
+) -> tuple[dict[int, float], int]:
     """Seconds of one target forward over n tokens for each n (llama-bench, 5 repeats), and the
     weights' bytes."""
     cmd = [bin_dir / "llama-bench", "-m", target, "-p", ",".join(map(str, sizes)), "-n", "0"]
-    stdout, _ = run_quiet([*cmd, "-t", threads, "-r", "5", "-o", "json"])
+    stdout, _ = run_quiet([*cmd, "-t", threads, "-r", "5", "-o", "json", "--repack", int(repack)])
     tests = json.loads(stdout)
     return {int(t["n_prompt"]): t["avg_ns"] / 1e9 for t in tests}, int(tests[0]["model_size"])
 
@@ -297,6 +309,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="draft lengths (--spec-draft-n-max)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (-t, -td)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "llamacpp")
+    p.add_argument(
+        "--repack",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help=f"llama.cpp's weight repacking (auto: off where the processor has {AMX_CRASH_ISA}, whose path crashes)",
+    )
     args = p.parse_args(argv)
     for tool in ("llama-completion", "llama-speculative-simple"):
         if not (args.bin / tool).is_file():
@@ -307,7 +325,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SpecHeadsError("--num-questions, --max-new-tokens, --threads and --k must be >= 1")
     args.k = sorted(set(args.k))
     args.per_category = args.per_category or None
+    args.repack = resolve_repack(args.repack, cpu_isa())
     return args
+
+
+def resolve_repack(choice: str, isa: Sequence[str]) -> bool:
+    """--repack as llama.cpp's switch: auto repacks unless the processor has AMX_CRASH_ISA."""
+    return AMX_CRASH_ISA not in isa if choice == "auto" else choice == "on"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -350,14 +374,16 @@ def run(args: argparse.Namespace) -> dict:
                 bar.update(1)
             rows.append(row)
         bar.set_description("cost model")
-        forward_s, weight_bytes = llama_bench(args.bin, target_gguf, range(1, max(args.k) + 2), args.threads)
+        forward_s, weight_bytes = llama_bench(
+            args.bin, target_gguf, range(1, max(args.k) + 2), args.threads, args.repack
+        )
         gb_s = bandwidth()
         bar.update(1)
     report = summarize(rows, ours, args)
     runs = {k: (sum(len(r["k"][k]["accepted"]) for r in rows), sum(r["k"][k]["seconds"] for r in rows)) for k in args.k}
     report["cost"] = cost_model(forward_s, weight_bytes, gb_s, report["by_k"], runs)
     report.update({"target": str(target_gguf), "head": str(args.head), "draft": str(draft), "rows": rows})
-    machine = {**machine_record(torch.device("cpu"), kernels=False), "threads": args.threads}
+    machine = {**machine_record(torch.device("cpu"), kernels=False), "threads": args.threads, "repack": args.repack}
     report["record"] = results_record("llamacpp", {"eagle3": args.head}, args.questions, len(questions), machine)
     write_json(out / "llamacpp.json", report)
     table = format_table(report, args)

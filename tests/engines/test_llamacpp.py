@@ -122,6 +122,16 @@ def test_refused_without_a_built_llamacpp(tmp_path):
         llamacpp.parse_args(["--bin", str(tmp_path)])
 
 
+def test_repack_is_left_off_only_where_the_amx_path_crashes():
+    """auto keeps llama.cpp's default (repacked) unless the processor has AMX-INT8, whose repacked
+    matmul crashes b11434; on and off are the user's; off becomes --no-repack, on adds nothing."""
+    assert llamacpp.resolve_repack("auto", ["avx2", "avx512f"]) is True
+    assert llamacpp.resolve_repack("auto", ["avx512f", "amx_int8", "amx_tile"]) is False
+    assert llamacpp.resolve_repack("on", ["amx_int8"]) is True
+    assert llamacpp.resolve_repack("off", ["avx2"]) is False
+    assert llamacpp.repack_flags(False) == ["--no-repack"] and llamacpp.repack_flags(True) == []
+
+
 def test_fit_line_recovers_a_line():
     a, b = llamacpp.fit_line([1, 2, 3, 4], [3.0, 5.0, 7.0, 9.0])
     assert a == pytest.approx(1.0) and b == pytest.approx(2.0)
