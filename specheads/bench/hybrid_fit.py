@@ -141,8 +141,11 @@ def fit_rule(
     draft_ms: float,
     head_nodes: float,
     lookup_ms: float,
+    truths: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> RuleParams:
-    """The rule's parameters from the positions (per answer, per position) and the costs."""
+    """The rule's parameters from the positions (per answer, per position) and the costs; with the
+    true continuations (answer_truths') also the nodes the text shares with the head's tree
+    (verified_nodes: those on its accepted path), else none are counted shared."""
     flat_heads = [a for answer in head_accepted for a in answer]
     h = sum(flat_heads) / len(flat_heads) if flat_heads else 0.0
     positions = [
@@ -150,27 +153,37 @@ def fit_rule(
         for answer in zip(drafts, text_accepted, head_accepted)
         for draft, acc, a_head in zip(*answer)
     ]
+    flat_truths = [t for answer in truths for t in answer] if truths is not None else [None] * len(positions)
     budgets = [sorted({min(b, len(d.paths)) for b in TEXT_BUDGETS} - {0}) for d, _, _ in positions]
     expected = sum(d.expected(g) for (d, _, _), gs in zip(positions, budgets) for g in gs)
     observed = sum(acc[g] for (_, acc, _), gs in zip(positions, budgets) for g in gs)
     ratio = observed / expected if expected else 1.0
     ratios = ratio_table(positions, budgets, ratio, max((d.match for d, _, _ in positions), default=1))
     params = RuleParams((1.0,), 0.0, 0.0, h, ratio, text_ratios=ratios)  # costs below
-    pairs = []  # (x, y) of the overlap's least squares
-    for (draft, acc, a_head), gs in zip(positions, budgets):
+    pairs, shares = [], []  # (x, y) of the overlap's and the shared nodes' least squares
+    for (draft, acc, a_head), gs, truth in zip(positions, budgets, flat_truths):
         for g in gs:
             t = params.text_expected(draft, g)
             pairs.append((min(h, t), max(a_head, acc[g]) - max(h, t)))
-    sxx = sum(x * x for x, _ in pairs)
-    overlap = min(max(sum(x * y for x, y in pairs) / sxx, 0.0), 1.0) if sxx else 0.0
+            if truth is not None:
+                alone = 1 + head_nodes + g
+                shares.append((min(h, t), alone - verified_nodes(head_nodes, truth[:a_head], draft.chains(g))))
+    overlap, shared = through_origin(pairs), through_origin(shares)
     return dataclasses.replace(
         params,
         verify_ms=tuple(float(v) for v in verify_ms),
         draft_ms=float(draft_ms),
         head_nodes=float(head_nodes),
         overlap=overlap,
+        shared=shared,
         lookup_ms=float(lookup_ms),
     )
+
+
+def through_origin(pairs: Sequence[tuple[float, float]]) -> float:
+    """The least-squares slope of y on x through the origin, kept within [0, 1] (0 without data)."""
+    sxx = sum(x * x for x, _ in pairs)
+    return min(max(sum(x * y for x, y in pairs) / sxx, 0.0), 1.0) if sxx else 0.0
 
 
 MIN_EXPECTED = 20.0  # expected tokens a cell of the ratio table needs to stand on its own
@@ -272,12 +285,12 @@ def calibrate_rule(
     "draft_ms"} under its gate; verify_ms[n - 1]: a forward of n query tokens."""
     drafts, text_acc, lookup_s = text
     none = [[0] * len(d) for d in drafts]
-    params = fit_rule(drafts, text_acc, none, verify_ms, 0.0, 0, 1e3 * lookup_s)
     truths = answer_truths(prompts, contexts)
+    params = fit_rule(drafts, text_acc, none, verify_ms, 0.0, 0, 1e3 * lookup_s, truths)
     best = (None, params, simulate(params, drafts, text_acc, none, has_head=False, truths=truths))
     for tree, accepted in heads:
         per = per_answer(accepted, contexts, prompts)
-        params = fit_rule(drafts, text_acc, per, verify_ms, tree["draft_ms"], tree["nodes"], 1e3 * lookup_s)
+        params = fit_rule(drafts, text_acc, per, verify_ms, tree["draft_ms"], tree["nodes"], 1e3 * lookup_s, truths)
         sim = simulate(params, drafts, text_acc, per, truths=truths)
         if sim["tokens_per_s"] > best[2]["tokens_per_s"]:
             best = (tree, params, sim)

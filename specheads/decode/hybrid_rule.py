@@ -8,12 +8,14 @@ tokens per unit of cost:
 
   plain           1 token,                           verify(1)
   text alone, g   1 + t(g),                          verify(1 + g) + lookup
-  head + text, g  1 + max(h, t(g)) + c min(h, t(g)), verify(1 + H + g) + draft + lookup
+  head + text, g  1 + max(h, t(g)) + c min(h, t(g)), verify(1 + H + g - s min(h, t(g))) + draft + lookup
 
 where h is the head's expected accepted drafts per step, t(g) = r * R(m, g) * (sum of the g best
 text scores) with R the calibrated ratio of accepted to expected text tokens where the matched
-suffix is m tokens long, r this request's own correction of it, H the head tree's nodes, and c
-(fitted at calibration) how much a merged tree gains over the better of its two parts. h and r
+suffix is m tokens long, r this request's own correction of it, H the head tree's nodes, c (fitted
+at calibration) how much a merged tree gains over the better of its two parts, and s (fitted too)
+the text nodes per token of min(h, t(g)) that fall on nodes of the head's tree: tree.merge_chains
+verifies a node both drafted once, and where both are right they drafted the same tokens. h and r
 are running estimates per request started from their calibrated values (RunningEstimate), so a
 request that copies its prompt soon trusts the text and one that does not soon stops paying for it.
 Costs only matter relative to each other, so the calibrated milliseconds serve on any machine the
@@ -55,6 +57,9 @@ class RuleParams:
     # right more often than their scores say, one-token matches and long chains less
     text_ratios: tuple[tuple[float, ...], ...] = ()
     overlap: float = 0.0  # c above: a merged tree's gain over the better part, per token of the lesser
+    # s above: text nodes verified as the head's, per token of the lesser expectation (0: every
+    # text node priced as a node of its own, as a calibration recorded before this term)
+    shared: float = 0.0
     lookup_ms: float = 0.0  # one step of the text source
     prior_steps: float = 4.0  # how many steps' worth the calibrated values weigh against a request's own
     text_budgets: tuple[int, ...] = TEXT_BUDGETS
@@ -157,7 +162,8 @@ class AdaptiveRule:
                 out.append((Choice(False, g), 1.0 + t, p.verify(1 + g) + lookup))
             if self.has_head:
                 tokens = 1.0 + max(h, t) + p.overlap * min(h, t)
-                out.append((Choice(True, g), tokens, p.verify(1 + p.head_nodes + g) + p.draft_ms + lookup))
+                nodes = 1 + p.head_nodes + g - min(p.shared * min(h, t), g)
+                out.append((Choice(True, g), tokens, p.verify(nodes) + p.draft_ms + lookup))
         return out
 
     def choose(self, text: TextDraft) -> Choice:

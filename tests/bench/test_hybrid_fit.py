@@ -61,6 +61,20 @@ def test_the_priors_follow_their_plain_formulas(seed):
     slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs) if any(xs) else 0.0
     assert params.overlap == pytest.approx(min(max(slope, 0.0), 1.0))
     truths = answer_truths(prompts, contexts)
+    assert params.shared == 0.0  # without the truths no node is known shared
+    params = fit_rule(drafts, accepted, heads, (10.0, 12.0, 14.0), 2.0, 3, 0.1, truths)
+    flat_truths = [t for answer in truths for t in answer]
+    used = [
+        (d, x, g, t)
+        for (d, _, x), t in zip(flat, flat_truths)
+        for g in {min(b, len(d.paths)) for b in TEXT_BUDGETS}
+        if g
+    ]
+    # the text's first g nodes that are prefixes of the head's accepted path, counted plainly
+    ys = [sum(len(p) <= x and list(p) == t[: len(p)] for p in d.paths[:g]) for d, x, g, t in used]
+    xs = [min(h, params.text_expected(d, g)) for d, _, g, _ in used]
+    slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs) if any(xs) else 0.0
+    assert params.shared == pytest.approx(min(max(slope, 0.0), 1.0))
     sim = simulate(params, drafts, accepted, heads, truths=truths)
     assert same(sim, plain_simulation(params, drafts, accepted, heads, truths)) and sim["tau"] >= 1.0
 

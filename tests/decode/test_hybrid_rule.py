@@ -1,6 +1,7 @@
 """The adaptive hybrid rule: its choice against the options priced plainly, its running estimates
 against a recomputation from the whole history."""
 
+import dataclasses
 import random
 
 import pytest
@@ -21,6 +22,7 @@ def random_params(rng):
         head_accept=rng.uniform(0.2, 2.0),
         text_ratio=rng.uniform(0.2, 1.2),
         overlap=rng.uniform(0.0, 0.5),
+        shared=rng.uniform(0.0, 1.0),
         lookup_ms=rng.uniform(0.0, 0.3),
         prior_steps=rng.uniform(1, 8),
     )
@@ -108,7 +110,9 @@ def plain_choice(params, h, r, text, has_head):
         options = [(Choice(False, g), 1 + t, verify(1 + g) + look)] if g else []
         if has_head:
             merged = 1 + max(h, t) + params.overlap * min(h, t)
-            options.append((Choice(True, g), merged, verify(1 + params.head_nodes + g) + params.draft_ms + look))
+            once = min(params.shared * min(h, t), g)  # text nodes verified as the head's
+            cost = verify(1 + params.head_nodes + g - once) + params.draft_ms + look
+            options.append((Choice(True, g), merged, cost))
         for choice, tokens, cost in options:
             if tokens / cost > best_rate + 1e-12:
                 best, best_rate = choice, tokens / cost
@@ -141,6 +145,20 @@ def test_every_kind_of_choice_is_made_where_it_pays():
     assert AdaptiveRule(cheap, True).choose(unsure) == Choice(True, 2)
     round_trip = RuleParams.from_record(params.to_record())
     assert round_trip == params
+
+
+def test_text_nodes_on_the_heads_path_are_priced_once():
+    """A text as sure of two tokens as the head is: merged, the two are the head's nodes, so both
+    sources cost what the head's tree alone costs and beat the text alone; priced as nodes of their
+    own (shared 0, a calibration before the term) the text alone wins."""
+    params = RuleParams((10.0, 14.0, 18.0, 22.0, 26.0), draft_ms=1.0, head_nodes=2, head_accept=2.0, overlap=0.5)
+    text = TextDraft(((5,), (5, 6)), (1.0, 1.0), 4)
+    merged = dataclasses.replace(params, shared=1.0)
+    costs = {c: cost for c, _, cost in AdaptiveRule(merged, True).options(text)}
+    assert costs[Choice(True, 2)] == costs[Choice(True, 0)] == pytest.approx(18.0 + 1.0)
+    assert AdaptiveRule(merged, True).choose(text) == Choice(True, 2)
+    assert AdaptiveRule(params, True).choose(text) == Choice(False, 2)
+    assert RuleParams.from_record(merged.to_record()) == merged
 
 
 def test_the_text_ratio_is_read_by_matched_length_and_budget():
