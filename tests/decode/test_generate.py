@@ -46,7 +46,7 @@ from specheads.tiny import tiny_target as build_tiny
 
 FAMILIES = ["medusa", "eagle", "eagle3", "hydra", "peagle", "dflash"]
 # the families drafting every depth in one draft forward, and the module method that forward runs
-ONE_FORWARD = {"peagle": "draft_step", "dflash": "block_forward"}
+ONE_FORWARD = {"peagle": "draft_step", "dflash": "block_forward", "dspark": "block_forward", "dflash2": "block_forward"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,6 +81,8 @@ def heads(target, sequences):
     out = {}
     for family in FAMILIES:
         out[family, "untrained"] = quick_head(target, family)
+        out[family, "trained"] = quick_head(target, family, sequences, steps=60)
+    for family in [f for f in ONE_FORWARD if f not in FAMILIES]:  # DFlash's successors: their own tests cover the rest
         out[family, "trained"] = quick_head(target, family, sequences, steps=60)
     return out
 
@@ -650,7 +652,7 @@ def parallel_head_outputs(target, head, prompt):
 def test_a_parallel_head_drafts_every_depth_in_one_forward_and_stays_exact(
     family, target, heads, sequences, monkeypatch
 ):
-    """P-EAGLE, DFlash: one draft forward per step (not one per level), chains and trees accepted,
+    """P-EAGLE, DFlash, DSpark, DFlash2: one draft forward per step (not one per level), chains and trees accepted,
     the output the target's own; a verifier that takes one node too many visibly breaks it."""
     head = heads[family, "trained"]
     prompt = sequences[1:2, :8]
@@ -689,7 +691,8 @@ def accepts_any_draft_in_support(tokens, layout, target_probs, draft_probs=None,
 
 @pytest.mark.parametrize("family", ONE_FORWARD)
 def test_a_parallel_head_samples_the_target_distribution(family, target, heads, sequences, monkeypatch):
-    """Sampling with P-EAGLE or DFlash drafts: the first two tokens follow the target's joint
+    """Sampling with P-EAGLE, DFlash, DSpark or DFlash2 drafts (DSpark's and DFlash2's trees each
+    node's children from its own token): the first two tokens follow the target's joint
     distribution (the chi-square of the other families), with drafts both accepted and rejected; a
     rule that accepts every draft in the target's support fails the same check."""
     drafter = make_drafter(heads[family, "trained"], static_tree([[0], [1], [2], [0, 0]]))
