@@ -411,7 +411,12 @@ def summarize(rows: list[dict], ours: dict, args) -> dict:
             "tokens_per_s": tps,
             "vs_plain": tps / plain_tps,
         }
-    return {"questions": len(rows), "plain_tokens_per_s": plain_tps, "by_k": by_k}
+    return {
+        "questions": len(rows),
+        "max_new_tokens": args.max_new_tokens,
+        "plain_tokens_per_s": plain_tps,
+        "by_k": by_k,
+    }
 
 
 def format_table(report: dict, args) -> str:

@@ -100,6 +100,7 @@ def test_a_near_tie_needs_the_pair_on_top_and_a_small_relative_gap():
 def test_summary_counts_identity_agreement_and_speed():
     class Args:
         k = [1, 3]
+        max_new_tokens = 8
 
     def run(accepted, identical=True, near=None):
         return {"accepted": accepted, "decoded": 8, "seconds": 1.0, "identical": identical, "difference": near}
@@ -109,7 +110,7 @@ def test_summary_counts_identity_agreement_and_speed():
         {"plain": {"runs": 40, "seconds": 1.0}, "k": {1: run([0, 0]), 3: run([2], False, {"near_tie": True})}},
     ]
     out = llamacpp.summarize(rows, {1: 1.4, 3: 3.5}, Args())
-    assert out["plain_tokens_per_s"] == 40
+    assert out["plain_tokens_per_s"] == 40 and out["max_new_tokens"] == 8  # the caption names the budget
     k1, k3 = out["by_k"][1], out["by_k"][3]
     assert k1["llama_acceptance"] == pytest.approx(1.4) and k1["agree"] and k1["identical"] == 2
     assert k3["llama_acceptance"] == pytest.approx(3.0) and k3["agree"] is False  # 0.5 apart
