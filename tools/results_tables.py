@@ -32,6 +32,7 @@ from readme_results import included  # noqa: E402
 
 from specheads.atomic import write_json, write_text  # noqa: E402
 from specheads.bench.record import short  # noqa: E402
+from specheads.heads import HEADS  # noqa: E402
 from specheads.provenance import portable_path  # noqa: E402
 
 RESULTS = ROOT / "results"
@@ -149,7 +150,8 @@ def vllm_table(report: dict) -> str:
 
 
 def llamacpp_table(report: dict) -> str:
-    (entry,) = report["record"]["heads"].values()
+    ((family, entry),) = report["record"]["heads"].items()
+    title = HEADS[family].title
     n = report["questions"]
     lines = [
         "| run | weights (sha256) | = llama.cpp plain | llama.cpp acceptance | replay acceptance "
@@ -161,7 +163,7 @@ def llamacpp_table(report: dict) -> str:
         llama = "-" if s["llama_acceptance"] is None else f"{s['llama_acceptance']:.3f}"
         replayed = "-" if s["replay_acceptance"] is None else f"{s['replay_acceptance']:.3f}"
         lines.append(
-            f"| EAGLE-3 draft, K={k} | `{short(entry['weights_sha256'])}` | {s['identical']}/{n} | {llama} | "
+            f"| {title} draft, K={k} | `{short(entry['weights_sha256'])}` | {s['identical']}/{n} | {llama} | "
             f"{replayed} | {s['tokens_per_s']:.1f} | {s['vs_plain']:.2f}x |"
         )
     return "\n".join(lines) + "\n"

@@ -42,7 +42,8 @@ class ExportJobConfig:
     base_model: str | None = None
     # Default number of drafted tokens (speculators proposal, serve commands). null: from the tree
     # (DFlash: block_size - 1, the block it was trained on; its speculators format refuses more).
-    # gguf: the chain llama.cpp drafts, required for a head whose default tree branches.
+    # gguf: the chain llama.cpp drafts, required for a head whose default tree branches; a DFlash,
+    # DSpark or DFlash2 head's is its trained block's (llama.cpp's block is as long as its draft).
     num_speculative_tokens: int | None = None
     push_to_hub: bool = False  # upload the export (with a model card) to the Hugging Face Hub
     repo_id: str | None = None  # the Hub repository to push to (org/name)

@@ -1,5 +1,6 @@
-"""`gguf`: an EAGLE-3 head as llama.cpp's draft model, one GGUF file served with
-`-md DRAFT.gguf --spec-type draft-eagle3` (llama.cpp b11434).
+"""`gguf`: a head as llama.cpp's draft model, one GGUF file (llama.cpp b11434). An EAGLE-3 head is
+served with `-md DRAFT.gguf --spec-type draft-eagle3` (this module); DFlash, DSpark and DFlash2
+heads as architecture `dflash` (gguf_dflash.py).
 
 Written as llama.cpp's converter writes an EAGLE-3 checkpoint (convert_hf_to_gguf.py with
 --target-model-dir, conversion/llama.py) and checked as its loader reads one (src/models/eagle3.cpp,
@@ -25,27 +26,36 @@ Our provenance (the source head config) rides in `specheads.provenance`, which l
 from __future__ import annotations
 
 import json
-import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from ..errors import SpecHeadsError
+from . import gguf_dflash
 from .common import ExportOptions, HeadSource, ReadBack, provenance, resolve_export_dtype, rope_fields
 from .eagle3 import spec_fields, vocab_maps
+from .gguf_file import (
+    ENGINES,
+    LLAMACPP,
+    PROVENANCE,
+    ROPE_FREQS,
+    Draft,
+    as_ggml,
+    file_dtype,
+    file_type,
+    rope_freqs,
+    tensor_of,
+    values,
+    write,  # noqa: F401  (the format's writer, for both architectures: exporter.export_file)
+)
 from .gguf_vocab import Field, vocab_fields
 
 NAME = "gguf"
-FAMILIES = ("eagle3",)
+FAMILIES = ("eagle3", *gguf_dflash.FAMILIES)
 SINGLE_FILE = True  # one file at `out`, not a directory
-ENGINES = ["llama.cpp"]
-LLAMACPP = "llama.cpp b11434"
 ARCH = "eagle3"
-PROVENANCE = "specheads.provenance"
 REFUSED = {
     "peagle": (
         f"{LLAMACPP} has no parallel drafting (its EAGLE-3 draft runs one token per step and reads no "
@@ -71,22 +81,6 @@ TENSORS = {
     "lm_head.weight": "output.weight",
     "embed_tokens.weight": "token_embd.weight",
 }
-ROPE_FREQS = "rope_freqs.weight"
-FILE_TYPES = {
-    torch.float32: (LlamaFileType.ALL_F32, GGMLQuantizationType.F32),
-    torch.float16: (LlamaFileType.MOSTLY_F16, GGMLQuantizationType.F16),
-    torch.bfloat16: (LlamaFileType.MOSTLY_BF16, GGMLQuantizationType.BF16),
-}
-
-
-@dataclass
-class Draft:
-    """One GGUF before it is written: its keys and tensors (name -> values, GGML type)."""
-
-    fields: list[Field]
-    tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]]
-    engines: list[str]
-    notes: list[str] = field(default_factory=list)
 
 
 # -- what llama.cpp serves ---------------------------------------------------------------------------
@@ -151,60 +145,21 @@ def unrope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, out // heads // 2, 2, cols).transpose(1, 2).reshape(out, cols)
 
 
-def rope_freqs(info) -> torch.Tensor | None:
-    """llama3 RoPE as llama.cpp takes it: one divisor per frequency, the default frequencies over
-    transformers' scaled ones (what the head was trained with)."""
-    rope = dict(info.rope_parameters or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in ("default", "linear"):
-        return None
-    if kind != "llama3":
-        raise SpecHeadsError(
-            f"the target's RoPE is {kind!r}; the gguf export writes default, linear and llama3 RoPE "
-            "(convert format=eagle3 with llama.cpp's convert_hf_to_gguf.py instead)"
-        )
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    config = LlamaConfig(
-        hidden_size=info.hidden_size,
-        num_attention_heads=info.num_attention_heads,
-        head_dim=info.head_dim,
-        max_position_embeddings=info.max_position_embeddings,
-        rope_parameters=rope,
-    )
-    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    base = float(rope.get("rope_theta", 10000.0))
-    plain = 1.0 / base ** (torch.arange(0, info.head_dim, 2, dtype=torch.float64) / info.head_dim)
-    return (plain / scaled.double()).float()
-
-
-def as_ggml(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, GGMLQuantizationType]:
-    """A float tensor in the file's type: matrices in `dtype`, 1-D ones (norms) in F32."""
-    tensor = tensor.detach().to("cpu")
-    if tensor.dim() == 1 or dtype == torch.float32:
-        return tensor.float().contiguous().numpy(), GGMLQuantizationType.F32
-    if dtype == torch.float16:
-        return tensor.half().contiguous().numpy(), GGMLQuantizationType.F16
-    return tensor.bfloat16().contiguous().view(torch.int16).numpy(), GGMLQuantizationType.BF16
-
-
 # -- export -------------------------------------------------------------------------------------------
 
 
 def build(src: HeadSource, opts: ExportOptions) -> Draft:
+    if src.family in gguf_dflash.FAMILIES:
+        return gguf_dflash.build(src, opts)
     tokens = check_servable(src, opts)
     spec, info, ids = src.spec, src.info, src.layer_ids
     dtype = resolve_export_dtype(opts.dtype, src.tensors)
-    if dtype not in FILE_TYPES:
-        raise SpecHeadsError(f"format gguf writes float32, float16 or bfloat16 weights, not {dtype}")
-    file_type, _ = FILE_TYPES[dtype]
     rope = rope_fields(info.rope_parameters)
     a = ARCH
     u32, f32, flag = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
     fields: list[Field] = [
         ("general.name", f"{info.name} EAGLE-3 draft", GGUFValueType.STRING, None),
-        ("general.file_type", int(file_type), u32, None),
+        ("general.file_type", file_type(dtype), u32, None),
         (f"{a}.context_length", info.max_position_embeddings, u32, None),
         (f"{a}.embedding_length", info.hidden_size, u32, None),
         (f"{a}.block_count", 1, u32, None),
@@ -257,41 +212,10 @@ def build(src: HeadSource, opts: ExportOptions) -> Draft:
     ]
     if branches(src.default_tree or []):
         notes.append(f"the head's default tree is not used: llama.cpp drafts a chain of {tokens}")
-    return Draft(fields, out, list(ENGINES), notes)
-
-
-def write(draft: Draft, path: Path) -> None:
-    log = logging.getLogger("gguf.gguf_writer")
-    level = log.level
-    log.setLevel(logging.WARNING)  # its info lines would name the temporary file
-    try:
-        writer = GGUFWriter(str(path), ARCH)
-        for key, value, kind, sub in draft.fields:
-            writer.add_key_value(key, value, kind, sub)
-        for name, (values, kind) in draft.tensors.items():
-            writer.add_tensor(name, values, raw_dtype=kind)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    finally:
-        log.setLevel(level)
+    return Draft(ARCH, fields, out, list(ENGINES), notes)
 
 
 # -- read back ----------------------------------------------------------------------------------------
-
-
-def values(reader: GGUFReader) -> dict[str, Any]:
-    return {name: f.contents() for name, f in reader.fields.items()}
-
-
-def tensor_of(t) -> torch.Tensor:
-    """A GGUF tensor as torch, in its own type and in torch's row-major shape (GGUF lists ne reversed)."""
-    shape = [int(n) for n in reversed(t.shape.tolist())]
-    data = np.array(t.data, copy=True)
-    if t.tensor_type == GGMLQuantizationType.BF16:
-        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(shape)
-    return torch.from_numpy(data).reshape(shape)
 
 
 def read_file(path: Path) -> ReadBack:
@@ -300,9 +224,11 @@ def read_file(path: Path) -> ReadBack:
     reader = GGUFReader(str(path))
     kv = values(reader)
     a = kv.get("general.architecture")
+    if a == gguf_dflash.ARCH:
+        return gguf_dflash.read(reader, kv)
     if a != ARCH:
-        raise SpecHeadsError(f"{path} is not an EAGLE-3 draft GGUF (architecture {a!r})")
-    dtype = next(d for d, (ft, _) in FILE_TYPES.items() if int(ft) == kv["general.file_type"])
+        raise SpecHeadsError(f"{path} is neither an EAGLE-3 nor a DFlash-family draft GGUF (architecture {a!r})")
+    dtype = file_dtype(kv)
     heads, kv_heads = kv[f"{a}.attention.head_count"], kv[f"{a}.attention.head_count_kv"]
     ours = {v: k for k, v in TENSORS.items()}
     tensors: dict[str, torch.Tensor] = {}

@@ -152,3 +152,24 @@ def test_cost_model_compute_bound_and_memory_bound_targets():
     memory = llamacpp.cost_model({n: 0.1 + 0.001 * n for n in range(1, 6)}, 10**9, 10.0, by_k, {3: (10, 1.1)})
     assert memory["per_k"][3]["verify_ratio"] == pytest.approx(0.104 / 0.101)
     assert memory["per_k"][3]["tau_needed"] < 1.2 and memory["per_k"][3]["compute_to_pay"] < 1
+
+
+@pytest.mark.parametrize("family, overrides, block_k", [("dspark", {}, 4), ("dflash2", {"selector_top_k": 4}, 3)])
+def test_a_block_head_runs_its_trained_block_only(tiny_target, tmp_path, family, overrides, block_k):
+    """A DFlash-family head is run at the one draft length of its trained block (llama.cpp decodes a
+    block as long as its draft) with its family's --spec-type; another --k is refused in one line."""
+    from specheads.config.train import HeadConfig
+    from specheads.heads import build_head, save_head
+
+    head = build_head(HeadConfig(family=family, block_size=4, **overrides), tiny_target, train_rows=8)
+    save_head(head, tmp_path / "head", training={"steps": 0, "data": "none"})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("llama-completion", "llama-speculative-simple"):
+        (bin_dir / tool).touch()
+    args = llamacpp.parse_args(["--bin", str(bin_dir), "--head", str(tmp_path / "head")])
+    assert (args.family, args.k) == (family, [block_k])
+    assert llamacpp.SPEC_TYPES[family] == ("draft-dspark" if family == "dspark" else "draft-dflash")
+    with pytest.raises(SpecHeadsError, match=f"at K={block_k} only") as err:
+        llamacpp.parse_args(["--bin", str(bin_dir), "--head", str(tmp_path / "head"), "--k", "2"])
+    assert "\n" not in str(err.value)
