@@ -46,12 +46,14 @@ def test_a_record_of_a_shipped_head_names_the_weights_shipped_now(name):
 
 def test_each_table_row_names_the_weights_of_its_record():
     text = (ROOT / "BENCHMARKS.md").read_text()
-    blocks = re.findall(r"<!-- results: ([\w.-]+) -->\n(.*?)<!-- results end -->", text, re.S)
-    assert {name for name, _ in blocks} == {p.stem for p in RECORDS}
+    blocks = re.findall(r"<!-- results: ([\w.+-]+) -->\n(.*?)<!-- results end -->", text, re.S)
+    shown_names = [part for name, _ in blocks for part in name.split("+")]
+    assert sorted(shown_names) == sorted(p.stem for p in RECORDS)  # each record in one table
     for name, block in blocks:
-        ran = {short(e["weights_sha256"]) for e in records()[name]["record"]["heads"].values()}
-        shown = set(re.findall(r"`([0-9a-f]{12})`", block)) - {short(records()[name]["record"]["questions"]["sha256"])}
-        assert shown and shown <= ran, f"{name}: the table names {shown - ran}, the record ran {ran}"
+        parts = [records()[part]["record"] for part in name.split("+")]
+        ran = {short(e["weights_sha256"]) for r in parts for e in r["heads"].values()}
+        shown = set(re.findall(r"`([0-9a-f]{12})`", block)) - {short(r["questions"]["sha256"]) for r in parts}
+        assert shown and shown <= ran, f"{name}: the table names {shown - ran}, the records ran {ran}"
 
 
 def test_a_table_naming_other_weights_fails_the_check(tmp_path, monkeypatch):
@@ -80,3 +82,15 @@ def test_a_record_names_no_path_of_the_machine_that_ran_it(name):
 def test_adding_a_report_makes_its_paths_portable():
     kept = results_tables.kept({"head": "/tmp/elsewhere/run/head", "rows": [1], "n": {"q": str(ROOT / "README.md")}})
     assert kept == {"head": "head", "n": {"q": "README.md"}}
+
+
+def test_records_named_together_share_one_table_in_order():
+    """a+b: one header, a's rows then b's, each command once; kinds that cannot share a table refused."""
+    a, b = "llamacpp-dev", "llamacpp-dspark"
+    joined = results_tables.block(f"{a}+{b}")
+    rows = [line for line in joined.splitlines() if line.startswith("| ") and "draft, K=" in line]
+    alone = [results_tables.block(n) for n in (a, b)]
+    assert rows == [line for text in alone for line in text.splitlines() if "draft, K=" in line]
+    assert joined.count("| run |") == 1 and "The recorded commands, one a record" in joined
+    with pytest.raises(SystemExit, match="no table for records"):
+        results_tables.block(f"{a}+replay-mt-bench")

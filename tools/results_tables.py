@@ -36,7 +36,7 @@ from specheads.heads import HEADS  # noqa: E402
 from specheads.provenance import portable_path  # noqa: E402
 
 RESULTS = ROOT / "results"
-BEGIN = re.compile(r"<!-- results: ([\w.-]+) -->\n")
+BEGIN = re.compile(r"<!-- results: ([\w.+-]+) -->\n")
 END = "<!-- results end -->"
 # what a record keeps of a run's report: the per-question rows and texts stay in the run's folder
 DROPPED = {"rows", "infer", "vllm", "output_ids", "question_ids"}
@@ -59,8 +59,8 @@ def read_record(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def caption(report: dict) -> str:
-    """Where the figures come from: questions (their digest), machine, date, command."""
+def caption(report: dict) -> tuple[str, str]:
+    """Where the figures come from (questions and their digest, machine, date, commit) and the command."""
     r = report["record"]
     q, m = r.get("questions") or {}, r.get("machine") or {}
     machine = f"{m.get('cpu', '?')}, {m.get('threads', '?')} threads" + (
@@ -69,11 +69,20 @@ def caption(report: dict) -> str:
     commit = r.get("commit") or ""
     commit = short(commit) + ("+dirty" if commit.endswith("+dirty") else "")
     tokens = f", {report['max_new_tokens']} new tokens, greedy" if report.get("max_new_tokens") else ""
-    return (
+    where = (
         f"{q.get('count', '?')} questions of `{q.get('path', '?')}` (sha256 {short(q.get('sha256'))}){tokens}; "
-        f"{machine}; {r['date'][:10]}; commit {commit}.\n\n"
-        f"The recorded command:\n\n```text\n{r.get('command')}\n```\n"
+        f"{machine}; {r['date'][:10]}; commit {commit}."
     )
+    return where, r.get("command")
+
+
+def captions(reports: list[dict]) -> str:
+    """Each distinct where-from line once, then the recorded command of each record."""
+    parts = [caption(r) for r in reports]
+    wheres = "\n\n".join(dict.fromkeys(w for w, _ in parts))
+    commands = "\n".join(c for _, c in parts)
+    label = "The recorded command" if len(parts) == 1 else "The recorded commands, one a record"
+    return f"{wheres}\n\n{label}:\n\n```text\n{commands}\n```\n"
 
 
 def weights_of(report: dict, method: str) -> str:
@@ -150,34 +159,46 @@ def vllm_table(report: dict) -> str:
 
 
 def llamacpp_table(report: dict) -> str:
-    ((family, entry),) = report["record"]["heads"].items()
-    title = HEADS[family].title
-    n = report["questions"]
+    """One row per K of the record's head; each run's own llama.cpp plain speed beside it (a
+    marker naming several records, a+b, shows their rows in one table)."""
     lines = [
         "| run | weights (sha256) | = llama.cpp plain | llama.cpp acceptance | replay acceptance "
-        "| tokens/s | x plain |",
-        "|---|---|---|---|---|---|---|",
-        f"| plain | - | - | 1 | 1 | {report['plain_tokens_per_s']:.1f} | 1.00x |",
+        "| tokens/s | plain tokens/s | x plain |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    return "\n".join(lines + llamacpp_rows(report)) + "\n"
+
+
+def llamacpp_rows(report: dict) -> list[str]:
+    ((family, entry),) = report["record"]["heads"].items()
+    title, n, plain = HEADS[family].title, report["questions"], report["plain_tokens_per_s"]
+    rows = []
     for k, s in report["by_k"].items():
         llama = "-" if s["llama_acceptance"] is None else f"{s['llama_acceptance']:.3f}"
         replayed = "-" if s["replay_acceptance"] is None else f"{s['replay_acceptance']:.3f}"
-        lines.append(
+        rows.append(
             f"| {title} draft, K={k} | `{short(entry['weights_sha256'])}` | {s['identical']}/{n} | {llama} | "
-            f"{replayed} | {s['tokens_per_s']:.1f} | {s['vs_plain']:.2f}x |"
+            f"{replayed} | {s['tokens_per_s']:.1f} | {plain:.1f} | {s['vs_plain']:.2f}x |"
         )
-    return "\n".join(lines) + "\n"
+    return rows
 
 
 TABLES = {"bench": bench_table, "replay": replay_table, "vllm": vllm_table, "llamacpp": llamacpp_table}
+ROWS = {"llamacpp": llamacpp_rows}  # the kinds whose records can share one table
 
 
 def block(name: str) -> str:
-    report = read_record(name)
-    kind = report["record"]["kind"]
-    if kind not in TABLES:
-        raise SystemExit(f"results/{name}.json: no table for a record of kind {kind!r}")
-    return TABLES[kind](report) + "\n" + caption(report)
+    """The table of results/NAME.json and where it comes from; NAME a+b: one table of several
+    records of the same kind (their rows in order), each record's caption once."""
+    reports = [read_record(part) for part in name.split("+")]
+    kinds = {r["record"]["kind"] for r in reports}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    if kind not in TABLES or (len(reports) > 1 and kind not in ROWS):
+        raise SystemExit(f"results/{name}.json: no table for records of kind(s) {sorted(kinds | {kind} - {None})}")
+    table = TABLES[kind](reports[0])
+    for report in reports[1:]:
+        table += "\n".join(ROWS[kind](report)) + "\n"
+    return table + "\n" + captions(reports)
 
 
 def generated(text: str) -> str:
