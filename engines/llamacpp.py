@@ -41,7 +41,7 @@ from specheads.bench.record import results_record
 from specheads.bench.trees import machine_record
 from specheads.data.questions import DEV_QUESTIONS
 from specheads.errors import SpecHeadsError, one_line_errors
-from specheads.export.gguf_dflash import FAMILIES as GGUF_BLOCK_FAMILIES
+from specheads.export.gguf_dflash import FAMILIES as BLOCK_FAMILIES
 from specheads.export.gguf_dflash import SPEC_TYPES as BLOCK_SPEC_TYPES
 from specheads.kernels.linear_layout import cpu_isa
 
@@ -61,7 +61,6 @@ NEAR_TIE = 0.01
 # such a processor --repack auto leaves the weights as stored (-nr), the AVX-512 kernels
 AMX_CRASH_ISA = "amx_int8"
 END_OF_TEXT = " [end of text]"
-BLOCK_FAMILIES = GGUF_BLOCK_FAMILIES
 SPEC_TYPES = {"eagle3": "draft-eagle3", **BLOCK_SPEC_TYPES}
 
 PROMPT_TOKEN = re.compile(r"^\S+ I\s+(\d+) -> '")

@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from ..errors import SpecHeadsError
 from . import gguf_dflash
-from .common import ExportOptions, HeadSource, ReadBack, provenance, resolve_export_dtype, rope_fields
+from .common import ExportOptions, HeadSource, ReadBack, provenance, resolve_export_dtype
 from .eagle3 import spec_fields, vocab_maps
 from .gguf_file import (
     ENGINES,
@@ -44,13 +44,13 @@ from .gguf_file import (
     Draft,
     as_ggml,
     file_dtype,
-    file_type,
+    layer_fields,
     rope_freqs,
     tensor_of,
     values,
     write,  # noqa: F401  (the format's writer, for both architectures: exporter.export_file)
 )
-from .gguf_vocab import Field, vocab_fields
+from .gguf_vocab import vocab_fields
 
 NAME = "gguf"
 FAMILIES = ("eagle3", *gguf_dflash.FAMILIES)
@@ -154,33 +154,15 @@ def build(src: HeadSource, opts: ExportOptions) -> Draft:
     tokens = check_servable(src, opts)
     spec, info, ids = src.spec, src.info, src.layer_ids
     dtype = resolve_export_dtype(opts.dtype, src.tensors)
-    rope = rope_fields(info.rope_parameters)
-    a = ARCH
-    u32, f32, flag = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-    fields: list[Field] = [
-        ("general.name", f"{info.name} EAGLE-3 draft", GGUFValueType.STRING, None),
-        ("general.file_type", file_type(dtype), u32, None),
-        (f"{a}.context_length", info.max_position_embeddings, u32, None),
-        (f"{a}.embedding_length", info.hidden_size, u32, None),
-        (f"{a}.block_count", 1, u32, None),
-        (f"{a}.feed_forward_length", spec.intermediate_size, u32, None),
-        (f"{a}.attention.head_count", info.num_attention_heads, u32, None),
-        (f"{a}.attention.head_count_kv", info.num_key_value_heads, u32, None),
-        (f"{a}.attention.key_length", info.head_dim, u32, None),
-        (f"{a}.attention.value_length", info.head_dim, u32, None),
-        (f"{a}.attention.layer_norm_rms_epsilon", float(info.rms_norm_eps), f32, None),
-        (f"{a}.rope.dimension_count", info.head_dim, u32, None),
-        (f"{a}.rope.freq_base", rope["rope_theta"], f32, None),
+    a, u32, flag = ARCH, GGUFValueType.UINT32, GGUFValueType.BOOL
+    fields = layer_fields(a, "EAGLE-3", info, dtype, 1, spec.intermediate_size)
+    fields += [
         (f"{a}.vocab_size", info.vocab_size, u32, None),
         (f"{a}.target_layers", list(ids), GGUFValueType.ARRAY, GGUFValueType.INT32),
         (f"{a}.target_hidden_size", info.hidden_size, u32, None),
         (f"{a}.norm_before_residual", bool(spec.norm_before_residual), flag, None),
         (f"{a}.norm_before_fc", bool(spec.norm_before_fc), flag, None),
     ]
-    scaling = rope["rope_scaling"] or {}
-    if scaling.get("rope_type", scaling.get("type")) == "linear":
-        fields.append((f"{a}.rope.scaling.type", "linear", GGUFValueType.STRING, None))
-        fields.append((f"{a}.rope.scaling.factor", float(scaling["factor"]), f32, None))
     fields += vocab_fields(opts.target, info.vocab_size)
 
     tensors = dict(src.tensors)

@@ -41,8 +41,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, Keys
 
 from ..errors import SpecHeadsError
-from .common import ExportOptions, HeadSource, ReadBack, provenance, resolve_export_dtype, rope_fields
-from .gguf_file import ENGINES, LLAMACPP, PROVENANCE, ROPE_FREQS, Draft, as_ggml, file_dtype, file_type, rope_freqs
+from .common import ExportOptions, HeadSource, ReadBack, provenance, resolve_export_dtype
+from .gguf_file import ENGINES, LLAMACPP, PROVENANCE, ROPE_FREQS, Draft, as_ggml, file_dtype, layer_fields, rope_freqs
 from .gguf_file import tensor_of as read_tensor
 from .gguf_vocab import Field, vocab_fields
 
@@ -98,8 +98,10 @@ def draft_length(spec, family: str) -> int:
 
 def check_servable(src: HeadSource, opts: ExportOptions) -> int:
     """One line for each head llama.cpp would not draft as trained; the draft length it runs."""
+    from ..heads import HEADS
+
     spec, info, ids, family = src.spec, src.info, src.layer_ids, src.family
-    title = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}[family]
+    title = HEADS[family].title
     if opts.engine not in ("auto", "llama.cpp"):
         raise SpecHeadsError(f"format gguf is read by llama.cpp; engine={opts.engine} is not")
     if opts.embeddings:
@@ -144,31 +146,14 @@ def check_servable(src: HeadSource, opts: ExportOptions) -> int:
 
 
 def shape_fields(src: HeadSource, dtype: torch.dtype) -> list[Field]:
-    spec, info, a = src.spec, src.info, ARCH
-    rope = rope_fields(info.rope_parameters)
-    u32, f32, flag = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-    fields: list[Field] = [
-        ("general.name", f"{info.name} {src.family} draft", GGUFValueType.STRING, None),
-        ("general.file_type", file_type(dtype), u32, None),
-        (f"{a}.context_length", info.max_position_embeddings, u32, None),
-        (f"{a}.embedding_length", info.hidden_size, u32, None),
-        (f"{a}.block_count", spec.dflash_layers, u32, None),
-        (f"{a}.feed_forward_length", spec.intermediate_size, u32, None),
-        (f"{a}.attention.head_count", info.num_attention_heads, u32, None),
-        (f"{a}.attention.head_count_kv", info.num_key_value_heads, u32, None),
-        (f"{a}.attention.key_length", info.head_dim, u32, None),
-        (f"{a}.attention.value_length", info.head_dim, u32, None),
-        (f"{a}.attention.layer_norm_rms_epsilon", float(info.rms_norm_eps), f32, None),
+    spec, a = src.spec, ARCH
+    u32, flag = GGUFValueType.UINT32, GGUFValueType.BOOL
+    fields = layer_fields(a, src.family, src.info, dtype, spec.dflash_layers, spec.intermediate_size)
+    fields += [
         (f"{a}.attention.causal", False, flag, None),
-        (f"{a}.rope.dimension_count", info.head_dim, u32, None),
-        (f"{a}.rope.freq_base", rope["rope_theta"], f32, None),
         (f"{a}.target_layers", list(src.layer_ids), GGUFValueType.ARRAY, GGUFValueType.INT32),
         (f"{a}.block_size", spec.block_size, u32, None),
     ]
-    scaling = rope["rope_scaling"] or {}
-    if scaling.get("rope_type", scaling.get("type")) == "linear":
-        fields.append((f"{a}.rope.scaling.type", "linear", GGUFValueType.STRING, None))
-        fields.append((f"{a}.rope.scaling.factor", float(scaling["factor"]), f32, None))
     if src.family == "dspark":
         fields.append((f"{a}.sample_from_anchor", bool(spec.sample_from_anchor), flag, None))
         fields.append((f"{a}.has_confidence_head", bool(spec.enable_confidence_head), flag, None))

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
 from ..errors import SpecHeadsError
+from .common import rope_fields
 from .gguf_vocab import Field
 
 LLAMACPP = "llama.cpp b11434"
@@ -49,6 +50,35 @@ def file_type(dtype: torch.dtype) -> int:
 def file_dtype(kv: dict[str, Any]) -> torch.dtype:
     """The torch dtype of a file's matrices, from general.file_type."""
     return next(d for d, (ft, _) in FILE_TYPES.items() if int(ft) == kv["general.file_type"])
+
+
+def layer_fields(arch: str, title: str, info, dtype: torch.dtype, layers: int, intermediate_size: int) -> list[Field]:
+    """The keys every draft architecture reads the same way: the file's name and type, the draft
+    layers' Llama/Qwen3 shape under `arch.*` (the target's width, heads and RoPE), linear RoPE
+    scaling where the target has it."""
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    rope = rope_fields(info.rope_parameters)
+    a = arch
+    fields: list[Field] = [
+        ("general.name", f"{info.name} {title} draft", GGUFValueType.STRING, None),
+        ("general.file_type", file_type(dtype), u32, None),
+        (f"{a}.context_length", info.max_position_embeddings, u32, None),
+        (f"{a}.embedding_length", info.hidden_size, u32, None),
+        (f"{a}.block_count", layers, u32, None),
+        (f"{a}.feed_forward_length", intermediate_size, u32, None),
+        (f"{a}.attention.head_count", info.num_attention_heads, u32, None),
+        (f"{a}.attention.head_count_kv", info.num_key_value_heads, u32, None),
+        (f"{a}.attention.key_length", info.head_dim, u32, None),
+        (f"{a}.attention.value_length", info.head_dim, u32, None),
+        (f"{a}.attention.layer_norm_rms_epsilon", float(info.rms_norm_eps), f32, None),
+        (f"{a}.rope.dimension_count", info.head_dim, u32, None),
+        (f"{a}.rope.freq_base", rope["rope_theta"], f32, None),
+    ]
+    scaling = rope["rope_scaling"] or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        fields.append((f"{a}.rope.scaling.type", "linear", GGUFValueType.STRING, None))
+        fields.append((f"{a}.rope.scaling.factor", float(scaling["factor"]), f32, None))
+    return fields
 
 
 def rope_freqs(info) -> torch.Tensor | None:

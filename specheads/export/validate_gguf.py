@@ -57,12 +57,7 @@ def llamacpp_eagle3(path: Path) -> list[str]:
     kv = {name: f.contents() for name, f in fields.items()}
     arch = kv.get("general.architecture")
     p.need(arch == ARCH, f"general.architecture is {arch!r}, llama.cpp's EAGLE-3 draft is {ARCH!r}")
-    for key, (kind, required) in KEYS.items():
-        name = f"{ARCH}.{key}"
-        if name not in fields:
-            p.need(not required, f"missing key {name}")
-        else:
-            p.need(fields[name].types == [kind], f"{name} is {fields[name].types}, llama.cpp reads {kind.name}")
+    check_keys(fields, ARCH, KEYS, p)
     ids = fields.get(f"{ARCH}.target_layers")
     p.need(
         ids is not None and ids.types[:1] == [GGUFValueType.ARRAY] and ids.types[1:] in ([GGUFValueType.INT32],),
@@ -73,10 +68,7 @@ def llamacpp_eagle3(path: Path) -> list[str]:
     n_tokens = vocab_problems(fields, kv, p)
     if p:
         return p
-    h, heads = kv[f"{ARCH}.embedding_length"], kv[f"{ARCH}.attention.head_count"]
-    kv_heads = kv.get(f"{ARCH}.attention.head_count_kv", heads)
-    hd = kv.get(f"{ARCH}.attention.key_length", h // heads)
-    p.need(kv.get(f"{ARCH}.attention.value_length", h // heads) == hd, "key_length and value_length differ")
+    h, heads, kv_heads, hd = attention_shape(kv, ARCH, p)
     inp = 3 * kv[f"{ARCH}.target_hidden_size"]
     ff = kv[f"{ARCH}.feed_forward_length"]
     meta = {t.name: t for t in reader.tensors}
@@ -113,6 +105,25 @@ def llamacpp_eagle3(path: Path) -> list[str]:
             f"d2t must hold distinct absolute target ids in 0..{n_tokens - 1} (offsets instead of ids?)",
         )
     return p
+
+
+def check_keys(fields, arch: str, keys: dict, p: Problems) -> None:
+    """Each key of `keys` under `arch.`: present if required, in the type llama.cpp's get_key reads."""
+    for key, (kind, required) in keys.items():
+        name = f"{arch}.{key}"
+        if name not in fields:
+            p.need(not required, f"missing key {name}")
+        else:
+            p.need(fields[name].types == [kind], f"{name} is {fields[name].types}, llama.cpp reads {kind.name}")
+
+
+def attention_shape(kv, arch: str, p: Problems) -> tuple[int, int, int, int]:
+    """Width, heads, KV heads and head size as llama-model.cpp defaults the optional ones."""
+    h, heads = kv[f"{arch}.embedding_length"], kv[f"{arch}.attention.head_count"]
+    kv_heads = kv.get(f"{arch}.attention.head_count_kv", heads)
+    hd = kv.get(f"{arch}.attention.key_length", h // heads)
+    p.need(kv.get(f"{arch}.attention.value_length", h // heads) == hd, "key_length and value_length differ")
+    return h, heads, kv_heads, hd
 
 
 def vocab_problems(fields, kv, p: Problems, arch: str = ARCH) -> int:
@@ -164,12 +175,7 @@ def llamacpp_dflash(path: Path) -> list[str]:
     p.need(
         kv.get("general.architecture") == a, f"general.architecture is {kv.get('general.architecture')!r}, not {a!r}"
     )
-    for key, (kind, required) in keys.items():
-        name = f"{a}.{key}"
-        if name not in fields:
-            p.need(not required, f"missing key {name}")
-        else:
-            p.need(fields[name].types == [kind], f"{name} is {fields[name].types}, llama.cpp reads {kind.name}")
+    check_keys(fields, a, keys, p)
     for key in FORBIDDEN:
         p.need(f"{a}.{key}" not in fields, f"{a}.{key} switches llama.cpp to another draft graph")
     p.need(kv.get(f"{a}.attention.causal") is False, f"{a}.attention.causal must be written false (a DFlash block)")
@@ -188,10 +194,8 @@ def llamacpp_dflash(path: Path) -> list[str]:
     )
     if p:
         return p
-    h, heads, layers = kv[f"{a}.embedding_length"], kv[f"{a}.attention.head_count"], kv[f"{a}.block_count"]
-    kv_heads = kv.get(f"{a}.attention.head_count_kv", heads)
-    hd = kv.get(f"{a}.attention.key_length", h // heads)
-    p.need(kv.get(f"{a}.attention.value_length", h // heads) == hd, "key_length and value_length differ")
+    h, heads, kv_heads, hd = attention_shape(kv, a, p)
+    layers = kv[f"{a}.block_count"]
     ff, n_tl = kv[f"{a}.feed_forward_length"], len(kv[ids.name])
     required = {
         "fc.weight": ((n_tl * h, h), FLOAT),
